@@ -1,0 +1,98 @@
+"""Grouped-query attention of a Bamba layer, with partial rotary embeddings.
+
+RoPE rotates only the first `rotary_dim` channels of each head, rotate-half style (channel i pairs
+with channel i + rotary_dim/2), with inv_freq = 1 / theta^(2j / rotary_dim); the remaining
+channels pass through. K is stored in the pool after RoPE, so decode never re-rotates history.
+
+Prefill runs one sequence at a time with a fused causal kernel (no L x L score matrix, so 16k+
+tokens fit). Decode writes the new token's K/V, then attends per request over the slots the
+request owns; a request's result never depends on the batch it is in.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from actors.config import ModelConfig
+from actors.mamba import LinearFn
+
+
+def rope_cos_sin(positions: Tensor, rotary_dim: int, theta: float,
+                 dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """cos and sin tables (T, rotary_dim) for positions (T,), computed in fp32, cast to dtype."""
+    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.float32, device=positions.device) / rotary_dim
+    inv_freq = 1.0 / (theta ** exponents)  # (rotary_dim/2,)
+    freqs = positions.float()[:, None] * inv_freq[None, :]  # (T, rotary_dim/2)
+    angles = torch.cat([freqs, freqs], dim=-1)  # (T, rotary_dim)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate the first cos.shape[-1] channels of every head. x (T, heads, head_dim)."""
+    rd = cos.shape[-1]
+    rot, rest = x[..., :rd], x[..., rd:]  # (T, heads, rd), (T, heads, head_dim - rd)
+    first, second = rot[..., : rd // 2], rot[..., rd // 2:]
+    rotated_half = torch.cat([-second, first], dim=-1)  # (T, heads, rd)
+    rot = rot * cos[:, None, :] + rotated_half * sin[:, None, :]  # (T, heads, rd)
+    return torch.cat([rot, rest], dim=-1)  # (T, heads, head_dim)
+
+
+class Attention(nn.Module):
+    """Weights of one attention mixer, under Hugging Face Bamba's names (`self_attn.*`).
+
+    Parameters are created empty; fill them with `actors.loader.load_hf_state_dict`.
+    `prefill` and `decode` take the layer's slice of the KV pool: k, v (S, kv_heads, head_dim).
+    """
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        c = self.config = config
+        q_dim, kv_dim = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+        self.q_proj = nn.Linear(c.hidden_size, q_dim, bias=c.attention_bias, dtype=dtype)
+        self.k_proj = nn.Linear(c.hidden_size, kv_dim, bias=c.attention_bias, dtype=dtype)
+        self.v_proj = nn.Linear(c.hidden_size, kv_dim, bias=c.attention_bias, dtype=dtype)
+        self.o_proj = nn.Linear(q_dim, c.hidden_size, bias=c.attention_bias, dtype=dtype)
+
+    def prefill(self, h: Tensor, positions: Tensor, k_cache: Tensor, v_cache: Tensor,
+                out_slots: Tensor, linear: LinearFn = F.linear) -> Tensor:
+        """Causal attention over one whole sequence; stores every token's K/V at `out_slots`.
+
+        h (L, hidden), positions (L,), out_slots (L,) -> (L, hidden).
+        """
+        q, k, v = self._qkv(h, positions, linear)  # (L, Hq, D), (L, Hkv, D), (L, Hkv, D)
+        k_cache[out_slots] = k
+        v_cache[out_slots] = v
+        out = self._sdpa(q, k, v, causal=True)  # (L, Hq*D)
+        return linear(out, self.o_proj.weight, self.o_proj.bias)  # (L, hidden)
+
+    def decode(self, h: Tensor, positions: Tensor, k_cache: Tensor, v_cache: Tensor,
+               out_slots: Tensor, kv_slots: list[Tensor], linear: LinearFn) -> Tensor:
+        """One token per request: store its K/V at `out_slots` (R,), attend over `kv_slots[i]`.
+
+        h (R, hidden), positions (R,); kv_slots[i] (L_i,) lists request i's token slots, the new
+        one last. Returns (R, hidden).
+        """
+        q, k, v = self._qkv(h, positions, linear)  # (R, Hq, D), (R, Hkv, D), (R, Hkv, D)
+        k_cache[out_slots] = k
+        v_cache[out_slots] = v
+        outs = [self._sdpa(q[i:i + 1], k_cache[s], v_cache[s], causal=False)  # (1, Hq*D)
+                for i, s in enumerate(kv_slots)]
+        return linear(torch.cat(outs), self.o_proj.weight, self.o_proj.bias)  # (R, hidden)
+
+    def _qkv(self, h: Tensor, positions: Tensor, linear: LinearFn) -> tuple[Tensor, Tensor, Tensor]:
+        """Project and rotate: q (T, Hq, D), k (T, Hkv, D) after RoPE, v (T, Hkv, D)."""
+        c, T = self.config, h.shape[0]
+        q = linear(h, self.q_proj.weight, self.q_proj.bias).view(T, -1, c.head_dim)  # (T, Hq, D)
+        k = linear(h, self.k_proj.weight, self.k_proj.bias).view(T, -1, c.head_dim)  # (T, Hkv, D)
+        v = linear(h, self.v_proj.weight, self.v_proj.bias).view(T, -1, c.head_dim)  # (T, Hkv, D)
+        cos, sin = rope_cos_sin(positions, c.rotary_dim, c.rope_theta, h.dtype)  # (T, rd) each
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def _sdpa(self, q: Tensor, k: Tensor, v: Tensor, causal: bool) -> Tensor:
+        """Fused attention of queries q (Tq, Hq, D) over k, v (Tk, Hkv, D) -> (Tq, Hq*D)."""
+        qh, kh, vh = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # (1, heads, T, D)
+        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=causal, enable_gqa=True,
+                                             scale=self.config.head_dim ** -0.5)  # (1, Hq, Tq, D)
+        return out[0].transpose(0, 1).reshape(q.shape[0], -1)  # (Tq, Hq*D)

@@ -1,0 +1,38 @@
+"""The explicit input of one model forward: which tokens, where their state lives.
+
+The engine builds a `ForwardBatch` from its requests and the pool's tables; the model reads and
+writes pool tensors only at the slots named here. Nothing is global.
+
+Two kinds:
+- prefill: a ragged batch of whole sequences, concatenated without padding (padding would corrupt
+  the SSM state). Each sequence starts from zero state; its K/V for every token is written to
+  `out_slots`, its final conv/SSM state to `mamba_slots[i]`.
+- decode: one new token per request. Its K/V is written to `out_slots[i]`, attention reads
+  `kv_slots[i]` (all of the request's token slots, the new one last), and the conv/SSM state at
+  `mamba_slots[i]` is read and updated in place.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class ForwardBatch:
+    is_prefill: bool
+    input_ids: torch.Tensor  # (T,) int64: prefill T = sum(seq_lens), decode T = B
+    positions: torch.Tensor  # (T,) int64: position of each token in its sequence
+    seq_lens: list[int]  # (B,) new tokens per sequence; all 1 for decode
+    out_slots: torch.Tensor  # (T,) int64: KV token slot receiving each token's K/V
+    mamba_slots: torch.Tensor  # (B,) int64: Mamba pool slot of each sequence
+    kv_slots: list[torch.Tensor] | None = None  # decode only: (L_i,) int64 token slots per request
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.seq_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])

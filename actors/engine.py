@@ -1,0 +1,306 @@
+"""Continuous batching on one device: ragged prefill, batched decode, snapshot and restore.
+
+The engine owns one model and one `HybridPool`. It never decides *what* to run: callers (the
+`generate` loop below, or the worker actor following the scheduler's plan) choose which requests
+to prefill, how many decode steps to take, and whom to retract. Per request it keeps only the
+token history and the sampling parameters; all other state is in the pool.
+
+Invariant: for a running request, the pool holds K/V and Mamba state for all tokens but the last
+one (`num_cached = len(token_ids) - 1`); the next decode step feeds that last token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from actors.batch import ForwardBatch
+from actors.config import ModelConfig
+from actors.pools import HybridPool, PoolUsage
+from actors.sampler import sample
+from actors.snapshot import (Snapshot, SnapshotError, check_compatible, checksum, gather_state,
+                             model_fingerprint, part_specs, scatter_state)
+from raysched.sampling import SamplingParams
+
+
+@dataclass
+class Sequence:
+    """One request as the engine sees it."""
+
+    request_id: str
+    token_ids: list[int]  # prompt + generated
+    prompt_len: int
+    sampling: SamplingParams
+    finish_reason: str | None = None  # "length" | "stop"
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+    @property
+    def num_cached(self) -> int:
+        return len(self.token_ids) - 1
+
+
+@dataclass
+class StepOutput:
+    """What one engine call produced: new tokens per request, who finished, who could not run."""
+
+    new_tokens: dict[str, list[int]] = field(default_factory=dict)
+    finished: dict[str, str] = field(default_factory=dict)  # request id -> finish reason
+    stalled: list[str] = field(default_factory=list)  # no KV room for the next token
+    not_admitted: list[str] = field(default_factory=list)  # prefill did not fit
+
+    def merge(self, other: "StepOutput") -> None:
+        for rid, toks in other.new_tokens.items():
+            self.new_tokens.setdefault(rid, []).extend(toks)
+        self.finished.update(other.finished)
+        self.stalled.extend(other.stalled)
+        self.not_admitted.extend(other.not_admitted)
+
+
+class Engine:
+    def __init__(self, model: torch.nn.Module, config: ModelConfig, pool: HybridPool,
+                 weights_fingerprint: str, record_logits: bool = False) -> None:
+        self.model, self.config, self.pool = model, config, pool
+        self.dtype, self.device = pool.k.dtype, pool.k.device
+        self.fingerprint = model_fingerprint(config, weights_fingerprint, self.dtype)
+        self.running: dict[str, Sequence] = {}
+        self.record_logits = record_logits
+        self.logits: dict[str, list[torch.Tensor]] = {}  # filled only when record_logits
+
+    # ------------------------------------------------------------------ capacity
+    def usage(self) -> PoolUsage:
+        return self.pool.usage()
+
+    def can_prefill(self, num_tokens: int) -> bool:
+        return self.pool.can_admit(num_tokens)
+
+    # ------------------------------------------------------------------ prefill
+    def prefill(self, seqs: list[Sequence]) -> StepOutput:
+        """Admit and prefill `seqs` in one ragged forward; each samples its next token.
+
+        A sequence's `token_ids` may already hold generated tokens (resume by recompute): the
+        whole history is prefilled and the draw index continues from `num_generated`.
+        Sequences that do not fit the pool are listed in `not_admitted`, nothing else changes.
+        """
+        out = StepOutput()
+        admitted = []
+        for s in seqs:
+            if s.request_id in self.running:
+                raise ValueError(f"request {s.request_id!r} is already running on this engine")
+            if self.pool.admit(s.request_id, len(s.token_ids)):
+                admitted.append(s)
+            else:
+                out.not_admitted.append(s.request_id)
+        if admitted:
+            batch = self._prefill_batch(admitted)
+            for s in admitted:
+                self.running[s.request_id] = s
+            self._sample_and_append(admitted, self._forward(batch), out)
+        return out
+
+    def _prefill_batch(self, seqs: list[Sequence]) -> ForwardBatch:
+        ids = torch.tensor([t for s in seqs for t in s.token_ids], dtype=torch.int64)
+        positions = torch.cat([torch.arange(len(s.token_ids)) for s in seqs])
+        out_slots = torch.cat([self.pool.kv.token_slots(s.request_id) for s in seqs])
+        mamba = torch.tensor([self.pool.mamba.slot(s.request_id) for s in seqs], dtype=torch.int64)
+        return self._to_device(ForwardBatch(True, ids, positions, [len(s.token_ids) for s in seqs],
+                                            out_slots, mamba))
+
+    # ------------------------------------------------------------------ decode
+    def decode(self, num_steps: int = 1) -> StepOutput:
+        """Up to `num_steps` decode steps of every running request.
+
+        Stops early when a request cannot get a KV slot for its next token (it is listed in
+        `stalled`; the others still advance in that step) or when nothing is left running.
+        """
+        out = StepOutput()
+        for _ in range(num_steps):
+            if not self.running:
+                break
+            step = self._decode_step()
+            out.merge(step)
+            if step.stalled:
+                break
+        return out
+
+    def _decode_step(self) -> StepOutput:
+        out = StepOutput()
+        active = []
+        for s in self.running.values():
+            if self.pool.extend(s.request_id, len(s.token_ids)):
+                active.append(s)
+            else:
+                out.stalled.append(s.request_id)
+        if active:
+            self._sample_and_append(active, self._forward(self._decode_batch(active)), out)
+        return out
+
+    def _decode_batch(self, seqs: list[Sequence]) -> ForwardBatch:
+        kv_slots = [self.pool.kv.token_slots(s.request_id)[: len(s.token_ids)] for s in seqs]
+        ids = torch.tensor([s.token_ids[-1] for s in seqs], dtype=torch.int64)
+        positions = torch.tensor([len(s.token_ids) - 1 for s in seqs], dtype=torch.int64)
+        out_slots = torch.stack([slots[-1] for slots in kv_slots])
+        mamba = torch.tensor([self.pool.mamba.slot(s.request_id) for s in seqs], dtype=torch.int64)
+        return self._to_device(ForwardBatch(False, ids, positions, [1] * len(seqs), out_slots,
+                                            mamba, kv_slots))
+
+    # ------------------------------------------------------------------ shared
+    def _to_device(self, b: ForwardBatch) -> ForwardBatch:
+        if self.device.type == "cpu":
+            return b
+        dev = self.device
+        kv = [t.to(dev, non_blocking=True) for t in b.kv_slots] if b.kv_slots is not None else None
+        return ForwardBatch(b.is_prefill, b.input_ids.to(dev), b.positions.to(dev), b.seq_lens,
+                            b.out_slots.to(dev), b.mamba_slots.to(dev), kv)
+
+    @torch.inference_mode()
+    def _forward(self, batch: ForwardBatch) -> torch.Tensor:
+        return self.model(batch, self.pool)  # (B, vocab) float32
+
+    def _sample_and_append(self, seqs: list[Sequence], logits: torch.Tensor, out: StepOutput) -> None:
+        sp = [s.sampling for s in seqs]
+        tokens = sample(logits, [p.temperature for p in sp], [p.top_p for p in sp],
+                        [p.seed for p in sp], [s.num_generated for s in seqs])
+        for i, (s, tok) in enumerate(zip(seqs, tokens)):
+            if self.record_logits:
+                self.logits.setdefault(s.request_id, []).append(logits[i].detach().float().cpu())
+            s.token_ids.append(tok)
+            out.new_tokens.setdefault(s.request_id, []).append(tok)
+            reason = self._finish_reason(s, tok)
+            if reason:
+                s.finish_reason = reason
+                out.finished[s.request_id] = reason
+                self.release(s.request_id)
+
+    @staticmethod
+    def _finish_reason(s: Sequence, token: int) -> str | None:
+        if token in s.sampling.stop_token_ids:
+            return "stop"
+        if s.num_generated >= s.sampling.max_new_tokens:
+            return "length"
+        return None
+
+    # ------------------------------------------------------------------ retract / resume
+    def release(self, request_id: str) -> Sequence:
+        """Drop a request and free its slots (finish, abort, or retract-by-recompute)."""
+        seq = self.running.pop(request_id, None)
+        if seq is None:
+            raise KeyError(f"request {request_id!r} is not running on this engine")
+        self.pool.release(request_id)
+        return seq
+
+    def snapshot(self, request_id: str) -> Snapshot:
+        """Take the request's complete state out of the pool and free its slots, in one step."""
+        seq = self.running.get(request_id)
+        if seq is None:
+            raise KeyError(f"request {request_id!r} is not running on this engine")
+        specs = part_specs(self.config, self.dtype, seq.num_cached)
+        payload = gather_state(self.pool, request_id, seq.num_cached, specs).numpy()
+        snap = Snapshot(request_id, self.fingerprint, tuple(seq.token_ids), seq.prompt_len,
+                        seq.sampling.to_dict(), specs, checksum(payload), payload)
+        self.release(request_id)
+        return snap
+
+    def check_snapshot(self, snap: Snapshot) -> None:
+        """Raise SnapshotError if `snap` cannot be restored here (nothing changes)."""
+        check_compatible(snap, self.config, self.dtype, self.fingerprint)
+
+    def restore(self, snap: Snapshot, request_id: str | None = None) -> bool:
+        """Put a snapshot into free slots of this pool; False (nothing changed) if it does not fit.
+
+        Raises SnapshotError, before touching the pool, for another model, a wrong shape or
+        dtype, or a bad checksum.
+        """
+        self.check_snapshot(snap)
+        rid = request_id or snap.request_id
+        if rid in self.running:
+            raise SnapshotError(f"request {rid!r} is already running on this engine")
+        if not self.pool.admit(rid, snap.num_cached_tokens):
+            return False
+        scatter_state(self.pool, rid, snap)
+        sampling = SamplingParams.from_dict(snap.sampling)
+        self.running[rid] = Sequence(rid, list(snap.token_ids), snap.prompt_len, sampling)
+        return True
+
+    # ------------------------------------------------------------------ reference loop
+    def generate(self, prompts: list[list[int]], sampling: list[SamplingParams]) -> list[list[int]]:
+        """Run requests to completion without ever retracting (the uninterrupted reference).
+
+        Admits, in order, as many as fit with their whole budget (prompt + max_new_tokens), then
+        decodes; new requests join as soon as room frees up (continuous batching).
+        """
+        seqs = [Sequence(f"gen-{i}", list(p), len(p), sp) for i, (p, sp) in enumerate(zip(prompts, sampling))]
+        pending = list(seqs)
+        while pending or self.running:
+            admit = self._admit_reserved(pending)
+            if admit:
+                self.prefill(admit)
+            elif self.running:
+                self.decode(1)
+            else:
+                raise RuntimeError(f"request {pending[0].request_id} needs more room than the pool has")
+        return [s.token_ids[s.prompt_len:] for s in seqs]
+
+    def _admit_reserved(self, pending: list[Sequence]) -> list[Sequence]:
+        """Pop from `pending` the requests whose full budget fits next to the running ones'."""
+        kv = self.pool.kv
+        free_pages = kv.num_free_pages - sum(kv.pages_needed(s.request_id, _final_cached(s))
+                                               for s in self.running.values())
+        free_slots, chosen = self.pool.mamba.num_free_slots, []
+        while pending and free_slots > 0 and kv.pages_needed("", _final_cached(pending[0])) <= free_pages:
+            free_pages -= kv.pages_needed("", _final_cached(pending[0]))
+            free_slots -= 1
+            chosen.append(pending.pop(0))
+        return chosen
+
+
+def _final_cached(s: Sequence) -> int:
+    """Tokens whose state a request holds when it finishes (its last token is never fed)."""
+    return max(len(s.token_ids), s.prompt_len + s.sampling.max_new_tokens - 1)
+
+
+__all__ = ["Engine", "Sequence", "StepOutput", "SnapshotError"]
+
+
+def resolve_device(spec: str) -> torch.device:
+    """'auto' -> cuda when this process sees a GPU, else cpu; 'cuda' without a GPU is an error."""
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if spec == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("device: cuda was asked for, but torch sees no GPU in this process")
+    return torch.device(spec)
+
+
+def build_engine(model: str | ModelConfig, dtype: str = "float32", device: str = "auto",
+                 kv_tokens: int = 512, mamba_slots: int = 8, page_size: int = 1,
+                 memory_bytes: int | None = None, invariant_tile: int = 8,
+                 record_logits: bool = False, seed: int = 0) -> Engine:
+    """An engine for a preset name, a checkpoint directory, or a `ModelConfig` with seeded random
+    weights, with its pool.
+
+    >>> eng = build_engine("tiny", kv_tokens=256, mamba_slots=4)
+    >>> eng.generate([[5, 17, 42]], [SamplingParams(max_new_tokens=4)])[0].__len__()
+    4
+    """
+    from actors.loader import load_hf_state_dict, weights_fingerprint
+    from actors.model import HybridLM
+    from actors.presets import PRESETS, init_state_dict, load_preset, resolve_model
+
+    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+    dev = resolve_device(device)
+    if isinstance(model, ModelConfig):
+        net, config = HybridLM(model, torch_dtype, dev), model
+        load_hf_state_dict(net, init_state_dict(model, seed))
+    elif model in PRESETS:
+        net, config = load_preset(model, torch_dtype, dev, seed)
+    else:
+        net, config = resolve_model(model, torch_dtype, dev)
+    net.invariant_tile = invariant_tile
+    if memory_bytes is not None:
+        pool = HybridPool.from_budget(config, memory_bytes, mamba_slots, torch_dtype, dev, page_size)
+    else:
+        pool = HybridPool(config, kv_tokens, mamba_slots, torch_dtype, dev, page_size)
+    return Engine(net, config, pool, weights_fingerprint(net.state_dict()), record_logits)

@@ -1,0 +1,287 @@
+"""Mamba2 mixer of a Bamba layer: free functions for each stage plus a module holding the weights.
+
+Stages, in order (names from the Mamba2 / SSD paper):
+
+    in_proj(h)            -> [z | x | B | C | dt]
+    causal depthwise conv -> over xBC only (kernel d_conv, with bias), then SiLU
+    dt                    =  softplus(dt + dt_bias), clamped to time_step_limit
+    A                     = -exp(A_log)                     (one scalar per head)
+    SSD scan              :  state_t = exp(dt_t A) state_{t-1} + dt_t x_t B_t^T ;  y_t = state_t C_t
+    skip                  :  y += D x
+    gated RMSNorm         :  norm(y * silu(z)) per group, times weight  (gate before the norm)
+    out_proj(y)
+
+Head h reads the B/C of group h // (n_heads // n_groups). The SSM runs in fp32 whatever the
+model dtype; the conv runs in the model dtype.
+
+Prefill handles one whole sequence from zero state (`ssd_chunked`, with `ssd_sequential_ref` as
+its reference twin); decode handles one token per request and updates the pool's conv/SSM state at
+the request's slot (`causal_conv_step`, `ssd_step`). The decode functions use only elementwise
+products and reductions over the last dim, so a request's result never depends on which other
+requests share the batch.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from actors.config import ModelConfig
+
+LinearFn = Callable[[Tensor, Tensor, "Tensor | None"], Tensor]
+
+
+# ---------------------------------------------------------------------------- SSD (the scan)
+def expand_groups(BC: Tensor, n_heads: int) -> Tensor:
+    """Give every head its group's B (or C): (..., G, N) -> (..., n_heads, N)."""
+    n_groups = BC.shape[-2]
+    return BC.repeat_interleave(n_heads // n_groups, dim=-2)  # (..., H, N)
+
+
+def ssd_sequential_ref(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, chunk_size: int,
+                       initial_state: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """Reference SSD: the plain recurrence, one token at a time (twin of `ssd_chunked`).
+
+    x (L, H, P), dt (L, H), A (H,), B and C (L, G, N); `chunk_size` is ignored (same signature as
+    `ssd_chunked`). Returns y (L, H, P) and the final state (H, P, N), both fp32.
+    """
+    x, dt, A = x.float(), dt.float(), A.float()  # (L, H, P), (L, H), (H,)
+    Bh = expand_groups(B.float(), x.shape[1])  # (L, H, N)
+    Ch = expand_groups(C.float(), x.shape[1])  # (L, H, N)
+    state = _start_state(x, B, initial_state)  # (H, P, N)
+    ys = []
+    for t in range(x.shape[0]):
+        decay = torch.exp(dt[t] * A)  # (H,)
+        state = state * decay[:, None, None] + (dt[t, :, None] * Bh[t])[:, None, :] * x[t, :, :, None]  # (H, P, N)
+        ys.append((state * Ch[t][:, None, :]).sum(-1))  # (H, P)
+    return torch.stack(ys) if ys else x.new_zeros(x.shape), state  # (L, H, P), (H, P, N)
+
+
+def _start_state(x: Tensor, B: Tensor, initial_state: Tensor | None) -> Tensor:
+    """fp32 start state (H, P, N): the given one, or zeros."""
+    if initial_state is not None:
+        return initial_state.float().clone()  # (H, P, N)
+    return x.new_zeros(x.shape[1], x.shape[2], B.shape[-1], dtype=torch.float32)  # (H, P, N)
+
+
+def segment_sum(a: Tensor) -> Tensor:
+    """out[..., i, j] = a[..., j+1] + ... + a[..., i] for i >= j, and -inf above the diagonal.
+
+    a (..., l) -> (..., l, l). Built from a masked cumsum (no differences of large sums), so
+    exp(out) is the decay from step j to step i, exactly 1 on the diagonal.
+    """
+    l = a.shape[-1]
+    strict = torch.tril(torch.ones(l, l, dtype=torch.bool, device=a.device), diagonal=-1)  # (l, l)
+    rows = a[..., :, None].expand(*a.shape, l).masked_fill(~strict, 0.0)  # (..., l, l): a_i below diag
+    out = torch.cumsum(rows, dim=-2)  # (..., l, l)
+    causal = torch.tril(torch.ones(l, l, dtype=torch.bool, device=a.device))  # (l, l)
+    return out.masked_fill(~causal, float("-inf"))  # (..., l, l)
+
+
+def ssd_chunked(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, chunk_size: int,
+                initial_state: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """Chunked SSD for one sequence of any length (the last chunk is zero-padded internally).
+
+    x (L, H, P), dt (L, H), A (H,), B and C (L, G, N). Within a chunk the output is a masked
+    "attention" C_l B_s^T decay(s->l) dt_s x_s; across chunks the state is carried by a short
+    recurrence over chunk boundaries. Returns y (L, H, P) and the final state (H, P, N), fp32.
+    """
+    L, H, _ = x.shape
+    xc, ac, Bc, Cc = _into_chunks(x, dt, A, B, C, chunk_size)  # (c,l,H,P) (c,H,l) (c,l,H,N) x2
+    a_cum = torch.cumsum(ac, dim=-1)  # (c, H, l)
+    y_diag = _intra_chunk(xc, ac, Bc, Cc)  # (c, l, H, P)
+    local = _chunk_states(xc, a_cum, Bc)  # (c, H, P, N): each chunk's own contribution at its end
+    starts, final = _carry_states(local, a_cum[..., -1], _start_state(x, B, initial_state))
+    y_off = torch.einsum("clhn,chpn->clhp", Cc, starts)  # (c, l, H, P)
+    y_off = y_off * torch.exp(a_cum).permute(0, 2, 1)[..., None]  # (c, l, H, P)
+    y = (y_diag + y_off).reshape(-1, H, x.shape[2])[:L]  # (L, H, P)
+    return y, final
+
+
+def _into_chunks(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,
+                 chunk_size: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Discretise (x*dt, dt*A), give heads their groups, zero-pad to whole chunks and split.
+
+    Padded steps have dt = 0: no input and decay 1, so they leave the final state unchanged.
+    """
+    L, H, P = x.shape
+    pad = (-L) % chunk_size
+    xdt = x.float() * dt.float()[..., None]  # (L, H, P)
+    a = dt.float() * A.float()  # (L, H)
+    Bh, Ch = expand_groups(B.float(), H), expand_groups(C.float(), H)  # (L, H, N) each
+    xdt, a, Bh, Ch = (F.pad(t, (0, 0) * (t.dim() - 1) + (0, pad)) for t in (xdt, a, Bh, Ch))
+    n = (L + pad) // chunk_size
+    xc = xdt.view(n, chunk_size, H, P)  # (c, l, H, P)
+    ac = a.view(n, chunk_size, H).permute(0, 2, 1)  # (c, H, l)
+    return xc, ac, Bh.view(n, chunk_size, H, -1), Ch.view(n, chunk_size, H, -1)
+
+
+def _intra_chunk(xc: Tensor, ac: Tensor, Bc: Tensor, Cc: Tensor) -> Tensor:
+    """Output from inputs of the same chunk (the diagonal blocks): (c, l, H, P)."""
+    decay = torch.exp(segment_sum(ac))  # (c, H, l, s)
+    scores = torch.einsum("clhn,cshn->chls", Cc, Bc) * decay  # (c, H, l, s)
+    return torch.einsum("chls,cshp->clhp", scores, xc)  # (c, l, H, P)
+
+
+def _chunk_states(xc: Tensor, a_cum: Tensor, Bc: Tensor) -> Tensor:
+    """State each chunk builds from its own inputs, decayed to the chunk's end: (c, H, P, N)."""
+    to_end = torch.exp(a_cum[..., -1:] - a_cum)  # (c, H, l)
+    B_decayed = Bc * to_end.permute(0, 2, 1)[..., None]  # (c, l, H, N)
+    return torch.einsum("clhn,clhp->chpn", B_decayed, xc)  # (c, H, P, N)
+
+
+def _carry_states(local: Tensor, chunk_log_decay: Tensor, state: Tensor) -> tuple[Tensor, Tensor]:
+    """Recurrence over chunk boundaries: the state entering each chunk, and the final state.
+
+    local (c, H, P, N), chunk_log_decay (c, H), state (H, P, N) -> (c, H, P, N), (H, P, N).
+    """
+    starts = []
+    for k in range(local.shape[0]):
+        starts.append(state)
+        state = state * torch.exp(chunk_log_decay[k])[:, None, None] + local[k]  # (H, P, N)
+    return torch.stack(starts), state
+
+
+def ssd_step(ssm_state: Tensor, slots: Tensor, x: Tensor, dt: Tensor, A: Tensor, B: Tensor,
+             C: Tensor) -> Tensor:
+    """One decode token per request: update `ssm_state[slots]` in place and return y.
+
+    ssm_state (S, H, P, N) fp32 (one Mamba layer of the pool), slots (R,), x (R, H, P),
+    dt (R, H), A (H,), B and C (R, G, N). Returns y (R, H, P) fp32. Elementwise products and a
+    sum over the last dim only: a request's result does not depend on the other requests.
+    """
+    x, dt = x.float(), dt.float()  # (R, H, P), (R, H)
+    Bh = expand_groups(B.float(), x.shape[1])  # (R, H, N)
+    Ch = expand_groups(C.float(), x.shape[1])  # (R, H, N)
+    decay = torch.exp(dt * A.float())  # (R, H)
+    dBx = (dt[..., None] * Bh)[:, :, None, :] * x[..., None]  # (R, H, P, N)
+    state = ssm_state[slots] * decay[..., None, None] + dBx  # (R, H, P, N)
+    ssm_state[slots] = state
+    return (state * Ch[:, :, None, :]).sum(-1)  # (R, H, P)
+
+
+# ---------------------------------------------------------------------------- causal conv
+def causal_conv_prefill(xBC: Tensor, weight: Tensor, bias: Tensor | None) -> tuple[Tensor, Tensor]:
+    """Causal depthwise conv + SiLU over one sequence, and the conv state it leaves.
+
+    xBC (L, D) pre-activation conv inputs, weight (D, 1, K), bias (D,). Returns the activated
+    output (L, D) and the state (D, K-1): the last K-1 inputs, oldest first, zero-padded on the
+    left when L < K-1.
+    """
+    L, K = xBC.shape[0], weight.shape[-1]
+    inp = xBC.t().unsqueeze(0)  # (1, D, L)
+    out = F.conv1d(inp, weight, bias, padding=K - 1, groups=inp.shape[1])[0, :, :L]  # (D, L)
+    state = F.pad(inp[0], (K - 1, 0))[:, L:]  # (D, K-1)
+    return F.silu(out).t(), state  # (L, D), (D, K-1)
+
+
+def causal_conv_step(conv_state: Tensor, slots: Tensor, xBC: Tensor, weight: Tensor,
+                     bias: Tensor | None) -> Tensor:
+    """One decode token per request: conv over [state | new], SiLU; shift the state in place.
+
+    conv_state (S, D, K-1) (one Mamba layer of the pool), slots (R,), xBC (R, D),
+    weight (D, 1, K), bias (D,). Returns (R, D).
+    """
+    window = torch.cat([conv_state[slots], xBC.unsqueeze(-1)], dim=-1)  # (R, D, K)
+    conv_state[slots] = window[:, :, 1:]
+    out = (window * weight[:, 0, :]).sum(-1)  # (R, D)
+    if bias is not None:
+        out = out + bias  # (R, D)
+    return F.silu(out)
+
+
+# ---------------------------------------------------------------------------- small stages
+def discretize_dt(dt: Tensor, dt_bias: Tensor, limit: tuple[float, float]) -> Tensor:
+    """dt = softplus(dt + dt_bias) clamped to `limit`, fp32. dt (T, H), dt_bias (H,)."""
+    return F.softplus(dt.float() + dt_bias.float()).clamp(limit[0], limit[1])  # (T, H)
+
+
+def gated_rms_norm(y: Tensor, z: Tensor, weight: Tensor, group_size: int, eps: float) -> Tensor:
+    """RMSNorm of y * silu(z) over groups of `group_size` channels, computed in fp32.
+
+    y, z (T, I), weight (I,). Returns (T, I) in the weight's dtype.
+    """
+    T = y.shape[0]
+    h = y.float() * F.silu(z.float())  # (T, I)
+    g = h.view(T, -1, group_size)  # (T, G, I/G)
+    g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + eps)  # (T, G, I/G)
+    return (weight.float() * g.view(T, -1)).to(weight.dtype)  # (T, I)
+
+
+# ---------------------------------------------------------------------------- the mixer
+class MambaMixer(nn.Module):
+    """Weights of one Mamba2 mixer, under Hugging Face Bamba's names (`mamba.*`).
+
+    Parameters are created empty; fill them with `actors.loader.load_hf_state_dict`.
+    `prefill` and `decode` take the layer's slice of the pool: conv (S, conv_dim, d_conv-1) in
+    the model dtype and ssm (S, H, P, N) in fp32.
+    """
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        c, H = config, config.mamba_n_heads
+        self.config = c
+        self.in_proj = nn.Linear(c.hidden_size, c.in_proj_dim, bias=c.mamba_proj_bias, dtype=dtype)
+        self.conv1d = nn.Conv1d(c.conv_dim, c.conv_dim, c.mamba_d_conv, groups=c.conv_dim,
+                                bias=c.mamba_conv_bias, dtype=dtype)
+        self.dt_bias = nn.Parameter(torch.empty(H, dtype=dtype))
+        self.A_log = nn.Parameter(torch.empty(H, dtype=dtype))
+        self.D = nn.Parameter(torch.empty(H, dtype=dtype))
+        self.norm = nn.Module()
+        self.norm.weight = nn.Parameter(torch.empty(c.mamba_intermediate, dtype=dtype))
+        self.out_proj = nn.Linear(c.mamba_intermediate, c.hidden_size, bias=c.mamba_proj_bias, dtype=dtype)
+
+    def prefill(self, h: Tensor, conv_state: Tensor, ssm_state: Tensor, slot: int,
+                linear: LinearFn = F.linear) -> Tensor:
+        """One whole sequence from zero state; writes its final conv/SSM state to `slot`.
+
+        h (L, hidden) -> (L, hidden).
+        """
+        c = self.config
+        z, xBC, dt = self._project(h, linear)  # (L, I), (L, conv_dim), (L, H)
+        xBC, conv_final = causal_conv_prefill(xBC, self.conv1d.weight, self.conv1d.bias)
+        conv_state[slot] = conv_final  # (conv_dim, d_conv-1)
+        x, B, C = self._split_xBC(xBC)  # (L, H, P), (L, G, N), (L, G, N)
+        dt = discretize_dt(dt, self.dt_bias, c.time_step_limit)  # (L, H) fp32
+        y, ssm_final = ssd_chunked(x, dt, self._A(), B, C, c.mamba_chunk_size)  # (L, H, P), (H, P, N)
+        ssm_state[slot] = ssm_final
+        return self._output(y, x, z, linear)
+
+    def decode(self, h: Tensor, conv_state: Tensor, ssm_state: Tensor, slots: Tensor,
+               linear: LinearFn) -> Tensor:
+        """One token per request, updating the conv/SSM state at `slots` (R,). h (R, hidden)."""
+        z, xBC, dt = self._project(h, linear)  # (R, I), (R, conv_dim), (R, H)
+        xBC = causal_conv_step(conv_state, slots, xBC, self.conv1d.weight, self.conv1d.bias)
+        x, B, C = self._split_xBC(xBC)  # (R, H, P), (R, G, N), (R, G, N)
+        dt = discretize_dt(dt, self.dt_bias, self.config.time_step_limit)  # (R, H) fp32
+        y = ssd_step(ssm_state, slots, x, dt, self._A(), B, C)  # (R, H, P)
+        return self._output(y, x, z, linear)
+
+    def _A(self) -> Tensor:
+        return -torch.exp(self.A_log.float())  # (H,)
+
+    def _project(self, h: Tensor, linear: LinearFn) -> tuple[Tensor, Tensor, Tensor]:
+        """in_proj and split into z (T, I), xBC (T, conv_dim), dt (T, H)."""
+        c = self.config
+        zxbcdt = linear(h, self.in_proj.weight, self.in_proj.bias)  # (T, in_proj_dim)
+        return zxbcdt.split([c.mamba_intermediate, c.conv_dim, c.mamba_n_heads], dim=-1)
+
+    def _split_xBC(self, xBC: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """xBC (T, conv_dim) -> x (T, H, P), B (T, G, N), C (T, G, N)."""
+        c, T = self.config, xBC.shape[0]
+        gn = c.mamba_n_groups * c.mamba_d_state
+        x, B, C = xBC.split([c.mamba_intermediate, gn, gn], dim=-1)
+        return (x.reshape(T, c.mamba_n_heads, c.mamba_d_head),
+                B.reshape(T, c.mamba_n_groups, c.mamba_d_state),
+                C.reshape(T, c.mamba_n_groups, c.mamba_d_state))
+
+    def _output(self, y: Tensor, x: Tensor, z: Tensor, linear: LinearFn) -> Tensor:
+        """D skip, gated RMSNorm, out_proj. y (T, H, P) fp32, x (T, H, P), z (T, I)."""
+        c, T = self.config, y.shape[0]
+        y = y + self.D.float()[:, None] * x.float()  # (T, H, P)
+        group = c.mamba_intermediate // c.mamba_n_groups
+        y = gated_rms_norm(y.reshape(T, -1), z, self.norm.weight, group, c.rms_norm_eps)  # (T, I)
+        return linear(y, self.out_proj.weight, self.out_proj.bias)  # (T, hidden)

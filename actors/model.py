@@ -1,0 +1,233 @@
+"""`HybridLM`: a Bamba-style hybrid language model (Mamba2 and attention layers) in plain torch.
+
+Each layer is  h += mixer(norm(h));  h += SwiGLU(norm(h)),  the mixer being Mamba2
+(`actors.mamba`) or GQA attention (`actors.attention`) as `config.attn_layer_indices` says. The
+model keeps no state of its own: K/V, conv and SSM states live in a pool whose tensors
+(`PoolTensors`) are passed to every forward together with a `ForwardBatch` naming the slots.
+
+Batch invariance: a sequence's logits are bit-identical whatever else is in the batch.
+- Prefill runs the whole stack once per sequence, so every matrix multiply sees only that
+  sequence's rows (a linear's row results depend on the number of rows M, nothing else).
+- Decode runs every linear through `tiled_linear`, on fixed tiles of `invariant_tile` rows;
+  everything else in decode is per row (norms, conv/SSM step) or per request (attention).
+
+Weights are created empty; load them with `actors.loader.load_hf_state_dict` (Hugging Face
+Bamba names) or build the model through `actors.loader.load_checkpoint` /
+`actors.presets.load_preset`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from actors.attention import Attention
+from actors.batch import ForwardBatch
+from actors.config import ModelConfig
+from actors.mamba import LinearFn, MambaMixer
+
+
+class PoolTensors(Protocol):
+    """The state tensors a forward reads and writes (see `actors.pools`).
+
+    k, v:  (num_attention_layers, num_token_slots, num_key_value_heads, head_dim), model dtype.
+    conv:  (num_mamba_layers, num_mamba_slots, conv_dim, d_conv - 1), model dtype.
+    ssm:   (num_mamba_layers, num_mamba_slots, mamba_n_heads, mamba_d_head, mamba_d_state), fp32.
+    """
+
+    k: Tensor
+    v: Tensor
+    conv: Tensor
+    ssm: Tensor
+
+
+def tiled_linear(x: Tensor, weight: Tensor, bias: Tensor | None, tile: int) -> Tensor:
+    """F.linear on fixed tiles of `tile` rows (the last one zero-padded), padding dropped.
+
+    x (M, in) -> (M, out). Every call to the matrix kernel sees exactly `tile` rows, so a row's
+    result does not depend on M or on the other rows.
+    """
+    M = x.shape[0]
+    padded = F.pad(x, (0, 0, 0, (-M) % tile))  # (ceil(M/tile)*tile, in)
+    out = torch.cat([F.linear(t, weight, bias) for t in padded.split(tile)])  # (.., out)
+    return out[:M]  # (M, out)
+
+
+@dataclass
+class _Sequence:
+    """One sequence of a prefill batch."""
+
+    input_ids: Tensor  # (L,)
+    positions: Tensor  # (L,)
+    out_slots: Tensor  # (L,)
+    mamba_slot: int
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm as Bamba computes it: normalise in fp32, cast back, then scale by the weight."""
+
+    def __init__(self, size: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(size, dtype=dtype))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        """x (T, size) -> (T, size) in the input dtype."""
+        h = x.float()  # (T, size)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)  # (T, size)
+        return self.weight * h.to(x.dtype)
+
+
+class SwiGLU(nn.Module):
+    """down(silu(gate(x)) * up(x)), under Bamba's `feed_forward.*` names."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        H, I, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        self.gate_proj = nn.Linear(H, I, bias=bias, dtype=dtype)
+        self.up_proj = nn.Linear(H, I, bias=bias, dtype=dtype)
+        self.down_proj = nn.Linear(I, H, bias=bias, dtype=dtype)
+
+    def forward(self, x: Tensor, linear: LinearFn = F.linear) -> Tensor:
+        """x (T, hidden) -> (T, hidden)."""
+        gate = linear(x, self.gate_proj.weight, self.gate_proj.bias)  # (T, I)
+        up = linear(x, self.up_proj.weight, self.up_proj.bias)  # (T, I)
+        return linear(F.silu(gate) * up, self.down_proj.weight, self.down_proj.bias)  # (T, hidden)
+
+
+class DecoderLayer(nn.Module):
+    """norm -> mixer -> residual -> norm -> SwiGLU -> residual.
+
+    `pool_index` is the layer's index among the layers of its kind (into pool.k/v or
+    pool.conv/ssm).
+    """
+
+    def __init__(self, config: ModelConfig, layer_id: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.is_attention = layer_id in config.attn_layer_indices
+        kind = config.attn_layer_indices if self.is_attention else config.mamba_layer_indices
+        self.pool_index = kind.index(layer_id)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.pre_ff_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.feed_forward = SwiGLU(config, dtype)
+        if self.is_attention:
+            self.self_attn = Attention(config, dtype)
+        else:
+            self.mamba = MambaMixer(config, dtype)
+
+    def prefill(self, h: Tensor, seq: _Sequence, pool: PoolTensors) -> Tensor:
+        """One whole sequence. h (L, hidden) -> (L, hidden)."""
+        x, i = self.input_layernorm(h), self.pool_index
+        if self.is_attention:
+            mixed = self.self_attn.prefill(x, seq.positions, pool.k[i], pool.v[i], seq.out_slots)
+        else:
+            mixed = self.mamba.prefill(x, pool.conv[i], pool.ssm[i], seq.mamba_slot)
+        return self._feed_forward(h + mixed, F.linear)
+
+    def decode(self, h: Tensor, batch: ForwardBatch, pool: PoolTensors, linear: LinearFn) -> Tensor:
+        """One token per request. h (R, hidden) -> (R, hidden)."""
+        x, i = self.input_layernorm(h), self.pool_index
+        if self.is_attention:
+            mixed = self.self_attn.decode(x, batch.positions, pool.k[i], pool.v[i],
+                                          batch.out_slots, batch.kv_slots, linear)
+        else:
+            mixed = self.mamba.decode(x, pool.conv[i], pool.ssm[i], batch.mamba_slots, linear)
+        return self._feed_forward(h + mixed, linear)
+
+    def _feed_forward(self, h: Tensor, linear: LinearFn) -> Tensor:
+        return h + self.feed_forward(self.pre_ff_layernorm(h), linear)  # (T, hidden)
+
+
+class HybridLM(nn.Module):
+    """Bamba-style hybrid LM whose state lives in an external pool.
+
+    Args:
+        config: hyper-parameters.
+        dtype: parameter / activation dtype (the SSM state is always fp32).
+        device: where the (empty) parameters are allocated.
+        invariant_tile: rows per matrix-kernel call in decode (see `tiled_linear`); None runs
+            plain F.linear over the whole batch (faster, not batch-invariant).
+
+    Example:
+        model, config = load_preset("tiny", torch.float32, "cpu")
+        logits = model(batch, pool)  # (B, vocab) fp32, last token of each sequence
+    """
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu", invariant_tile: int | None = 8) -> None:
+        super().__init__()
+        self.config, self.dtype, self.invariant_tile = config, dtype, invariant_tile
+        with torch.device("meta"):
+            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
+            self.layers = nn.ModuleList(DecoderLayer(config, i, dtype)
+                                        for i in range(config.num_hidden_layers))
+            self.final_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+            if not config.tie_word_embeddings:
+                self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
+        self.to_empty(device=device)
+        self.requires_grad_(False)
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    @property
+    def lm_head_weight(self) -> Tensor:
+        """(vocab, hidden): the embedding matrix when the config ties them."""
+        if self.config.tie_word_embeddings:
+            return self.embed_tokens.weight
+        return self.lm_head.weight
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, pool: PoolTensors) -> Tensor:
+        """Run a prefill or decode batch; returns fp32 logits of each sequence's last token (B, vocab)."""
+        if not batch.is_prefill:
+            return self._decode(batch, pool)
+        return torch.cat([self._prefill_one(seq, pool, last_only=True)
+                          for seq in self._sequences(batch)])  # (B, vocab)
+
+    @torch.inference_mode()
+    def forward_all_logits(self, batch: ForwardBatch, pool: PoolTensors) -> Tensor:
+        """Like `forward`, but a prefill returns the logits of every token (T, vocab), fp32."""
+        if not batch.is_prefill:
+            return self._decode(batch, pool)
+        return torch.cat([self._prefill_one(seq, pool, last_only=False)
+                          for seq in self._sequences(batch)])  # (T, vocab)
+
+    def _sequences(self, batch: ForwardBatch) -> list[_Sequence]:
+        """Cut a ragged prefill batch into its sequences."""
+        ids, pos, slots = (t.split(batch.seq_lens) for t in
+                           (batch.input_ids, batch.positions, batch.out_slots))
+        mamba = batch.mamba_slots.tolist()
+        return [_Sequence(ids[i], pos[i], slots[i], mamba[i]) for i in range(batch.batch_size)]
+
+    def _prefill_one(self, seq: _Sequence, pool: PoolTensors, last_only: bool) -> Tensor:
+        """The whole stack over one sequence; logits (1 or L, vocab)."""
+        h = F.embedding(seq.input_ids, self.embed_tokens.weight)  # (L, hidden)
+        for layer in self.layers:
+            h = layer.prefill(h, seq, pool)  # (L, hidden)
+        return self._logits(h[-1:] if last_only else h, F.linear)
+
+    def _decode(self, batch: ForwardBatch, pool: PoolTensors) -> Tensor:
+        """One token per request; logits (R, vocab)."""
+        if batch.kv_slots is None and self.config.num_attention_layers:
+            raise ValueError("decode batch needs kv_slots for the attention layers")
+        linear = self._decode_linear()
+        h = F.embedding(batch.input_ids, self.embed_tokens.weight)  # (R, hidden)
+        for layer in self.layers:
+            h = layer.decode(h, batch, pool, linear)  # (R, hidden)
+        return self._logits(h, linear)
+
+    def _decode_linear(self) -> LinearFn:
+        if self.invariant_tile is None:
+            return F.linear
+        return partial(tiled_linear, tile=self.invariant_tile)
+
+    def _logits(self, h: Tensor, linear: LinearFn) -> Tensor:
+        """Final norm and LM head: h (T, hidden) -> fp32 logits (T, vocab)."""
+        return linear(self.final_layernorm(h), self.lm_head_weight, None).float()

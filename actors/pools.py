@@ -1,0 +1,249 @@
+"""The hybrid memory pool: a paged KV pool for attention layers and a Mamba pool for SSM layers.
+
+Ownership rules
+- A request owns a list of KV pages (its token slots, in order) and exactly one Mamba slot.
+- `HybridPool.admit` takes both or neither; `HybridPool.release` frees both. Nobody else frees.
+- Running out of pages or slots is a normal outcome: `admit` / `extend` return False. Freeing
+  something a request does not own, or freeing twice, raises `PoolError`: it is always a bug.
+
+Tensor layout (what the model reads and writes)
+- `k`, `v`: (num_attention_layers, num_pages * page_size, kv_heads, head_dim), model dtype.
+- `conv`:   (num_mamba_layers, num_slots, conv_dim, d_conv - 1), model dtype.
+- `ssm`:    (num_mamba_layers, num_slots, mamba_heads, mamba_head_dim, d_state), float32.
+A model with no attention (or no Mamba) layers gets zero-sized tensors; the slot accounting
+stays the same, so the scheduler reasons about every model alike.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from actors.config import ModelConfig
+
+
+class PoolError(RuntimeError):
+    """Misuse of a pool: double free, or freeing slots the request does not own."""
+
+
+class KVPool:
+    """Paged token slots for the K/V of all attention layers."""
+
+    def __init__(self, config: ModelConfig, num_tokens: int, page_size: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        if num_tokens <= 0 or page_size <= 0:
+            raise ValueError(f"KVPool: num_tokens ({num_tokens}) and page_size ({page_size}) must be > 0")
+        self.page_size = page_size
+        self.num_pages = -(-num_tokens // page_size)
+        shape = (config.num_attention_layers, self.num_pages * page_size,
+                 config.num_key_value_heads, config.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self._free_pages = list(range(self.num_pages - 1, -1, -1))  # pop() gives the lowest page
+        self._pages: dict[str, list[int]] = {}
+        self._lens: dict[str, int] = {}
+        self._slots: dict[str, torch.Tensor] = {}  # cached (len,) int64 token slots on CPU
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_pages * self.page_size
+
+    @property
+    def num_free_tokens(self) -> int:
+        return len(self._free_pages) * self.page_size
+
+    def pages_needed(self, request_id: str, total_tokens: int) -> int:
+        """Pages `request_id` would have to take to hold `total_tokens` tokens."""
+        have = len(self._pages.get(request_id, ()))
+        return max(0, -(-total_tokens // self.page_size) - have)
+
+    @property
+    def num_free_pages(self) -> int:
+        return len(self._free_pages)
+
+    def can_allocate(self, num_tokens: int, request_id: str | None = None) -> bool:
+        return self.pages_needed(request_id or "", num_tokens) <= len(self._free_pages)
+
+    def allocate(self, request_id: str, num_tokens: int) -> bool:
+        """Give a new request room for `num_tokens` tokens. False (nothing taken) if it does not fit."""
+        if request_id in self._pages:
+            raise PoolError(f"KVPool: request {request_id!r} already holds KV pages")
+        self._pages[request_id], self._lens[request_id] = [], 0
+        self._slots[request_id] = torch.empty(0, dtype=torch.int64)
+        if not self.extend(request_id, num_tokens):
+            del self._pages[request_id], self._lens[request_id], self._slots[request_id]
+            return False
+        return True
+
+    def extend(self, request_id: str, total_tokens: int) -> bool:
+        """Grow a request to `total_tokens` tokens. False (nothing taken) if pages run out."""
+        pages = self._owned(request_id)
+        need = self.pages_needed(request_id, total_tokens)
+        if need > len(self._free_pages):
+            return False
+        pages.extend(self._free_pages.pop() for _ in range(need))
+        if total_tokens > self._lens[request_id]:
+            self._lens[request_id] = total_tokens
+            self._slots[request_id] = self._slot_tensor(pages, total_tokens)
+        return True
+
+    def token_slots(self, request_id: str) -> torch.Tensor:
+        """(len,) int64: the token slot of each of the request's tokens, in order (CPU)."""
+        self._owned(request_id)
+        return self._slots[request_id]
+
+    def num_request_tokens(self, request_id: str) -> int:
+        self._owned(request_id)
+        return self._lens[request_id]
+
+    def free(self, request_id: str) -> None:
+        pages = self._owned(request_id)
+        self._free_pages.extend(reversed(pages))
+        del self._pages[request_id], self._lens[request_id], self._slots[request_id]
+
+    def owners(self) -> list[str]:
+        return list(self._pages)
+
+    def _owned(self, request_id: str) -> list[int]:
+        try:
+            return self._pages[request_id]
+        except KeyError:
+            raise PoolError(f"KVPool: request {request_id!r} holds no KV pages (double free?)") from None
+
+    def _slot_tensor(self, pages: list[int], num_tokens: int) -> torch.Tensor:
+        page_ids = torch.tensor(pages, dtype=torch.int64)
+        slots = (page_ids[:, None] * self.page_size + torch.arange(self.page_size)).reshape(-1)
+        return slots[:num_tokens]
+
+
+class MambaPool:
+    """One slot per running request: conv + SSM state of every Mamba layer."""
+
+    def __init__(self, config: ModelConfig, num_slots: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        if num_slots <= 0:
+            raise ValueError(f"MambaPool: num_slots must be > 0, got {num_slots}")
+        n = config.num_mamba_layers
+        self.num_slots = num_slots
+        self.conv = torch.zeros((n, num_slots, config.conv_dim, config.mamba_d_conv - 1),
+                                dtype=dtype, device=device)
+        self.ssm = torch.zeros((n, num_slots, config.mamba_n_heads, config.mamba_d_head,
+                                config.mamba_d_state), dtype=torch.float32, device=device)
+        self._free = list(range(num_slots - 1, -1, -1))
+        self._slot_of: dict[str, int] = {}
+
+    @property
+    def num_free_slots(self) -> int:
+        return len(self._free)
+
+    def allocate(self, request_id: str) -> int | None:
+        """A zeroed slot for the request, or None when all slots are taken."""
+        if request_id in self._slot_of:
+            raise PoolError(f"MambaPool: request {request_id!r} already holds slot {self._slot_of[request_id]}")
+        if not self._free:
+            return None
+        slot = self._free.pop()
+        self.conv[:, slot].zero_()
+        self.ssm[:, slot].zero_()
+        self._slot_of[request_id] = slot
+        return slot
+
+    def slot(self, request_id: str) -> int:
+        try:
+            return self._slot_of[request_id]
+        except KeyError:
+            raise PoolError(f"MambaPool: request {request_id!r} holds no Mamba slot (double free?)") from None
+
+    def free(self, request_id: str) -> None:
+        self._free.append(self.slot(request_id))
+        del self._slot_of[request_id]
+
+    def owners(self) -> list[str]:
+        return list(self._slot_of)
+
+
+@dataclass(frozen=True)
+class PoolUsage:
+    """Free/total counts; what the scheduler plans with."""
+
+    kv_free_tokens: int
+    kv_total_tokens: int
+    mamba_free_slots: int
+    mamba_total_slots: int
+    page_size: int
+
+
+class HybridPool:
+    """KV pool + Mamba pool, and the table request -> (token slots, Mamba slot)."""
+
+    def __init__(self, config: ModelConfig, kv_tokens: int, mamba_slots: int, dtype: torch.dtype,
+                 device: torch.device | str = "cpu", page_size: int = 1) -> None:
+        device = torch.device(device)
+        self.config = config
+        self.kv = KVPool(config, kv_tokens, page_size, dtype, device)
+        self.mamba = MambaPool(config, mamba_slots, dtype, device)
+
+    @classmethod
+    def from_budget(cls, config: ModelConfig, budget_bytes: int, mamba_slots: int,
+                    dtype: torch.dtype, device: torch.device | str = "cpu",
+                    page_size: int = 1) -> "HybridPool":
+        """Size the KV pool with whatever `budget_bytes` leaves after `mamba_slots` Mamba slots."""
+        itemsize = torch.empty(0, dtype=dtype).element_size()
+        left = budget_bytes - mamba_slots * config.mamba_bytes_per_slot(itemsize)
+        per_token = max(1, config.kv_bytes_per_token(itemsize))
+        if left < per_token * page_size:
+            raise ValueError(f"pool budget {budget_bytes} B cannot hold {mamba_slots} Mamba slots "
+                             f"plus one KV page")
+        return cls(config, left // per_token, mamba_slots, dtype, device, page_size)
+
+    # tensors the model reads/writes
+    @property
+    def k(self) -> torch.Tensor:
+        return self.kv.k
+
+    @property
+    def v(self) -> torch.Tensor:
+        return self.kv.v
+
+    @property
+    def conv(self) -> torch.Tensor:
+        return self.mamba.conv
+
+    @property
+    def ssm(self) -> torch.Tensor:
+        return self.mamba.ssm
+
+    def can_admit(self, num_tokens: int) -> bool:
+        return self.mamba.num_free_slots > 0 and self.kv.can_allocate(num_tokens)
+
+    def admit(self, request_id: str, num_tokens: int) -> bool:
+        """Take a Mamba slot and room for `num_tokens` tokens, both or neither."""
+        if not self.can_admit(num_tokens):
+            return False
+        self.mamba.allocate(request_id)
+        if not self.kv.allocate(request_id, num_tokens):  # cannot happen after can_admit
+            self.mamba.free(request_id)
+            return False
+        return True
+
+    def extend(self, request_id: str, total_tokens: int) -> bool:
+        return self.kv.extend(request_id, total_tokens)
+
+    def release(self, request_id: str) -> None:
+        """Free the request's token slots and Mamba slot."""
+        self.mamba.slot(request_id)  # raises before anything is freed if it holds none
+        self.kv.free(request_id)
+        self.mamba.free(request_id)
+
+    def usage(self) -> PoolUsage:
+        return PoolUsage(self.kv.num_free_tokens, self.kv.num_tokens, self.mamba.num_free_slots,
+                         self.mamba.num_slots, self.kv.page_size)
+
+    def owners(self) -> set[str]:
+        return set(self.kv.owners()) | set(self.mamba.owners())
+
+    def is_empty(self) -> bool:
+        u = self.usage()
+        return (u.kv_free_tokens == u.kv_total_tokens and u.mamba_free_slots == u.mamba_total_slots
+                and not self.owners())

@@ -1,0 +1,100 @@
+"""Built-in model presets with seeded random weights, and `resolve_model` (preset or checkpoint).
+
+- `tiny`: for tests and demos, trivially fast on a CPU (~0.25M parameters).
+- `small`: for benchmarks (~37M parameters, 8 layers, attention at layers 2 and 5).
+
+Random weights are drawn so that a greedy decode is well defined: unit-scale projections, an LM
+head scaled for logits of std ~3 (wide top-1/top-2 gaps), and norms, D, dt_bias, A_log and
+biases moved away from their 1/0 defaults so that a mistake in any of them changes the output.
+Saving a preset with `actors.loader.save_checkpoint` and loading it back gives the same model.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from actors.config import ModelConfig
+from actors.loader import CheckpointError, hf_state_dict, load_checkpoint, load_hf_state_dict
+from actors.model import HybridLM
+
+PRESETS: dict[str, ModelConfig] = {
+    "tiny": ModelConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        attn_layer_indices=(1,), num_attention_heads=4, num_key_value_heads=2,
+        mamba_n_heads=4, mamba_d_head=32, mamba_n_groups=2, mamba_d_state=16, mamba_d_conv=4,
+        mamba_chunk_size=16, max_position_embeddings=8192, eos_token_id=None, name="tiny"),
+    "small": ModelConfig(
+        vocab_size=8192, hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
+        attn_layer_indices=(2, 5), num_attention_heads=8, num_key_value_heads=2,
+        mamba_n_heads=16, mamba_d_head=64, mamba_n_groups=1, mamba_d_state=64, mamba_d_conv=4,
+        mamba_chunk_size=128, max_position_embeddings=65536, eos_token_id=None, name="small"),
+}
+
+
+def init_state_dict(config: ModelConfig, seed: int) -> dict[str, Tensor]:
+    """Seeded random fp32 weights under Hugging Face Bamba names (deterministic per seed)."""
+    shapes = {n: tuple(p.shape) for n, p in hf_state_dict(HybridLM(config, torch.float32, "meta")).items()}
+    gen = torch.Generator().manual_seed(seed)
+    return {name: _init_tensor(name, shapes[name], config, gen) for name in sorted(shapes)}
+
+
+def _init_tensor(name: str, shape: tuple[int, ...], config: ModelConfig,
+                 gen: torch.Generator) -> Tensor:
+    """One tensor, drawn by what its name says it is."""
+    def uniform(lo: float, hi: float) -> Tensor:
+        return lo + (hi - lo) * torch.rand(shape, generator=gen)
+
+    def normal(std: float) -> Tensor:
+        return std * torch.randn(shape, generator=gen)
+
+    leaf = name.rsplit(".", 1)[-1]
+    if name.endswith("norm.weight"):
+        return uniform(0.8, 1.2)
+    if leaf == "A_log":
+        return uniform(1.0, 16.0).log()  # A in [-16, -1]
+    if leaf == "D":
+        return uniform(0.5, 1.5)
+    if leaf == "dt_bias":
+        dt = torch.exp(uniform(math.log(1e-3), math.log(1e-1)))  # softplus(dt_bias) in [1e-3, 0.1]
+        return dt + torch.log(-torch.expm1(-dt))  # inverse softplus
+    if leaf == "bias":
+        return normal(0.1)
+    return normal(_weight_std(name, shape, config))
+
+
+def _weight_std(name: str, shape: tuple[int, ...], config: ModelConfig) -> float:
+    if "embed_tokens" in name:
+        return 1.0
+    if name.startswith("lm_head"):
+        return 3.0 / math.sqrt(config.hidden_size)
+    return 1.0 / math.sqrt(math.prod(shape[1:]))  # unit-scale output for unit-scale input
+
+
+def load_preset(name: str, dtype: torch.dtype, device: torch.device | str = "cpu",
+                seed: int = 0) -> tuple[HybridLM, ModelConfig]:
+    """A preset model with seeded random weights.
+
+    Example:
+        model, config = load_preset("tiny", torch.float32, "cpu")
+    """
+    if name not in PRESETS:
+        raise CheckpointError(f"unknown preset {name!r}; presets: {', '.join(PRESETS)}")
+    config = PRESETS[name]
+    model = HybridLM(config, dtype, device)
+    load_hf_state_dict(model, init_state_dict(config, seed))
+    return model, config
+
+
+def resolve_model(spec: str, dtype: torch.dtype,
+                  device: torch.device | str = "cpu") -> tuple[HybridLM, ModelConfig]:
+    """A preset name (seed 0) or a checkpoint directory -> (model, config)."""
+    if spec in PRESETS:
+        return load_preset(spec, dtype, device)
+    if Path(spec).is_dir():
+        return load_checkpoint(spec, dtype, device)
+    raise CheckpointError(f"model {spec!r} is neither a preset ({', '.join(PRESETS)}) "
+                          f"nor a checkpoint directory")

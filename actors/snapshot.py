@@ -1,0 +1,247 @@
+"""Complete, self-describing request snapshots: take one out of a pool, put it back into any pool.
+
+A `Snapshot` holds everything a request needs to continue as if it had never stopped:
+- token history (prompt + generated) and the sampling parameters; the sampler is counter-based
+  (see `actors.sampler`), so its state is the number of generated tokens;
+- K/V of every attention layer for every cached token;
+- conv state and SSM state of every Mamba layer;
+- the model fingerprint, each part's dtype and shape, and a checksum of the payload.
+
+The cached tokens are all but the last one: the last sampled token has not been fed to the model
+yet (its K/V does not exist). Getting this off by one is a classic bug (SGLang #23346).
+
+The payload is ONE contiguous uint8 numpy buffer (parts at 64-byte aligned offsets, bf16 kept as
+raw 16-bit), so Ray moves it zero-copy. Layout of the parts:
+- "kv":   (2, num_attention_layers, num_cached, kv_heads, head_dim) model dtype; [0]=K, [1]=V
+- "conv": (num_mamba_layers, conv_dim, d_conv - 1) model dtype
+- "ssm":  (num_mamba_layers, mamba_heads, mamba_head_dim, d_state) float32
+"""
+
+from __future__ import annotations
+
+import warnings
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from actors.config import ModelConfig
+from actors.pools import HybridPool
+
+SNAPSHOT_VERSION = 1
+_ALIGN = 64
+
+
+class SnapshotError(ValueError):
+    """A snapshot cannot be restored here: other model, wrong shape/dtype, or corrupted bytes."""
+
+
+@dataclass(frozen=True)
+class PartSpec:
+    name: str
+    dtype: str  # torch dtype name, e.g. "bfloat16"
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    request_id: str
+    model_fingerprint: str
+    token_ids: tuple[int, ...]  # prompt + generated
+    prompt_len: int
+    sampling: dict  # raysched.sampling.SamplingParams.to_dict()
+    parts: tuple[PartSpec, ...]
+    checksum: int
+    payload: np.ndarray = field(repr=False)  # (nbytes,) uint8, contiguous
+    version: int = SNAPSHOT_VERSION
+
+    @property
+    def num_cached_tokens(self) -> int:
+        return len(self.token_ids) - 1
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.payload.nbytes)
+
+    def part(self, name: str) -> torch.Tensor:
+        """A (read-only) torch view of one part, with its dtype and shape."""
+        spec = next((p for p in self.parts if p.name == name), None)
+        if spec is None:
+            raise SnapshotError(f"snapshot of {self.request_id!r} has no part {name!r}")
+        with warnings.catch_warnings():  # Ray hands out read-only buffers; we never write them
+            warnings.simplefilter("ignore", UserWarning)
+            raw = torch.from_numpy(self.payload[spec.offset: spec.offset + spec.nbytes])
+        return raw.view(getattr(torch, spec.dtype)).view(spec.shape)
+
+    def verify(self) -> None:
+        """Raise SnapshotError if the payload does not match its checksum."""
+        if checksum(self.payload) != self.checksum:
+            raise SnapshotError(f"snapshot of {self.request_id!r}: checksum mismatch (corrupted payload)")
+
+
+_BLOCK_WORDS = 4096
+
+
+def checksum(buf: np.ndarray) -> int:
+    """A 64-bit position-aware checksum of the payload, at memory speed.
+
+    Words are 64-bit; s1 = sum of all words, s2 = sum over 32 KiB blocks of (block index + 1) x
+    (block sum), both modulo 2^64, folded into one integer. Any single corrupted byte or word
+    changes s1; swapping two different blocks changes s2. Not cryptographic (nor is CRC-32, which
+    ran at 2.3 GB/s here against ~16 GB/s for this).
+    """
+    words = np.frombuffer(memoryview(buf).cast("B"), dtype=np.uint64)
+    full = len(words) // _BLOCK_WORDS * _BLOCK_WORDS
+    block_sums = words[:full].reshape(-1, _BLOCK_WORDS).sum(axis=1, dtype=np.uint64)
+    tail = words[full:].sum(dtype=np.uint64)
+    weights = np.arange(1, len(block_sums) + 1, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        s1 = int(block_sums.sum(dtype=np.uint64)) + int(tail)
+        s2 = int((block_sums * weights).sum(dtype=np.uint64)) + (len(block_sums) + 1) * int(tail)
+    return ((s1 & 0xFFFFFFFFFFFFFFFF) << 64) | (s2 & 0xFFFFFFFFFFFFFFFF)
+
+
+def model_fingerprint(config: ModelConfig, weights_fingerprint: str, dtype: torch.dtype) -> str:
+    return f"{config.fingerprint()}:{weights_fingerprint}:{str(dtype).removeprefix('torch.')}"
+
+
+def part_specs(config: ModelConfig, dtype: torch.dtype, num_cached: int) -> tuple[PartSpec, ...]:
+    """The parts a snapshot of `num_cached` tokens must have, in payload order."""
+    name = str(dtype).removeprefix("torch.")
+    shapes = [
+        ("kv", name, (2, config.num_attention_layers, num_cached, config.num_key_value_heads, config.head_dim)),
+        ("conv", name, (config.num_mamba_layers, config.conv_dim, config.mamba_d_conv - 1)),
+        ("ssm", "float32", (config.num_mamba_layers, config.mamba_n_heads, config.mamba_d_head,
+                            config.mamba_d_state)),
+    ]
+    specs, offset = [], 0
+    for part, dt, shape in shapes:
+        nbytes = int(np.prod(shape)) * torch.empty(0, dtype=getattr(torch, dt)).element_size()
+        specs.append(PartSpec(part, dt, shape, offset, nbytes))
+        offset += -(-nbytes // _ALIGN) * _ALIGN
+    return tuple(specs)
+
+
+def payload_nbytes(specs: tuple[PartSpec, ...]) -> int:
+    """Total payload size: the last part's end, rounded up to the alignment (whole 64-bit words)."""
+    return -(-(specs[-1].offset + specs[-1].nbytes) // _ALIGN) * _ALIGN
+
+
+def _alloc_payload(nbytes: int, device: torch.device) -> torch.Tensor:
+    pin = device.type == "cuda"
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+
+
+def _views(buf: torch.Tensor, specs: tuple[PartSpec, ...]) -> dict[str, torch.Tensor]:
+    return {s.name: buf[s.offset: s.offset + s.nbytes].view(getattr(torch, s.dtype)).view(s.shape)
+            for s in specs}
+
+
+def gather_state(pool: HybridPool, request_id: str, num_cached: int,
+                 specs: tuple[PartSpec, ...]) -> torch.Tensor:
+    """Copy the request's state out of the pool into a fresh host buffer (uint8, payload layout)."""
+    device = pool.k.device
+    buf = _alloc_payload(payload_nbytes(specs), device)
+    views = _views(buf, specs)
+    slots = pool.kv.token_slots(request_id)[:num_cached]  # CPU
+    slot = pool.mamba.slot(request_id)
+    if device.type == "cuda":
+        _gather_cuda(pool, slots, slot, views)
+    else:
+        _gather_tokens(pool.k, slots, views["kv"][0])
+        _gather_tokens(pool.v, slots, views["kv"][1])
+        views["conv"].copy_(pool.conv[:, slot])
+        views["ssm"].copy_(pool.ssm[:, slot])
+    return buf
+
+
+def _contiguous_range(slots: torch.Tensor) -> tuple[int, int] | None:
+    """(start, length) when the slots are start, start+1, ...; None otherwise."""
+    n = int(slots.numel())
+    if n == 0:
+        return (0, 0)
+    start = int(slots[0])
+    if int(slots[-1]) - start + 1 != n or not bool((slots.diff() == 1).all()):
+        return None
+    return start, n
+
+
+def _gather_tokens(src: torch.Tensor, slots: torch.Tensor, out: torch.Tensor) -> None:
+    """out[l, i] = src[l, slots[i]]; a plain block copy when the slots are contiguous."""
+    span = _contiguous_range(slots)
+    if span is not None:
+        out.copy_(src.narrow(1, span[0], span[1]))
+    else:
+        torch.index_select(src, 1, slots.to(src.device), out=out)
+
+
+def _scatter_tokens(dst: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:
+    """dst[l, slots[i]] = values[l, i]; a plain block copy when the slots are contiguous."""
+    span = _contiguous_range(slots)
+    if span is not None:
+        dst.narrow(1, span[0], span[1]).copy_(values)
+    else:
+        dst.index_copy_(1, slots.to(dst.device), values)
+
+
+def _gather_cuda(pool: HybridPool, slots: torch.Tensor, slot: int, views: dict) -> None:
+    """Gather on a side stream into pinned memory; wait on that stream's event only."""
+    side = torch.cuda.Stream(device=pool.k.device)
+    side.wait_stream(torch.cuda.current_stream(pool.k.device))
+    with torch.cuda.stream(side):
+        for src, dst in ((pool.k, views["kv"][0]), (pool.v, views["kv"][1])):
+            span = _contiguous_range(slots)
+            rows = src.narrow(1, *span) if span else src.index_select(1, slots.to(src.device))
+            dst.copy_(rows, non_blocking=True)
+        views["conv"].copy_(pool.conv[:, slot], non_blocking=True)
+        views["ssm"].copy_(pool.ssm[:, slot], non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(side)
+    done.synchronize()
+
+
+def scatter_state(pool: HybridPool, request_id: str, snap: Snapshot) -> None:
+    """Write the snapshot's parts into the slots the pool gave `request_id`."""
+    device = pool.k.device
+    views = {s.name: snap.part(s.name) for s in snap.parts}
+    slots = pool.kv.token_slots(request_id)[: snap.num_cached_tokens]  # CPU
+    slot = pool.mamba.slot(request_id)
+    kv = views["kv"].to(device, non_blocking=True)
+    _scatter_tokens(pool.k, slots, kv[0])
+    _scatter_tokens(pool.v, slots, kv[1])
+    pool.conv[:, slot].copy_(views["conv"], non_blocking=True)
+    pool.ssm[:, slot].copy_(views["ssm"], non_blocking=True)
+
+
+def check_compatible(snap: Snapshot, config: ModelConfig, dtype: torch.dtype, fingerprint: str) -> None:
+    """Refuse a snapshot that this pool/model cannot continue; changes nothing."""
+    if not isinstance(snap, Snapshot):
+        raise SnapshotError(f"expected a Snapshot, got {type(snap).__name__}")
+    if snap.version != SNAPSHOT_VERSION:
+        raise SnapshotError(f"snapshot of {snap.request_id!r}: version {snap.version}, expected {SNAPSHOT_VERSION}")
+    if snap.model_fingerprint != fingerprint:
+        raise SnapshotError(f"snapshot of {snap.request_id!r} was taken on model {snap.model_fingerprint}, "
+                            f"this worker serves {fingerprint}")
+    if not 1 <= snap.prompt_len <= len(snap.token_ids):
+        raise SnapshotError(f"snapshot of {snap.request_id!r}: prompt_len {snap.prompt_len} does not fit "
+                            f"{len(snap.token_ids)} tokens")
+    expected = part_specs(config, dtype, snap.num_cached_tokens)
+    if tuple(snap.parts) != expected:
+        raise SnapshotError(f"snapshot of {snap.request_id!r}: parts {_describe(snap.parts)} do not match "
+                            f"this model's {_describe(expected)}")
+    end = payload_nbytes(expected)
+    if snap.payload.dtype != np.uint8 or snap.payload.ndim != 1 or snap.payload.nbytes != end:
+        raise SnapshotError(f"snapshot of {snap.request_id!r}: payload is {snap.payload.dtype}"
+                            f"{list(snap.payload.shape)}, expected uint8[{end}]")
+    snap.verify()
+
+
+def _describe(parts: tuple[PartSpec, ...]) -> str:
+    return ", ".join(f"{p.name}:{p.dtype}{list(p.shape)}" for p in parts)

@@ -1,0 +1,1 @@
+"""raysched: serving hybrid (attention + Mamba) language models on Ray."""

@@ -1,0 +1,486 @@
+"""Serving configuration: frozen, validated dataclasses loaded from YAML.
+
+`load_serve_config` turns a YAML file (or a dict) into a `ServeConfig`. Every key is checked:
+an unknown key, a wrong type or a bad value raises `ConfigError`, whose message names the full
+key path, e.g. ``serve config: pool.kv_tokens must be a positive integer, got -3``. Objects
+built directly in code are validated the same way (in ``__post_init__``), so an invalid config
+cannot exist. Configs are never mutated: derive a new one with `dataclasses.replace`.
+
+The small helpers here (`KeyPath`, the ``check_*`` functions, `read_yaml`) are shared with
+`raysched.workload`. This module never imports torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import os
+from collections.abc import Callable, Collection, Hashable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar, TypeAlias
+
+import yaml
+
+RETRACT_MODES = ("snapshot", "recompute", "auto")
+ADMISSION_MODES = ("overcommit", "reserve")
+VICTIM_ORDERS = ("fewest_generated", "most_generated", "newest", "oldest", "largest_memory")
+DTYPES = ("float32", "bfloat16")
+DEVICES = ("auto", "cuda", "cpu")
+FAULT_KINDS = ("kill_worker", "remove_node")
+MAX_SEED = 2**64  # seeds are unsigned 64-bit (the sampler mixes them with SplitMix64)
+
+PathOrDict: TypeAlias = str | os.PathLike[str] | Mapping[str, Any]
+
+
+class ConfigError(ValueError):
+    """A configuration is invalid; the message names the source and the full key path."""
+
+
+# ---------------------------------------------------------------------------- key paths
+
+
+@dataclass(frozen=True)
+class KeyPath:
+    """Where a value sits in a config, for error messages: ``serve config: pool.kv_tokens``.
+
+    >>> KeyPath("serve config").child("faults").item(1).child("worker").error("is bad")
+    ConfigError('serve config: faults[1].worker is bad')
+    """
+
+    source: str  # what is being read: "serve config", "workload", "workload: t.jsonl:3"
+    parts: tuple[str, ...] = ()
+
+    def child(self, name: str) -> KeyPath:
+        return KeyPath(self.source, (*self.parts, name))
+
+    def item(self, index: int) -> KeyPath:
+        last = self.parts[-1] if self.parts else ""
+        return KeyPath(self.source, (*self.parts[:-1], f"{last}[{index}]"))
+
+    def error(self, message: str) -> ConfigError:
+        where = f" {self}" if self.parts else ""
+        return ConfigError(f"{self.source}:{where} {message}")
+
+    def __str__(self) -> str:
+        return ".".join(self.parts)
+
+
+Check: TypeAlias = Callable[[Any, KeyPath], Any]  # returns the (normalised) value or raises
+
+
+def suggestion(name: str, known: Collection[str]) -> str:
+    """A hint for a misspelt name: `` (did you mean 'x'?)``, or the list of known names."""
+    close = difflib.get_close_matches(name, list(known), n=1, cutoff=0.6)
+    if close:
+        return f" (did you mean {close[0]!r}?)"
+    return f" (known: {', '.join(sorted(known))})"
+
+
+def unknown_key(key: KeyPath, name: Any, known: Collection[str]) -> ConfigError:
+    full = str(key.child(str(name)))
+    hint = suggestion(name, known) if isinstance(name, str) else ""
+    return ConfigError(f"{key.source}: unknown key {full!r}{hint}")
+
+
+def check_mapping(value: Any, key: KeyPath, known: Collection[str]) -> Mapping[str, Any]:
+    """`value` as a mapping whose keys are all in `known`; None counts as empty."""
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise key.error(f"must be a mapping, got {_describe(value)}")
+    for name in value:
+        if name not in known:
+            raise unknown_key(key, name, known)
+    return value
+
+
+# ---------------------------------------------------------------------------- value checks
+
+
+def _describe(value: Any) -> str:
+    return f"{value!r} ({type(value).__name__})" if isinstance(value, (list, dict)) else repr(value)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _int_at_least(value: Any, key: KeyPath, minimum: int, what: str) -> int:
+    if not _is_int(value) or value < minimum:
+        raise key.error(f"must be {what}, got {_describe(value)}")
+    return value
+
+
+def check_positive_int(value: Any, key: KeyPath) -> int:
+    return _int_at_least(value, key, 1, "a positive integer")
+
+
+def check_non_negative_int(value: Any, key: KeyPath) -> int:
+    return _int_at_least(value, key, 0, "a non-negative integer")
+
+
+def check_seed(value: Any, key: KeyPath) -> int:
+    if not _is_int(value) or not 0 <= value < MAX_SEED:
+        raise key.error(f"must be an integer in [0, 2**64), got {_describe(value)}")
+    return value
+
+
+def check_bool(value: Any, key: KeyPath) -> bool:
+    if not isinstance(value, bool):
+        raise key.error(f"must be true or false, got {_describe(value)}")
+    return value
+
+
+def check_nonempty_str(value: Any, key: KeyPath) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise key.error(f"must be a non-empty string, got {_describe(value)}")
+    return value
+
+
+def check_finite_number(value: Any, key: KeyPath) -> float:
+    if not _is_number(value) or not math.isfinite(value):
+        raise key.error(f"must be a finite number, got {_describe(value)}")
+    return float(value)
+
+
+def check_one_of(choices: tuple[str, ...]) -> Check:
+    """A check accepting exactly one of `choices`."""
+
+    def check(value: Any, key: KeyPath) -> str:
+        if value not in choices or not isinstance(value, str):
+            hint = suggestion(value, choices) if isinstance(value, str) else ""
+            raise key.error(f"must be one of {' | '.join(choices)}, got {_describe(value)}{hint}")
+        return value
+
+    return check
+
+
+def check_optional(check: Check) -> Check:
+    """A check that also accepts None (YAML ``null`` or an absent key)."""
+
+    def optional(value: Any, key: KeyPath) -> Any:
+        return None if value is None else check(value, key)
+
+    return optional
+
+
+def check_fields(obj: Any, key: KeyPath) -> None:
+    """Run the class's ``CHECKS`` on the attributes of a (frozen) dataclass instance."""
+    for name, check in type(obj).CHECKS.items():
+        check(getattr(obj, name), key.child(name))
+
+
+def parse_fields(cls: type, raw: Any, key: KeyPath) -> dict[str, Any]:
+    """Check a raw mapping against ``cls.CHECKS`` and return the checked values by field name."""
+    mapping = check_mapping(raw, key, cls.CHECKS)
+    return {name: cls.CHECKS[name](value, key.child(name)) for name, value in mapping.items()}
+
+
+# ---------------------------------------------------------------------------- YAML
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """A SafeLoader that rejects duplicate keys instead of keeping the last one."""
+
+
+def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode, deep: bool = False) -> Any:
+    seen: set[Hashable] = set()
+    for key_node, _ in node.value:
+        name = loader.construct_object(key_node, deep=True)
+        if isinstance(name, Hashable) and name in seen:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"duplicate key {name!r}", key_node.start_mark)
+        if isinstance(name, Hashable):
+            seen.add(name)
+    return loader.construct_mapping(node, deep=deep)
+
+
+_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+
+
+def read_yaml(path: str | os.PathLike[str], source: str) -> Any:
+    """Parse a YAML file; unreadable or malformed files raise ConfigError with file and line."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{source}: cannot read {os.fspath(path)}: {e}") from None
+    try:
+        return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 (a SafeLoader subclass)
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        where = f"{os.fspath(path)}:{mark.line + 1}" if mark else os.fspath(path)
+        raise ConfigError(f"{source}: {where}: malformed YAML: {e.problem or e.context}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{source}: {os.fspath(path)}: malformed YAML: {e}") from None
+
+
+def read_config_source(path_or_dict: PathOrDict, source: str) -> Any:
+    """A dict as is, or the parsed content of a YAML file."""
+    if isinstance(path_or_dict, Mapping):
+        return path_or_dict
+    if not isinstance(path_or_dict, (str, os.PathLike)):
+        raise ConfigError(f"{source}: expected a YAML path or a dict, got {type(path_or_dict).__name__}")
+    return read_yaml(path_or_dict, source)
+
+
+# ---------------------------------------------------------------------------- dataclasses
+
+_SOURCE = "serve config"
+_ROOT = KeyPath(_SOURCE)
+_COUNT_FIELDS = frozenset({"kv_tokens", "mamba_slots"})
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    """Per-worker capacity of the two state pools.
+
+    Capacity is given either as counts (`kv_tokens`, `mamba_slots`) or as a byte budget
+    (`memory_bytes`). With a budget, `resolve` turns bytes into counts once the model's sizes
+    are known; a count the user gave explicitly (listed in `explicit`, filled by the loader)
+    wins over the budget, and the budget fills in the other:
+
+    - both counts given: the budget is not used;
+    - only kv_tokens given: the Mamba pool takes what the budget has left;
+    - otherwise: mamba_slots (given, or its default 8) are reserved first and the KV pool
+      takes the rest, rounded down to whole pages.
+    """
+
+    kv_tokens: int = 512  # attention KV capacity per worker, in tokens (a multiple of page_size)
+    mamba_slots: int = 8  # Mamba state slots per worker = most requests running at once
+    page_size: int = 1  # tokens per KV page
+    memory_bytes: int | None = None  # byte budget for both pools per worker, see `resolve`
+    explicit: frozenset[str] = frozenset()  # with memory_bytes: counts the user set (they win)
+
+    CHECKS: ClassVar[dict[str, Check]] = {
+        "kv_tokens": check_positive_int,
+        "mamba_slots": check_positive_int,
+        "page_size": check_positive_int,
+        "memory_bytes": check_optional(check_positive_int),
+    }
+
+    def __post_init__(self) -> None:
+        key = _ROOT.child("pool")
+        check_fields(self, key)
+        if self.kv_tokens % self.page_size:
+            raise key.child("kv_tokens").error(
+                f"must be a multiple of pool.page_size ({self.page_size}), got {self.kv_tokens}")
+        if not isinstance(self.explicit, frozenset) or not self.explicit <= _COUNT_FIELDS:
+            raise key.child("explicit").error(
+                f"must be a frozenset of {sorted(_COUNT_FIELDS)}, got {self.explicit!r}")
+
+    @classmethod
+    def from_dict(cls, raw: Any, key: KeyPath = _ROOT.child("pool")) -> PoolConfig:
+        values = parse_fields(cls, raw, key)
+        if values.get("memory_bytes") is not None:
+            values["explicit"] = frozenset(values) & _COUNT_FIELDS
+        return cls(**values)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The YAML form; with a budget, only the counts given explicitly are written."""
+        out: dict[str, Any] = {"kv_tokens": self.kv_tokens, "mamba_slots": self.mamba_slots,
+                               "page_size": self.page_size, "memory_bytes": self.memory_bytes}
+        if self.memory_bytes is not None:
+            for name in _COUNT_FIELDS - self.explicit:
+                del out[name]
+        return out
+
+    def resolve(self, kv_bytes_per_token: int, mamba_bytes_per_slot: int) -> PoolConfig:
+        """Counts for a byte budget; returns self when there is no budget or nothing to derive.
+
+        >>> pool = PoolConfig.from_dict({"memory_bytes": 10_000})
+        >>> sized = pool.resolve(kv_bytes_per_token=10, mamba_bytes_per_slot=360)
+        >>> sized.kv_tokens, sized.mamba_slots  # 8 slots * 360 B + 712 tokens * 10 B <= 10_000 B
+        (712, 8)
+        """
+        check_positive_int(kv_bytes_per_token, KeyPath("resolve", ("kv_bytes_per_token",)))
+        check_positive_int(mamba_bytes_per_slot, KeyPath("resolve", ("mamba_bytes_per_slot",)))
+        if self.memory_bytes is None or self.explicit == _COUNT_FIELDS:
+            return self
+        slots, tokens = self._fill_budget(self.memory_bytes, kv_bytes_per_token, mamba_bytes_per_slot)
+        tokens -= tokens % self.page_size
+        if slots < 1 or tokens < self.page_size:
+            raise _ROOT.child("pool").child("memory_bytes").error(
+                f"= {self.memory_bytes} B cannot hold {max(slots, 1)} Mamba slot(s) of"
+                f" {mamba_bytes_per_slot} B plus {max(tokens, self.page_size)} KV token(s) of"
+                f" {kv_bytes_per_token} B")
+        return dataclasses.replace(self, kv_tokens=tokens, mamba_slots=slots, explicit=_COUNT_FIELDS)
+
+    def _fill_budget(self, budget: int, kv_bytes_per_token: int, mamba_bytes_per_slot: int) -> tuple[int, int]:
+        """(mamba_slots, kv_tokens) filling `budget`; explicit counts are kept as they are."""
+        if self.explicit == {"kv_tokens"}:
+            return (budget - self.kv_tokens * kv_bytes_per_token) // mamba_bytes_per_slot, self.kv_tokens
+        return self.mamba_slots, (budget - self.mamba_slots * mamba_bytes_per_slot) // kv_bytes_per_token
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """How the scheduler batches, retracts and resumes requests."""
+
+    retract: str = "snapshot"  # snapshot | recompute | auto: how a retracted request resumes
+    admission: str = "overcommit"  # overcommit: admit while the next steps fit, retract on
+    #   overflow | reserve: no-overcommit baseline, every request keeps room for its whole budget
+    victim_order: str = "fewest_generated"  # which running request is retracted first
+    decode_steps_per_call: int = 4  # decode steps a worker runs per scheduler call
+    force_retract_every: int = 0  # 0 = off; else retract one request per worker every k steps
+    max_retractions: int = 8  # a request retracted this many times is never retracted again
+    debug_drop_mamba_state: bool = False  # deliberately broken: zero Mamba state on resume
+    max_batch_size: int | None = None  # most requests per decode step; None = mamba_slots
+
+    CHECKS: ClassVar[dict[str, Check]] = {
+        "retract": check_one_of(RETRACT_MODES),
+        "admission": check_one_of(ADMISSION_MODES),
+        "victim_order": check_one_of(VICTIM_ORDERS),
+        "decode_steps_per_call": check_positive_int,
+        "force_retract_every": check_non_negative_int,
+        "max_retractions": check_non_negative_int,
+        "debug_drop_mamba_state": check_bool,
+        "max_batch_size": check_optional(check_positive_int),
+    }
+
+    def __post_init__(self) -> None:
+        check_fields(self, _ROOT.child("scheduler"))
+
+    @classmethod
+    def from_dict(cls, raw: Any, key: KeyPath = _ROOT.child("scheduler")) -> SchedulerConfig:
+        return cls(**parse_fields(cls, raw, key))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in self.CHECKS}
+
+
+@dataclass(frozen=True)
+class FaultSpec:
+    """An injected fault: after `after_steps` scheduler steps, kill a worker or remove its node."""
+
+    kind: str  # kill_worker | remove_node
+    worker: int  # index of the worker, in [0, workers)
+    after_steps: int  # scheduler steps before the fault fires
+
+    CHECKS: ClassVar[dict[str, Check]] = {
+        "kind": check_one_of(FAULT_KINDS),
+        "worker": check_non_negative_int,
+        "after_steps": check_non_negative_int,
+    }
+
+    def __post_init__(self) -> None:
+        check_fields(self, _ROOT.child("fault"))
+
+    @classmethod
+    def from_dict(cls, raw: Any, key: KeyPath = _ROOT.child("fault")) -> FaultSpec:
+        values = parse_fields(cls, raw, key)
+        missing = [name for name in cls.CHECKS if name not in values]
+        if missing:
+            raise key.error(f"is missing required key(s): {', '.join(missing)}")
+        return cls(**values)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "worker": self.worker, "after_steps": self.after_steps}
+
+
+FaultConfig: TypeAlias = tuple[FaultSpec, ...]  # the `faults:` list of a serve config
+
+
+def _check_instance(cls: type) -> Check:
+    def check(value: Any, key: KeyPath) -> Any:
+        if not isinstance(value, cls):
+            raise key.error(f"must be a {cls.__name__}, got {type(value).__name__}")
+        return value
+
+    return check
+
+
+def _check_faults(value: Any, key: KeyPath) -> FaultConfig:
+    if not isinstance(value, tuple) or not all(isinstance(f, FaultSpec) for f in value):
+        raise key.error(f"must be a tuple of FaultSpec, got {value!r}")
+    return value
+
+
+def _parse_faults(raw: Any, key: KeyPath) -> FaultConfig:
+    if raw is None:
+        return ()
+    if not isinstance(raw, list):
+        raise key.error(f"must be a list of faults, got {_describe(raw)}")
+    return tuple(FaultSpec.from_dict(item, key.item(i)) for i, item in enumerate(raw))
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """Everything a serving run needs besides the workload.
+
+    >>> cfg = load_serve_config({"workers": 3, "pool": {"kv_tokens": 256}})
+    >>> cfg.workers, cfg.pool.kv_tokens, cfg.pool.mamba_slots, cfg.scheduler.retract
+    (3, 256, 8, 'snapshot')
+    """
+
+    model: str = "tiny"  # preset name or local checkpoint directory
+    dtype: str = "float32"  # float32 | bfloat16
+    workers: int = 2  # engine actors
+    device: str = "auto"  # auto | cuda | cpu
+    seed: int = 0
+    pool: PoolConfig = PoolConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+    faults: FaultConfig = ()
+    object_store_memory: int | None = None  # bytes, for the embedded Ray cluster
+    invariant_tile: int = 8  # tile size of the batch-invariant kernels
+
+    CHECKS: ClassVar[dict[str, Check]] = {
+        "model": check_nonempty_str,
+        "dtype": check_one_of(DTYPES),
+        "workers": check_positive_int,
+        "device": check_one_of(DEVICES),
+        "seed": check_seed,
+        "pool": _check_instance(PoolConfig),
+        "scheduler": _check_instance(SchedulerConfig),
+        "faults": _check_faults,
+        "object_store_memory": check_optional(check_positive_int),
+        "invariant_tile": check_positive_int,
+    }
+    PARSERS: ClassVar[dict[str, Check]] = {
+        "pool": PoolConfig.from_dict,
+        "scheduler": SchedulerConfig.from_dict,
+        "faults": _parse_faults,
+    }
+
+    def __post_init__(self) -> None:
+        check_fields(self, _ROOT)
+        for i, fault in enumerate(self.faults):
+            if fault.worker >= self.workers:
+                raise _ROOT.child("faults").item(i).child("worker").error(
+                    f"must be < workers ({self.workers}), got {fault.worker}")
+
+    @classmethod
+    def from_dict(cls, raw: Any) -> ServeConfig:
+        mapping = check_mapping(raw, _ROOT, cls.CHECKS)
+        values = {name: cls.PARSERS.get(name, cls.CHECKS[name])(value, _ROOT.child(name))
+                  for name, value in mapping.items()}
+        return cls(**values)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain YAML/JSON data; ``load_serve_config(cfg.to_dict()) == cfg``."""
+        out = {name: getattr(self, name) for name in self.CHECKS}
+        out["pool"] = self.pool.to_dict()
+        out["scheduler"] = self.scheduler.to_dict()
+        out["faults"] = [fault.to_dict() for fault in self.faults]
+        return out
+
+
+def load_serve_config(path_or_dict: PathOrDict) -> ServeConfig:
+    """Load and validate a serve config from a YAML file path or a dict.
+
+    Absent keys take their defaults; an unknown key, a wrong type or a bad value raises
+    ConfigError naming the key path.
+
+    >>> load_serve_config({"scheduler": {"retract": "recompute"}}).scheduler.retract
+    'recompute'
+    >>> load_serve_config({"pool": {"kv_tokenz": 64}})
+    Traceback (most recent call last):
+    ...
+    raysched.config.ConfigError: serve config: unknown key 'pool.kv_tokenz' (did you mean 'kv_tokens'?)
+    """
+    return ServeConfig.from_dict(read_config_source(path_or_dict, _SOURCE))

@@ -1,0 +1,137 @@
+"""Plan one worker's next call from the scheduler's mirror of its pool (pure: no Ray, no torch).
+
+Order of decisions, per call:
+1. forced retraction (testing switch: one victim every `force_retract_every` calls);
+2. fit the decode steps: halve the number of steps until the KV they need fits; if even one
+   step does not fit, retract victims (policy order, protected requests skipped) until it does;
+3. resume retracted requests (oldest retraction first) while they fit;
+4. admit waiting requests (FCFS) while they fit and this worker has the most room — only when
+   no retracted request is waiting, so retracted requests always go first.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from raysched.config import SchedulerConfig
+from raysched.policy import order_victims, pages
+from raysched.request import Request
+
+
+@dataclass
+class WorkerView:
+    """What the scheduler knows of one worker's pool (ground truth after each call)."""
+
+    index: int
+    free_tokens: int
+    free_slots: int
+    total_tokens: int
+    total_slots: int
+    page_size: int
+    running: list[Request] = field(default_factory=list)
+    allocated: dict[str, int] = field(default_factory=dict)  # request id -> KV tokens held
+    calls: int = 0
+
+    def room(self) -> float:
+        """Fraction of the scarcer pool that is free."""
+        return min(self.free_tokens / self.total_tokens, self.free_slots / self.total_slots)
+
+    def held(self, req: Request) -> int:
+        """Page-rounded KV tokens a running request holds."""
+        return pages(self.allocated.get(req.request_id, req.num_cached), self.page_size) * self.page_size
+
+
+@dataclass
+class Plan:
+    victims: list[Request] = field(default_factory=list)
+    resume: list[Request] = field(default_factory=list)
+    admit: list[Request] = field(default_factory=list)
+    decode_steps: int = 0
+
+    def is_empty(self) -> bool:
+        return not (self.victims or self.resume or self.admit or self.decode_steps)
+
+
+def decode_need(view: WorkerView, running: list[Request], steps: int) -> int:
+    ps = view.page_size
+    need = 0
+    for r in running:
+        target = r.num_cached + min(steps, max(r.remaining, 0))
+        need += max(0, pages(target, ps) * ps - view.held(r))
+    return need
+
+
+def plan_step(view: WorkerView, waiting: deque[Request], retracted: deque[Request],
+              cfg: SchedulerConfig, best_room_elsewhere: float, reserve: bool = False) -> Plan:
+    """Decide the next call of the worker described by `view` (mutates the queues it takes from)."""
+    plan = Plan()
+    running = list(view.running)
+    free, slots = view.free_tokens, view.free_slots
+    if cfg.force_retract_every and view.calls and view.calls % cfg.force_retract_every == 0:
+        free, slots = _retract(view, running, plan, 1, free, slots, cfg)
+    steps = cfg.decode_steps_per_call
+    while decode_need(view, running, steps) > free and steps > 1:
+        steps = max(1, steps // 2)
+    while decode_need(view, running, steps) > free:
+        before = len(plan.victims)
+        free, slots = _retract(view, running, plan, 1, free, slots, cfg)
+        if len(plan.victims) == before:
+            break  # everyone left is protected: the worker decodes whom it can
+    free -= decode_need(view, running, steps)
+    free, slots = _take_resumes(view, retracted, plan, steps, free, slots, cfg)
+    if not retracted:
+        _take_admissions(view, waiting, plan, steps, free, slots, cfg, best_room_elsewhere, reserve)
+    if running or plan.resume or plan.admit:
+        plan.decode_steps = steps
+    return plan
+
+
+def _retract(view: WorkerView, running: list[Request], plan: Plan, count: int, free: int,
+             slots: int, cfg: SchedulerConfig) -> tuple[int, int]:
+    for victim in order_victims(running, cfg.victim_order, cfg.max_retractions)[:count]:
+        running.remove(victim)
+        plan.victims.append(victim)
+        free += view.held(victim)
+        slots += 1
+    return free, slots
+
+
+def _fits(tokens: int, view: WorkerView, free: int, slots: int) -> bool:
+    return slots >= 1 and pages(tokens, view.page_size) * view.page_size <= free
+
+
+def _take_resumes(view: WorkerView, retracted: deque[Request], plan: Plan, steps: int, free: int,
+                  slots: int, cfg: SchedulerConfig) -> tuple[int, int]:
+    cap = cfg.max_batch_size or 1 << 30
+    while retracted and len(view.running) - len(plan.victims) + len(plan.resume) < cap:
+        r = retracted[0]
+        need = r.num_cached + 1 + min(steps, max(r.remaining, 0))
+        if not _fits(need, view, free, slots):
+            break
+        retracted.popleft()
+        plan.resume.append(r)
+        free -= pages(need, view.page_size) * view.page_size
+        slots -= 1
+    return free, slots
+
+
+def _take_admissions(view: WorkerView, waiting: deque[Request], plan: Plan, steps: int, free: int,
+                     slots: int, cfg: SchedulerConfig, best_room_elsewhere: float, reserve: bool) -> None:
+    cap = cfg.max_batch_size or 1 << 30
+    if view.room() < best_room_elsewhere:
+        return  # another worker has more room: it takes the next admission
+    if reserve:  # no-overcommit baseline: running requests keep room for their whole budget
+        free -= sum(pages(len(r.prompt_ids) + r.sampling.max_new_tokens, view.page_size) * view.page_size
+                    - view.held(r) for r in view.running)
+    running = len(view.running) - len(plan.victims) + len(plan.resume)
+    while waiting and running + len(plan.admit) < cap:
+        r = waiting[0]
+        budget = r.sampling.max_new_tokens if reserve else min(steps, r.sampling.max_new_tokens)
+        need = len(r.prompt_ids) + budget
+        if not _fits(need, view, free, slots):
+            break
+        waiting.popleft()
+        plan.admit.append(r)
+        free -= pages(need, view.page_size) * view.page_size
+        slots -= 1

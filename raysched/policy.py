@@ -1,0 +1,64 @@
+"""Scheduling policy as pure functions (torch-free, no Ray): victim order, KV need, cost model."""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable
+
+from raysched.request import Request
+
+VICTIM_ORDERS = ("fewest_generated", "most_generated", "newest", "oldest", "largest_memory")
+
+
+def victim_key(order: str):
+    """Sort key: the request to retract first sorts first."""
+    keys = {
+        # SGLang's default: fewest generated tokens first, then the longest prompt.
+        "fewest_generated": lambda r: (r.num_generated, -len(r.prompt_ids)),
+        "most_generated": lambda r: (-r.num_generated, -len(r.prompt_ids)),
+        "newest": lambda r: -r.arrival_s,
+        "oldest": lambda r: r.arrival_s,
+        "largest_memory": lambda r: -r.num_cached,
+    }
+    if order not in keys:
+        raise ValueError(f"unknown victim order {order!r}; choose from {list(VICTIM_ORDERS)}")
+    return keys[order]
+
+
+def order_victims(running: Iterable[Request], order: str, max_retractions: int) -> list[Request]:
+    """Retraction candidates, best victim first; requests retracted `max_retractions` times are
+    protected (they can no longer be picked), which guarantees progress."""
+    candidates = [r for r in running if r.retractions < max_retractions]
+    return sorted(candidates, key=victim_key(order))
+
+
+def pages(tokens: int, page_size: int) -> int:
+    return -(-tokens // page_size)
+
+
+def decode_need(req: Request, allocated: int, steps: int, page_size: int) -> int:
+    """KV tokens (page-rounded) `req` must newly take to run `steps` more decode steps."""
+    target = req.num_cached + min(steps, max(req.remaining, 0))
+    return max(0, pages(target, page_size) - pages(allocated, page_size)) * page_size
+
+
+def snapshot_cost_s(num_bytes: int, copy_bytes_per_s: float) -> float:
+    """Time to snapshot, move and restore: the bytes cross memory about four times
+    (gather, object store in, object store out, scatter)."""
+    if copy_bytes_per_s <= 0:
+        return math.inf
+    return 4.0 * num_bytes / copy_bytes_per_s
+
+
+def recompute_cost_s(num_tokens: int, prefill_tokens_per_s: float) -> float:
+    if prefill_tokens_per_s <= 0:
+        return math.inf
+    return num_tokens / prefill_tokens_per_s
+
+
+def choose_retract_mode(num_tokens: int, num_bytes: int, copy_bytes_per_s: float,
+                        prefill_tokens_per_s: float) -> str:
+    """'snapshot' or 'recompute', whichever is estimated cheaper for this request."""
+    snap = snapshot_cost_s(num_bytes, copy_bytes_per_s)
+    recompute = recompute_cost_s(num_tokens, prefill_tokens_per_s)
+    return "snapshot" if snap <= recompute else "recompute"

@@ -1,0 +1,84 @@
+"""A request's life as the scheduler tracks it (torch-free).
+
+    WAITING --admit--> RUNNING --finish--> FINISHED
+                         |  ^
+                 retract |  | resume (snapshot restore, or recompute prefill)
+                         v  |
+                      RETRACTED
+    any state --abort--> ABORTED;  unrecoverable error --> FAILED
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from raysched.sampling import SamplingParams
+
+
+class State(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    RETRACTED = "retracted"
+    FINISHED = "finished"
+    ABORTED = "aborted"
+    FAILED = "failed"
+
+    @property
+    def is_done(self) -> bool:
+        return self in (State.FINISHED, State.ABORTED, State.FAILED)
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    sampling: SamplingParams
+    arrival_s: float = field(default_factory=time.monotonic)
+    output_ids: list[int] = field(default_factory=list)
+    state: State = State.WAITING
+    worker: int | None = None  # where it runs now
+    workers: list[int] = field(default_factory=list)  # every worker it ran on, in order
+    retractions: int = 0
+    snapshot_ref: Any = None  # ray.ObjectRef of its Snapshot while RETRACTED by snapshot
+    snapshot_bytes: int = 0
+    recompute: bool = False  # resume by re-prefilling prompt + outputs instead of a snapshot
+    first_token_s: float | None = None
+    finish_s: float | None = None
+    finish_reason: str | None = None
+    error: str | None = None
+
+    @property
+    def token_ids(self) -> tuple[int, ...]:
+        return self.prompt_ids + tuple(self.output_ids)
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.output_ids)
+
+    @property
+    def num_cached(self) -> int:
+        """Tokens whose KV/Mamba state exists while running (the last token is not fed yet)."""
+        return len(self.prompt_ids) + len(self.output_ids) - 1
+
+    @property
+    def remaining(self) -> int:
+        return self.sampling.max_new_tokens - len(self.output_ids)
+
+    def add_tokens(self, tokens: list[int], now: float) -> None:
+        if tokens and self.first_token_s is None:
+            self.first_token_s = now
+        self.output_ids.extend(tokens)
+
+    def result(self) -> dict:
+        """The public record of a finished request (what `RequestHandle.result()` returns)."""
+        return {
+            "request_id": self.request_id, "prompt_ids": list(self.prompt_ids),
+            "token_ids": list(self.output_ids), "state": self.state.value,
+            "finish_reason": self.finish_reason, "error": self.error,
+            "workers": list(self.workers), "retractions": self.retractions,
+            "ttft_s": None if self.first_token_s is None else self.first_token_s - self.arrival_s,
+            "latency_s": None if self.finish_s is None else self.finish_s - self.arrival_s,
+        }

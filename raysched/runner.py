@@ -1,0 +1,112 @@
+"""Drive a workload through a client: submit at arrival times, show progress, build the report."""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import ray
+
+from raysched.client import Client
+from raysched.sampling import RequestError
+from raysched.workload import RequestSpec
+
+
+def run_workload(client: Client, specs: list[RequestSpec], progress: bool = True) -> dict:
+    """Submit every request at its arrival time, wait for all, return the report dict."""
+    start = time.monotonic()
+    pending: dict[Any, RequestSpec] = {}
+    records: list[dict] = []
+    order = sorted(specs, key=lambda s: s.arrival_s)
+    i, last_print = 0, 0.0
+    while i < len(order) or pending:
+        now = time.monotonic() - start
+        while i < len(order) and order[i].arrival_s <= now:
+            _submit(client, order[i], pending, records)
+            i += 1
+        wait_s = 0.25 if i >= len(order) else max(0.0, min(0.25, order[i].arrival_s - now))
+        if pending:
+            done, _ = ray.wait(list(pending), num_returns=len(pending), timeout=wait_s)
+            for ref in done:
+                pending.pop(ref)
+                records.append(ray.get(ref))
+        else:
+            time.sleep(wait_s)
+        if progress and time.monotonic() - last_print > 1.0:
+            last_print = time.monotonic()
+            _print_progress(client, len(records), len(specs), time.monotonic() - start)
+    return build_report(records, client.stats(), time.monotonic() - start, client.check_idle())
+
+
+def _submit(client: Client, spec: RequestSpec, pending: dict, records: list[dict]) -> None:
+    try:
+        handle = client.submit(list(spec.prompt_ids), spec.sampling, spec.request_id)
+    except RequestError as err:
+        records.append({"request_id": spec.request_id, "prompt_ids": list(spec.prompt_ids),
+                        "token_ids": [], "state": "rejected", "error": str(err), "workers": [],
+                        "retractions": 0, "ttft_s": None, "latency_s": None, "finish_reason": None})
+        return
+    pending[client.scheduler.wait.remote(handle.request_id)] = spec
+
+
+def _print_progress(client: Client, done: int, total: int, elapsed: float) -> None:
+    s = client.stats()
+    print(f"\r[{elapsed:6.1f}s] done {done}/{total}  tokens {s['tokens']}  "
+          f"retractions {s['retractions']}  migrations {s['migrations']}  "
+          f"running {s['tables']['running']}  retracted {s['tables']['retracted']}   ",
+          end="", file=sys.stderr, flush=True)
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    xs = sorted(values)
+    k = min(len(xs) - 1, max(0, round(q / 100 * (len(xs) - 1))))
+    return xs[k]
+
+
+def build_report(records: list[dict], stats: dict, duration_s: float, idle: dict) -> dict:
+    finished = [r for r in records if r["state"] == "finished"]
+    lat = [r["latency_s"] for r in finished if r["latency_s"] is not None]
+    ttft = [r["ttft_s"] for r in finished if r["ttft_s"] is not None]
+    tokens = sum(len(r["token_ids"]) for r in finished)
+    summary = {
+        "requests": len(records), "finished": len(finished),
+        "rejected": sum(r["state"] == "rejected" for r in records),
+        "failed": sum(r["state"] in ("failed", "aborted") for r in records),
+        "tokens": tokens, "duration_s": round(duration_s, 3),
+        "tokens_per_s": round(tokens / duration_s, 2) if duration_s > 0 else None,
+        "latency_p50_s": percentile(lat, 50), "latency_p99_s": percentile(lat, 99),
+        "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
+    }
+    for key in ("retractions", "retractions_snapshot", "retractions_recompute", "resumes", "migrations",
+                "cross_node_migrations", "snapshot_bytes", "snapshots_refused", "worker_failures",
+                "workers_replaced", "recovered", "calls"):
+        summary[key] = stats.get(key)
+    summary["idle_after"] = idle
+    summary.update({k: v for k, v in stats.items() if k.startswith("object_store")})
+    records.sort(key=lambda r: r["request_id"])
+    return {"summary": summary, "requests": records}
+
+
+def format_summary(summary: dict, echo: Callable[[str], None] = print) -> None:
+    rows = [("requests", summary["requests"]), ("finished", summary["finished"]),
+            ("rejected", summary["rejected"]), ("tokens", summary["tokens"]),
+            ("duration", f"{summary['duration_s']:.2f} s"), ("throughput", f"{summary['tokens_per_s']} tokens/s"),
+            ("retractions", f"{summary['retractions']} (snapshot {summary['retractions_snapshot']}, "
+                            f"recompute {summary['retractions_recompute']})"),
+            ("migrations", f"{summary['migrations']} ({summary['cross_node_migrations']} across nodes)"),
+            ("snapshot bytes", summary["snapshot_bytes"]),
+            ("latency p50 / p99", _pair(summary["latency_p50_s"], summary["latency_p99_s"])),
+            ("ttft p50 / p99", _pair(summary["ttft_p50_s"], summary["ttft_p99_s"])),
+            ("worker failures", summary["worker_failures"])]
+    echo("summary")
+    for name, value in rows:
+        echo(f"  {name:<20} {value}")
+
+
+def _pair(a: float | None, b: float | None) -> str:
+    fmt = lambda x: "-" if x is None else f"{x * 1000:.0f} ms"  # noqa: E731
+    return f"{fmt(a)} / {fmt(b)}"

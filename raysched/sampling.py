@@ -1,0 +1,146 @@
+"""Per-request sampling parameters and request validation.
+
+A `SamplingParams` is valid from the moment it exists (checked in ``__post_init__``); checks that
+need the model's vocabulary run in `validate`. Bad user input raises `RequestError`, whose message
+names the field and the value. This module never imports torch.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+MAX_SEED = 2**64  # seeds are unsigned 64-bit (the sampler mixes them with SplitMix64)
+
+
+class RequestError(ValueError):
+    """A request (prompt or sampling parameters) is invalid; the message names field and value."""
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_token(value: Any) -> bool:
+    """An integer token id; numpy integers count, bools do not."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_finite_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick each new token of one request.
+
+    temperature 0 is greedy; otherwise tokens are drawn from softmax(logits / temperature) cut to
+    the top_p nucleus, with randomness that depends only on (seed, token index).
+
+    >>> SamplingParams(max_new_tokens=8, temperature=0.7, seed=3).to_dict()["temperature"]
+    0.7
+    >>> SamplingParams(top_p=0)
+    Traceback (most recent call last):
+    ...
+    raysched.sampling.RequestError: sampling: top_p must be in (0, 1], got 0
+    """
+
+    max_new_tokens: int = 16
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0  # nucleus mass, in (0, 1]
+    seed: int = 0  # per-request randomness, in [0, 2**64)
+    stop_token_ids: tuple[int, ...] = ()  # generation ends after emitting any of these
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Raise RequestError for a bad value; with `vocab_size`, stop ids must lie in the vocab."""
+        if not _is_int(self.max_new_tokens) or self.max_new_tokens <= 0:
+            raise _error("max_new_tokens must be a positive integer", self.max_new_tokens)
+        if not _is_finite_number(self.temperature) or self.temperature < 0:
+            raise _error("temperature must be a finite number >= 0", self.temperature)
+        if not _is_finite_number(self.top_p) or not 0 < self.top_p <= 1:
+            raise _error("top_p must be in (0, 1]", self.top_p)
+        if not _is_int(self.seed) or not 0 <= self.seed < MAX_SEED:
+            raise _error("seed must be an integer in [0, 2**64)", self.seed)
+        self._validate_stop_ids(vocab_size)
+
+    def _validate_stop_ids(self, vocab_size: int | None) -> None:
+        if not isinstance(self.stop_token_ids, tuple):
+            raise _error("stop_token_ids must be a tuple of ints", self.stop_token_ids)
+        upper = math.inf if vocab_size is None else vocab_size
+        for i, token in enumerate(self.stop_token_ids):
+            if not _is_int(token) or not 0 <= token < upper:
+                bound = "a non-negative int" if vocab_size is None else f"an int in [0, {vocab_size})"
+                raise _error(f"stop_token_ids[{i}] must be {bound}", token)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON data; ``SamplingParams.from_dict(p.to_dict()) == p``."""
+        return {"max_new_tokens": self.max_new_tokens, "temperature": self.temperature,
+                "top_p": self.top_p, "seed": self.seed, "stop_token_ids": list(self.stop_token_ids)}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> SamplingParams:
+        """Build from plain data; absent keys take defaults, unknown keys raise RequestError.
+
+        >>> SamplingParams.from_dict({"max_new_tokens": 4, "stop_token_ids": [2]})
+        SamplingParams(max_new_tokens=4, temperature=0.0, top_p=1.0, seed=0, stop_token_ids=(2,))
+        """
+        if not isinstance(data, Mapping):
+            raise _error("sampling params must be a mapping", data)
+        unknown = sorted(str(k) for k in data if k not in _FIELDS)
+        if unknown:
+            raise RequestError(f"sampling: unknown key {unknown[0]!r} (known: {', '.join(_FIELDS)})")
+        values = dict(data)
+        if "stop_token_ids" in values:
+            values["stop_token_ids"] = _as_tuple(values["stop_token_ids"])
+        for name in ("temperature", "top_p"):
+            if name in values and _is_finite_number(values[name]):
+                values[name] = float(values[name])
+        return cls(**values)
+
+
+_FIELDS = ("max_new_tokens", "temperature", "top_p", "seed", "stop_token_ids")
+
+
+def _error(what: str, value: Any) -> RequestError:
+    return RequestError(f"sampling: {what}, got {value!r}")
+
+
+def _as_tuple(value: Any) -> Any:
+    """Lists become tuples; anything else is left for `validate` to reject."""
+    return tuple(value) if isinstance(value, (list, tuple)) else value
+
+
+def validate_prompt(prompt_ids: Sequence[int], vocab_size: int) -> tuple[int, ...]:
+    """Check a prompt's token ids and return them as a tuple of ints.
+
+    Raises RequestError for an empty prompt, a non-integer id, or an id outside [0, vocab_size),
+    naming the first bad position and its value.
+
+    >>> validate_prompt([1, 2, 3], vocab_size=10)
+    (1, 2, 3)
+    >>> validate_prompt([1, 12, 3], vocab_size=10)
+    Traceback (most recent call last):
+    ...
+    raysched.sampling.RequestError: prompt: token id at position 1 is 12, outside [0, 10)
+    """
+    if isinstance(prompt_ids, (str, bytes)) or not isinstance(prompt_ids, Sequence):
+        raise RequestError(f"prompt: must be a sequence of token ids, got {type(prompt_ids).__name__}")
+    if len(prompt_ids) == 0:
+        raise RequestError("prompt: must not be empty")
+    for position, token in enumerate(prompt_ids):
+        if not _is_token(token):
+            raise RequestError(f"prompt: token id at position {position} must be an int, got {token!r}")
+        if not 0 <= token < vocab_size:
+            raise RequestError(
+                f"prompt: token id at position {position} is {token}, outside [0, {vocab_size})")
+    return tuple(int(token) for token in prompt_ids)

@@ -1,0 +1,372 @@
+"""The scheduler actor: the single authority over requests and workers.
+
+One async actor. It owns the worker actors (it starts them), the request table, the waiting
+queue and the retracted queue. One asyncio task per worker runs the loop
+
+    plan (pure, `planner.plan_step`)  ->  retract victims + step call  ->  apply the result
+
+so a slow worker never blocks the others, and `submit` / `abort` / `stats` get through between
+awaits. Snapshots of retracted requests are fetched to the scheduler's node and put back into the
+object store by the scheduler itself, so they survive the loss of the worker (or node) that took
+them. Torch is never imported here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+
+from raysched.config import ServeConfig
+from raysched.messages import PrefillItem, StepPlan, StepResult, Usage, WorkerInfo
+from raysched.planner import Plan, WorkerView, plan_step
+from raysched.policy import choose_retract_mode
+from raysched.request import Request, State
+from raysched.sampling import RequestError, SamplingParams, validate_prompt
+from raysched.stats import Counters
+
+log = logging.getLogger("raysched.scheduler")
+
+
+@dataclass
+class WorkerSlot:
+    index: int
+    handle: Any
+    info: WorkerInfo
+    view: WorkerView
+    alive: bool = True
+    event: asyncio.Event = field(default_factory=asyncio.Event)
+    task: asyncio.Task | None = None
+
+
+class Scheduler:
+    def __init__(self, config: ServeConfig) -> None:
+        self.config = config
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.retracted: deque[Request] = deque()
+        self.workers: list[WorkerSlot] = []
+        self.counters = Counters()
+        self._progress: dict[str, asyncio.Event] = {}
+        self._next_id = 0
+        self._closing = False
+        self._fatal: str | None = None
+
+    # ================================================================== lifecycle
+    async def start(self) -> list[dict]:
+        """Start the worker actors and their loops; returns one line of facts per worker."""
+        from raysched.workers import spawn_worker
+
+        handles = [spawn_worker(self.config, i) for i in range(self.config.workers)]
+        infos = await asyncio.gather(*[h.info.remote() for h in handles])
+        for h, info in zip(handles, infos):
+            self._add_worker(h, info)
+        self._check_same_model()
+        return [self._worker_line(w) for w in self.workers]
+
+    def _add_worker(self, handle: Any, info: WorkerInfo) -> WorkerSlot:
+        u = info.usage
+        view = WorkerView(info.index, u.kv_free_tokens, u.mamba_free_slots, u.kv_total_tokens,
+                          u.mamba_total_slots, u.page_size)
+        slot = WorkerSlot(info.index, handle, info, view)
+        self.workers.append(slot)
+        slot.task = asyncio.get_running_loop().create_task(self._loop(slot))
+        return slot
+
+    def _check_same_model(self) -> None:
+        prints = {w.info.fingerprint for w in self.workers}
+        if len(prints) > 1:
+            raise RuntimeError(f"workers loaded different models: {sorted(prints)}")
+
+    @staticmethod
+    def _worker_line(w: WorkerSlot) -> dict:
+        return {"worker": w.index, "node": w.info.node_id, "device": w.info.device,
+                "kv_tokens": w.info.usage.kv_total_tokens, "mamba_slots": w.info.usage.mamba_total_slots,
+                "vocab_size": w.info.vocab_size, "max_context": w.info.max_context}
+
+    async def shutdown(self) -> None:
+        self._closing = True
+        for w in self.workers:
+            w.event.set()
+            if w.task:
+                w.task.cancel()
+        for r in self.requests.values():
+            r.snapshot_ref = None
+        for w in self.workers:
+            ray.kill(w.handle)
+
+    # ================================================================== client API
+    async def submit(self, prompt_ids: list[int], sampling: dict | None = None,
+                     request_id: str | None = None) -> str:
+        """Validate and queue a request; returns its id. Bad input raises RequestError at once."""
+        self._raise_if_fatal()
+        params = SamplingParams.from_dict(sampling or {})
+        prompt = self._validate(prompt_ids, params)
+        rid = request_id or f"req-{self._next_id}"
+        self._next_id += 1
+        if rid in self.requests:
+            raise RequestError(f"request id {rid!r} is already in use")
+        req = Request(rid, prompt, params)
+        self.requests[rid] = req
+        self._progress[rid] = asyncio.Event()
+        self.waiting.append(req)
+        self.counters.submitted += 1
+        self._notify()
+        return rid
+
+    def _validate(self, prompt_ids: list[int], params: SamplingParams) -> tuple[int, ...]:
+        info = self.workers[0].info
+        validate_prompt(prompt_ids, info.vocab_size)
+        params.validate(info.vocab_size)
+        total = len(prompt_ids) + params.max_new_tokens
+        if total > info.max_context:
+            raise RequestError(f"prompt ({len(prompt_ids)}) + max_new_tokens ({params.max_new_tokens}) = "
+                               f"{total} exceeds the model context of {info.max_context} tokens")
+        largest = max(w.view.total_tokens for w in self.workers if w.alive)
+        if total - 1 > largest:
+            raise RequestError(f"prompt ({len(prompt_ids)}) + max_new_tokens ({params.max_new_tokens}) needs "
+                               f"{total - 1} KV tokens, more than the largest worker pool ({largest}); "
+                               f"it could never finish")
+        return tuple(int(t) for t in prompt_ids)
+
+    async def abort(self, request_id: str) -> bool:
+        """Abort a request at any stage; False if it had already ended."""
+        req = self.requests.get(request_id)
+        if req is None or req.state.is_done:
+            return False
+        if req.state is State.WAITING:
+            self.waiting.remove(req)
+        elif req.state is State.RETRACTED and req in self.retracted:
+            self.retracted.remove(req)
+        req.snapshot_ref = None  # releases the snapshot from the object store
+        self._finish(req, State.ABORTED, "abort")
+        return True
+
+    async def wait(self, request_id: str, timeout: float | None = None) -> dict:
+        """Wait for the request to end; returns its record and forgets it."""
+        req = self._get(request_id)
+        while not req.state.is_done:
+            self._raise_if_fatal()
+            await asyncio.wait_for(self._progress[request_id].wait(), timeout)
+            self._progress[request_id].clear()
+        self.requests.pop(request_id, None)
+        self._progress.pop(request_id, None)
+        return req.result()
+
+    async def next_tokens(self, request_id: str, cursor: int) -> tuple[list[int], bool]:
+        """Tokens generated after `cursor` (waits for at least one unless the request ended)."""
+        req = self._get(request_id)
+        while len(req.output_ids) <= cursor and not req.state.is_done:
+            self._raise_if_fatal()
+            await self._progress[request_id].wait()
+            self._progress[request_id].clear()
+        return req.output_ids[cursor:], req.state.is_done
+
+    def _get(self, request_id: str) -> Request:
+        try:
+            return self.requests[request_id]
+        except KeyError:
+            raise RequestError(f"unknown request id {request_id!r}") from None
+
+    async def stats(self) -> dict:
+        return self.counters.summary(self._table_sizes(), [w.view for w in self.workers])
+
+    def _table_sizes(self) -> dict:
+        return {"requests": len(self.requests), "waiting": len(self.waiting),
+                "retracted": len(self.retracted),
+                "snapshots_held": sum(r.snapshot_ref is not None for r in self.requests.values()),
+                "running": sum(len(w.view.running) for w in self.workers)}
+
+    async def check_idle(self) -> dict:
+        """Every worker's pool empty and every table empty? (for tests and the run summary)"""
+        alive = [w for w in self.workers if w.alive]
+        idle = await asyncio.gather(*[w.handle.is_idle.remote() for w in alive])
+        return {"workers_idle": all(idle), "tables": self._table_sizes()}
+
+    # ================================================================== worker loop
+    async def _loop(self, w: WorkerSlot) -> None:
+        try:
+            while not self._closing and w.alive:
+                plan = self._plan(w)
+                if plan.is_empty():
+                    w.event.clear()
+                    await w.event.wait()
+                    continue
+                await self._execute(w, plan)
+        except asyncio.CancelledError:
+            pass
+        except Exception as err:  # a bug in the scheduler itself: fail loudly, do not hang clients
+            log.exception("worker loop %d crashed", w.index)
+            self._fatal = f"scheduler loop for worker {w.index} crashed: {err!r}"
+            self._notify_all_requests()
+
+    def _plan(self, w: WorkerSlot) -> Plan:
+        best_elsewhere = max((o.view.room() for o in self.workers if o is not w and o.alive), default=-1.0)
+        reserve = self.config.scheduler.admission == "reserve"
+        return plan_step(w.view, self.waiting, self.retracted, self.config.scheduler, best_elsewhere, reserve)
+
+    async def _execute(self, w: WorkerSlot, plan: Plan) -> None:
+        snap_victims, drop = self._apply_victims(w, plan)
+        resume_snap = [r for r in plan.resume if not r.recompute]
+        prefill = [_prefill_item(r) for r in plan.resume if r.recompute] + [_prefill_item(r) for r in plan.admit]
+        self._mark_running(w, plan.resume + plan.admit)
+        step = StepPlan(tuple(drop), tuple(r.request_id for r in resume_snap), tuple(prefill), plan.decode_steps)
+        retract_refs = [w.handle.retract.remote(r.request_id) for r in snap_victims]
+        step_ref = w.handle.step.remote(step, *[r.snapshot_ref for r in resume_snap])
+        w.view.calls += 1
+        results = await asyncio.gather(step_ref, *retract_refs, return_exceptions=True)
+        self._on_result(w, plan, results[0], resume_snap)
+        await self._on_snapshots(w, snap_victims, results[1:])
+        self._notify()
+
+    def _apply_victims(self, w: WorkerSlot, plan: Plan) -> tuple[list[Request], list[str]]:
+        """Move victims out of RUNNING; returns (victims to snapshot, ids to drop)."""
+        snap, drop = [], [r.request_id for r in w.view.running if r.state is State.ABORTED]
+        w.view.running = [r for r in w.view.running if r.state is State.RUNNING]
+        tokens_gained = 0
+        for r in plan.victims:
+            w.view.running.remove(r)
+            tokens_gained += w.view.held(r)
+            r.state, r.retractions = State.RETRACTED, r.retractions + 1
+            if self._retract_mode(w, r) == "snapshot":
+                snap.append(r)
+            else:
+                r.recompute = True
+                drop.append(r.request_id)
+                self.retracted.append(r)
+            self.counters.on_retract(r.recompute)
+        if plan.victims:
+            log.info("Retract requests on worker %d: #retracted_reqs: %d, #new_tokens_gained: %d, "
+                     "#mamba_slots_gained: %d", w.index, len(plan.victims), tokens_gained, len(plan.victims))
+        return snap, drop
+
+    def _retract_mode(self, w: WorkerSlot, r: Request) -> str:
+        mode = self.config.scheduler.retract
+        if mode != "auto":
+            return mode
+        info = w.info
+        nbytes = r.num_cached * info.kv_bytes_per_token + info.mamba_bytes_per_slot
+        return choose_retract_mode(r.num_cached + 1, nbytes, info.copy_bytes_per_s, info.prefill_tokens_per_s)
+
+    def _mark_running(self, w: WorkerSlot, reqs: list[Request]) -> None:
+        for r in reqs:
+            if r.state is State.RETRACTED:
+                self.counters.on_resume(r.recompute, migrated=bool(r.workers) and r.workers[-1] != w.index,
+                                        cross_node=self._cross_node(r, w))
+            r.state, r.worker = State.RUNNING, w.index
+            r.workers.append(w.index)
+            w.view.running.append(r)
+
+    def _cross_node(self, r: Request, w: WorkerSlot) -> bool:
+        if not r.workers:
+            return False
+        last = self.workers[r.workers[-1]] if r.workers[-1] < len(self.workers) else None
+        return last is not None and last.info.node_id != w.info.node_id
+
+    # ================================================================== results
+    def _on_result(self, w: WorkerSlot, plan: Plan, result: Any, resumed: list[Request]) -> None:
+        if isinstance(result, BaseException):
+            self._on_worker_failure(w, result)
+            return
+        now = time.monotonic()
+        assert isinstance(result, StepResult)
+        self._update_view(w, result)
+        for rid, toks in result.new_tokens.items():
+            req = self.requests.get(rid)
+            if req is not None and req.state is State.RUNNING:
+                req.add_tokens(toks, now)
+                self.counters.tokens += len(toks)
+                self._progress[rid].set()
+        for r in resumed:
+            if r.request_id not in result.not_admitted and r.request_id not in result.resume_failed:
+                r.snapshot_ref = None  # restored: release the object
+        self._requeue(w, result)
+        for rid, reason in result.finished.items():
+            req = self.requests.get(rid)
+            if req is not None and req.state is State.RUNNING:
+                self._finish(req, State.FINISHED, reason)
+        self.counters.on_step(w.index, result, now)
+
+    def _update_view(self, w: WorkerSlot, result: StepResult) -> None:
+        u: Usage = result.usage
+        w.view.free_tokens, w.view.free_slots = u.kv_free_tokens, u.mamba_free_slots
+        w.view.allocated = dict(result.allocated)
+
+    def _requeue(self, w: WorkerSlot, result: StepResult) -> None:
+        """Resumes/prefills that did not fit go back to the head of their queue."""
+        for rid, why in result.resume_failed.items():
+            req = self.requests[rid]
+            log.warning("snapshot of %s refused on worker %d (%s); recomputing it instead", rid, w.index, why)
+            req.snapshot_ref, req.recompute = None, True
+            self.counters.snapshots_refused += 1
+            self._unrun(w, req, front=True)
+        for rid in result.not_admitted:
+            self._unrun(w, self.requests[rid], front=True)
+
+    def _unrun(self, w: WorkerSlot, req: Request, front: bool) -> None:
+        if req in w.view.running:
+            w.view.running.remove(req)
+        if req.workers and req.workers[-1] == w.index:
+            req.workers.pop()
+        fresh = req.num_generated == 0 and not req.retractions
+        req.state = State.WAITING if fresh else State.RETRACTED
+        queue = self.waiting if fresh else self.retracted
+        queue.appendleft(req) if front else queue.append(req)
+
+    async def _on_snapshots(self, w: WorkerSlot, victims: list[Request], results: list[Any]) -> None:
+        for req, snap in zip(victims, results):
+            if isinstance(snap, BaseException):
+                log.warning("retraction of %s on worker %d failed (%r); it will be recomputed",
+                            req.request_id, w.index, snap)
+                req.recompute = True
+            elif req.state is State.RETRACTED:  # re-own the bytes on our node: survives worker loss
+                req.snapshot_ref, req.snapshot_bytes = ray.put(snap), snap.nbytes
+                self.counters.snapshot_bytes += snap.nbytes
+            if req.state is State.RETRACTED:
+                self.retracted.append(req)
+
+    def _on_worker_failure(self, w: WorkerSlot, err: BaseException) -> None:
+        """The worker died: recompute whatever ran there from the token history we hold."""
+        log.error("worker %d failed: %r; recovering its %d requests", w.index, err, len(w.view.running))
+        w.alive = False
+        self.counters.worker_failures += 1
+        for req in list(w.view.running):
+            req.recompute, req.snapshot_ref = True, None if not req.snapshot_ref else req.snapshot_ref
+            req.state = State.RETRACTED
+            self.retracted.appendleft(req)
+            self.counters.recovered += 1
+        w.view.running = []
+        if not any(x.alive for x in self.workers):
+            self._fatal = "every worker has failed"
+            self._notify_all_requests()
+
+    # ================================================================== helpers
+    def _finish(self, req: Request, state: State, reason: str) -> None:
+        req.state, req.finish_reason, req.finish_s = state, reason, time.monotonic()
+        if req.worker is not None:
+            view = self.workers[req.worker].view
+            if req in view.running and state is not State.ABORTED:
+                view.running.remove(req)
+        self.counters.on_finish(req)
+        self._progress[req.request_id].set()
+
+    def _notify(self) -> None:
+        for w in self.workers:
+            w.event.set()
+
+    def _notify_all_requests(self) -> None:
+        for ev in self._progress.values():
+            ev.set()
+
+    def _raise_if_fatal(self) -> None:
+        if self._fatal:
+            raise RuntimeError(self._fatal)
+
+
+def _prefill_item(r: Request) -> PrefillItem:
+    return PrefillItem(r.request_id, r.token_ids, len(r.prompt_ids), r.sampling.to_dict())

@@ -1,0 +1,178 @@
+"""Shared test helpers: tiny random transformers Bamba checkpoints as the correctness reference,
+a stand-in state pool (plain tensors), and a greedy driver over `HybridLM`.
+
+transformers is imported here (tests only), never by the `actors` package.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from actors.batch import ForwardBatch
+from actors.config import ModelConfig
+from actors.model import HybridLM
+
+HF_DEFAULTS = dict(
+    vocab_size=256, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+    num_key_value_heads=2, mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=2, mamba_d_state=8,
+    mamba_d_conv=4, mamba_chunk_size=8, initializer_range=0.1, eos_token_id=None,
+)
+
+
+def make_hf_bamba(tmp_path: Path, attn_layer_indices: list[int], num_layers: int, seed: int,
+                  **overrides) -> Path:
+    """Save a seeded random `BambaForCausalLM` (fp32, safetensors) under tmp_path; return its dir.
+
+    Norm weights, D, dt_bias, A_log and all biases are perturbed away from their defaults so a
+    mix-up in any of them shows in the logits.
+    """
+    from transformers import BambaConfig, BambaForCausalLM
+
+    kwargs = {**HF_DEFAULTS, **overrides}
+    config = BambaConfig(num_hidden_layers=num_layers,
+                         attn_layer_indices=list(attn_layer_indices) or None, **kwargs)
+    torch.manual_seed(seed)
+    model = BambaForCausalLM(config).eval()
+    _perturb(model, seed)
+    name = f"bamba_l{num_layers}_a{'-'.join(map(str, attn_layer_indices)) or 'none'}_s{seed}"
+    path = Path(tmp_path) / name
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def _perturb(model: torch.nn.Module, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            leaf = name.rsplit(".", 1)[-1]
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
+            elif leaf in ("D", "dt_bias"):
+                p.copy_(0.5 + torch.rand(p.shape, generator=gen))
+            elif leaf == "A_log":
+                p.copy_((0.5 + 4 * torch.rand(p.shape, generator=gen)).log())
+            elif leaf == "bias":
+                p.copy_(0.1 * torch.randn(p.shape, generator=gen))
+
+
+def load_hf(path: Path) -> torch.nn.Module:
+    """The transformers reference model of a checkpoint dir, fp32, eval mode."""
+    from transformers import BambaForCausalLM
+
+    return BambaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+@torch.no_grad()
+def hf_prefill_logits(hf: torch.nn.Module, prompt: list[int]) -> Tensor:
+    """transformers' logits for every position of one unpadded prompt: (L, vocab) fp32."""
+    return hf(input_ids=torch.tensor([prompt]), use_cache=False).logits[0].float()
+
+
+@torch.no_grad()
+def hf_greedy(hf: torch.nn.Module, prompt: list[int], num_tokens: int) -> tuple[list[int], list[Tensor]]:
+    """Greedy decode with transformers: the tokens and each decode step's logits (vocab,).
+
+    Token 1 comes from the prefill, tokens 2..num_tokens from one step each. Steps use the
+    cache (with explicit position_ids, since RoPE would otherwise restart at 0), except for a
+    model without attention layers: transformers 5.24 cannot build its causal mask from a cache
+    holding only Mamba layers, so there every step recomputes the whole sequence.
+    """
+    if not hf.config.attn_layer_indices:
+        return _hf_greedy_uncached(hf, prompt, num_tokens)
+    out = hf(input_ids=torch.tensor([prompt]), use_cache=True)
+    cache, tokens, step_logits = out.cache, [int(out.logits[0, -1].argmax())], []
+    for step in range(num_tokens - 1):
+        pos = torch.tensor([[len(prompt) + step]])
+        out = hf(input_ids=torch.tensor([[tokens[-1]]]), cache=cache, position_ids=pos, use_cache=True)
+        cache = out.cache
+        step_logits.append(out.logits[0, -1].float())
+        tokens.append(int(step_logits[-1].argmax()))
+    return tokens, step_logits
+
+
+def _hf_greedy_uncached(hf: torch.nn.Module, prompt: list[int], num_tokens: int) -> tuple[list[int], list[Tensor]]:
+    tokens = [int(hf_prefill_logits(hf, prompt)[-1].argmax())]
+    step_logits = []
+    for _ in range(num_tokens - 1):
+        step_logits.append(hf_prefill_logits(hf, prompt + tokens)[-1])
+        tokens.append(int(step_logits[-1].argmax()))
+    return tokens, step_logits
+
+
+# ---------------------------------------------------------------------------- stand-in pool
+@dataclass
+class StandInPool:
+    """Plain pool tensors with the layout `HybridLM` expects (see `actors.model.PoolTensors`)."""
+
+    k: Tensor  # (attn layers, token slots, kv heads, head_dim)
+    v: Tensor  # (attn layers, token slots, kv heads, head_dim)
+    conv: Tensor  # (mamba layers, mamba slots, conv_dim, d_conv - 1)
+    ssm: Tensor  # (mamba layers, mamba slots, heads, head_dim, d_state) fp32
+
+
+def make_pool(config: ModelConfig, num_token_slots: int, num_mamba_slots: int,
+              dtype: torch.dtype = torch.float32) -> StandInPool:
+    """Zeroed pool tensors (slot 0 of each is left as padding by the drivers below)."""
+    c = config
+    kv = (c.num_attention_layers, num_token_slots, c.num_key_value_heads, c.head_dim)
+    conv = (c.num_mamba_layers, num_mamba_slots, c.conv_dim, c.mamba_d_conv - 1)
+    ssm = (c.num_mamba_layers, num_mamba_slots, c.mamba_n_heads, c.mamba_d_head, c.mamba_d_state)
+    return StandInPool(torch.zeros(kv, dtype=dtype), torch.zeros(kv, dtype=dtype),
+                       torch.zeros(conv, dtype=dtype), torch.zeros(ssm, dtype=torch.float32))
+
+
+# ---------------------------------------------------------------------------- greedy driver
+@dataclass
+class GreedyRun:
+    """Output of `greedy_generate`, per request."""
+
+    tokens: list[list[int]]  # generated tokens
+    prefill_logits: list[Tensor]  # (L_i, vocab) every prompt position
+    step_logits: list[list[Tensor]] = field(default_factory=list)  # per decode step, (vocab,)
+
+
+def prefill_batch(prompts: list[list[int]], regions: list[Tensor], mamba_slots: list[int]) -> ForwardBatch:
+    """One ragged prefill of whole prompts; request i's tokens go to regions[i][:L_i]."""
+    lens = [len(p) for p in prompts]
+    return ForwardBatch(
+        is_prefill=True, input_ids=torch.tensor([t for p in prompts for t in p]),
+        positions=torch.cat([torch.arange(n) for n in lens]), seq_lens=lens,
+        out_slots=torch.cat([r[:n] for r, n in zip(regions, lens)]),
+        mamba_slots=torch.tensor(mamba_slots))
+
+
+def decode_batch(last_tokens: list[int], lengths: list[int], regions: list[Tensor],
+                 mamba_slots: list[int]) -> ForwardBatch:
+    """One decode token per request; `lengths[i]` tokens of request i are already cached."""
+    return ForwardBatch(
+        is_prefill=False, input_ids=torch.tensor(last_tokens), positions=torch.tensor(lengths),
+        seq_lens=[1] * len(lengths), out_slots=torch.stack([r[n] for r, n in zip(regions, lengths)]),
+        mamba_slots=torch.tensor(mamba_slots),
+        kv_slots=[r[: n + 1] for r, n in zip(regions, lengths)])
+
+
+def greedy_generate(model: HybridLM, prompts: list[list[int]], num_tokens: int) -> GreedyRun:
+    """Prefill all prompts in one ragged batch, then decode all requests together, greedily.
+
+    Request i owns token slots [1 + i*stride, 1 + (i+1)*stride) and Mamba slot i + 1.
+    """
+    stride = max(map(len, prompts)) + num_tokens
+    pool = make_pool(model.config, 1 + len(prompts) * stride, 1 + len(prompts), model.dtype)
+    regions = [1 + i * stride + torch.arange(stride) for i in range(len(prompts))]
+    mamba = [i + 1 for i in range(len(prompts))]
+    logits = model.forward_all_logits(prefill_batch(prompts, regions, mamba), pool)  # (T, vocab)
+    per_prompt = list(logits.split([len(p) for p in prompts]))
+    run = GreedyRun([[int(l[-1].argmax())] for l in per_prompt], per_prompt,
+                    [[] for _ in prompts])
+    lengths = [len(p) for p in prompts]
+    for _ in range(num_tokens - 1):
+        step = model(decode_batch([t[-1] for t in run.tokens], lengths, regions, mamba), pool)
+        for i, row in enumerate(step):
+            run.step_logits[i].append(row)
+            run.tokens[i].append(int(row.argmax()))
+        lengths = [n + 1 for n in lengths]
+    return run

@@ -1,0 +1,303 @@
+"""The serve config: YAML in, frozen validated dataclasses out; every bad input names its key."""
+
+from __future__ import annotations
+
+import dataclasses
+import doctest
+import re
+from pathlib import Path
+
+import pytest
+
+import raysched.config
+from raysched.config import (
+    ConfigError,
+    FaultSpec,
+    PoolConfig,
+    SchedulerConfig,
+    ServeConfig,
+    load_serve_config,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+
+BRIEF_EXAMPLE = """\
+model: tiny
+dtype: float32
+workers: 2
+device: auto
+pool:
+  kv_tokens: 512
+  mamba_slots: 8
+scheduler:
+  retract: snapshot
+"""
+
+
+def write(tmp_path: Path, text: str, name: str = "serve.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+# ---------------------------------------------------------------------------- good input
+
+
+def test_brief_example_yaml_loads_with_defaults_for_the_rest(tmp_path: Path) -> None:
+    cfg = load_serve_config(write(tmp_path, BRIEF_EXAMPLE))
+    assert cfg == ServeConfig()
+    assert cfg.pool == PoolConfig(kv_tokens=512, mamba_slots=8)
+    assert cfg.scheduler.victim_order == "fewest_generated"
+    assert cfg.faults == ()
+
+
+def test_demo_serve_yaml_loads_with_small_pools() -> None:
+    cfg = load_serve_config(REPO / "examples" / "serve.yaml")
+    assert (cfg.model, cfg.workers) == ("tiny", 2)
+    assert (cfg.pool.kv_tokens, cfg.pool.mamba_slots) == (160, 4)
+    assert (cfg.scheduler.retract, cfg.scheduler.decode_steps_per_call) == ("snapshot", 4)
+
+
+def test_path_given_as_str_loads(tmp_path: Path) -> None:
+    assert load_serve_config(str(write(tmp_path, "workers: 3\n"))).workers == 3
+
+
+def test_empty_file_means_all_defaults(tmp_path: Path) -> None:
+    assert load_serve_config(write(tmp_path, "# nothing here\n")) == ServeConfig()
+
+
+def test_yaml_null_section_means_section_defaults() -> None:
+    assert load_serve_config({"pool": None, "faults": None}) == ServeConfig()
+
+
+def test_every_field_parses_from_yaml(tmp_path: Path) -> None:
+    text = """\
+model: /ckpt/bamba
+dtype: bfloat16
+workers: 3
+device: cuda
+seed: 11
+object_store_memory: 2000000000
+invariant_tile: 16
+pool: {kv_tokens: 64, mamba_slots: 2, page_size: 16}
+scheduler:
+  retract: auto
+  admission: reserve
+  victim_order: largest_memory
+  decode_steps_per_call: 1
+  force_retract_every: 5
+  max_retractions: 0
+  debug_drop_mamba_state: true
+  max_batch_size: 2
+faults:
+  - {kind: kill_worker, worker: 1, after_steps: 10}
+  - {kind: remove_node, worker: 2, after_steps: 0}
+"""
+    cfg = load_serve_config(write(tmp_path, text))
+    assert cfg.dtype == "bfloat16" and cfg.object_store_memory == 2_000_000_000
+    assert cfg.pool == PoolConfig(kv_tokens=64, mamba_slots=2, page_size=16)
+    assert cfg.scheduler == SchedulerConfig(retract="auto", admission="reserve", victim_order="largest_memory",
+                                            decode_steps_per_call=1, force_retract_every=5, max_retractions=0,
+                                            debug_drop_mamba_state=True, max_batch_size=2)
+    assert cfg.faults == (FaultSpec("kill_worker", 1, 10), FaultSpec("remove_node", 2, 0))
+
+
+def test_to_dict_round_trips_through_the_loader() -> None:
+    cfg = load_serve_config({"workers": 3, "faults": [{"kind": "kill_worker", "worker": 2, "after_steps": 4}],
+                             "pool": {"memory_bytes": 10_000, "mamba_slots": 2}})
+    assert load_serve_config(cfg.to_dict()) == cfg
+    assert load_serve_config(ServeConfig().to_dict()) == ServeConfig()
+
+
+def test_configs_are_frozen_and_replace_builds_a_new_one() -> None:
+    cfg = ServeConfig()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.workers = 4  # type: ignore[misc]
+    assert dataclasses.replace(cfg, workers=4).workers == 4
+    assert cfg.workers == 2
+
+
+# ---------------------------------------------------------------------------- bad input
+
+
+def test_unknown_nested_key_names_path_and_suggests_closest() -> None:
+    with pytest.raises(ConfigError) as e:
+        load_serve_config({"pool": {"kv_tokenz": 64}})
+    assert str(e.value) == "serve config: unknown key 'pool.kv_tokenz' (did you mean 'kv_tokens'?)"
+
+
+def test_unknown_top_level_key_suggests_closest() -> None:
+    with pytest.raises(ConfigError, match=r"unknown key 'workrs' \(did you mean 'workers'\?\)"):
+        load_serve_config({"workrs": 2})
+
+
+def test_unknown_key_without_close_match_lists_known_keys() -> None:
+    with pytest.raises(ConfigError, match=r"unknown key 'scheduler.zzz' \(known: .*max_retractions"):
+        load_serve_config({"scheduler": {"zzz": 1}})
+
+
+def test_negative_number_names_key_and_value() -> None:
+    with pytest.raises(ConfigError) as e:
+        load_serve_config({"pool": {"kv_tokens": -3}})
+    assert str(e.value) == "serve config: pool.kv_tokens must be a positive integer, got -3"
+
+
+def test_wrong_type_string_for_int_is_rejected() -> None:
+    with pytest.raises(ConfigError, match=r"^serve config: workers must be a positive integer, got 'two'$"):
+        load_serve_config({"workers": "two"})
+
+
+def test_float_for_int_is_rejected() -> None:
+    with pytest.raises(ConfigError, match=r"scheduler.decode_steps_per_call must be a positive integer, got 2.5"):
+        load_serve_config({"scheduler": {"decode_steps_per_call": 2.5}})
+
+
+def test_bool_for_int_is_rejected() -> None:
+    with pytest.raises(ConfigError, match="pool.mamba_slots must be a positive integer, got True"):
+        load_serve_config({"pool": {"mamba_slots": True}})
+
+
+def test_int_for_bool_is_rejected() -> None:
+    with pytest.raises(ConfigError, match="scheduler.debug_drop_mamba_state must be true or false, got 1"):
+        load_serve_config({"scheduler": {"debug_drop_mamba_state": 1}})
+
+
+def test_bad_enum_value_lists_choices_and_suggests() -> None:
+    with pytest.raises(ConfigError) as e:
+        load_serve_config({"scheduler": {"retract": "snapshott"}})
+    assert str(e.value) == ("serve config: scheduler.retract must be one of snapshot | recompute | auto,"
+                            " got 'snapshott' (did you mean 'snapshot'?)")
+
+
+def test_bad_dtype_is_rejected() -> None:
+    with pytest.raises(ConfigError, match=re.escape("serve config: dtype must be one of float32 | bfloat16, got 'fp16'")):
+        load_serve_config({"dtype": "fp16"})
+
+
+def test_negative_seed_is_rejected() -> None:
+    with pytest.raises(ConfigError, match=r"serve config: seed must be an integer in \[0, 2\*\*64\), got -1"):
+        load_serve_config({"seed": -1})
+
+
+def test_section_that_is_not_a_mapping_is_rejected() -> None:
+    with pytest.raises(ConfigError, match="serve config: pool must be a mapping, got 5"):
+        load_serve_config({"pool": 5})
+
+
+def test_top_level_list_is_rejected(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="serve config: must be a mapping"):
+        load_serve_config(write(tmp_path, "- workers: 2\n"))
+
+
+def test_malformed_yaml_names_file_and_line(tmp_path: Path) -> None:
+    path = write(tmp_path, "model: tiny\npool:\n  kv_tokens: [1, 2\nworkers: 2\n")
+    with pytest.raises(ConfigError, match=re.escape(f"serve config: {path}:4: malformed YAML")):
+        load_serve_config(path)
+
+
+def test_duplicate_yaml_key_is_rejected_with_line(tmp_path: Path) -> None:
+    path = write(tmp_path, "workers: 2\nmodel: tiny\nworkers: 3\n")
+    with pytest.raises(ConfigError, match=re.escape(f"{path}:3: malformed YAML: duplicate key 'workers'")):
+        load_serve_config(path)
+
+
+def test_missing_file_is_a_config_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="serve config: cannot read .*nope.yaml"):
+        load_serve_config(tmp_path / "nope.yaml")
+
+
+def test_kv_tokens_must_be_a_multiple_of_page_size() -> None:
+    with pytest.raises(ConfigError, match=r"pool.kv_tokens must be a multiple of pool.page_size \(16\), got 100"):
+        load_serve_config({"pool": {"kv_tokens": 100, "page_size": 16}})
+
+
+def test_fault_with_bad_kind_names_its_index() -> None:
+    faults = [{"kind": "kill_worker", "worker": 0, "after_steps": 1}, {"kind": "kill", "worker": 0, "after_steps": 1}]
+    message = "serve config: faults[1].kind must be one of kill_worker | remove_node, got 'kill'"
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_serve_config({"faults": faults})
+
+
+def test_fault_missing_key_is_rejected() -> None:
+    with pytest.raises(ConfigError, match=r"faults\[0\] is missing required key\(s\): after_steps"):
+        load_serve_config({"faults": [{"kind": "kill_worker", "worker": 0}]})
+
+
+def test_fault_on_a_worker_that_does_not_exist_is_rejected() -> None:
+    fault = {"kind": "remove_node", "worker": 2, "after_steps": 3}
+    with pytest.raises(ConfigError, match=r"faults\[0\].worker must be < workers \(2\), got 2"):
+        load_serve_config({"faults": [fault]})
+
+
+def test_faults_must_be_a_list() -> None:
+    with pytest.raises(ConfigError, match="serve config: faults must be a list of faults"):
+        load_serve_config({"faults": {"kind": "kill_worker"}})
+
+
+def test_direct_construction_is_validated_like_yaml() -> None:
+    with pytest.raises(ConfigError, match="serve config: pool.kv_tokens must be a positive integer, got -3"):
+        PoolConfig(kv_tokens=-3)
+    with pytest.raises(ConfigError, match="serve config: workers must be a positive integer, got 0"):
+        dataclasses.replace(ServeConfig(), workers=0)
+
+
+def test_loader_rejects_a_non_path_non_dict() -> None:
+    with pytest.raises(ConfigError, match="expected a YAML path or a dict, got int"):
+        load_serve_config(3)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------------- byte budgets
+
+
+def test_budget_without_counts_reserves_default_slots_and_gives_the_rest_to_kv() -> None:
+    pool = load_serve_config({"pool": {"memory_bytes": 10_000}}).pool
+    sized = pool.resolve(kv_bytes_per_token=10, mamba_bytes_per_slot=360)
+    assert (sized.kv_tokens, sized.mamba_slots) == (712, 8)  # 8 * 360 + 712 * 10 = 10_000
+
+
+def test_budget_with_explicit_mamba_slots_gives_the_rest_to_kv() -> None:
+    pool = load_serve_config({"pool": {"memory_bytes": 10_000, "mamba_slots": 2}}).pool
+    sized = pool.resolve(kv_bytes_per_token=10, mamba_bytes_per_slot=1000)
+    assert (sized.kv_tokens, sized.mamba_slots) == (800, 2)
+
+
+def test_budget_with_explicit_kv_tokens_gives_the_rest_to_mamba_rounded_to_pages() -> None:
+    pool = load_serve_config({"pool": {"memory_bytes": 10_000, "kv_tokens": 96, "page_size": 16}}).pool
+    sized = pool.resolve(kv_bytes_per_token=10, mamba_bytes_per_slot=1000)
+    assert (sized.kv_tokens, sized.mamba_slots) == (96, 9)
+
+
+def test_budget_with_both_counts_explicit_changes_nothing() -> None:
+    pool = load_serve_config({"pool": {"memory_bytes": 100, "kv_tokens": 64, "mamba_slots": 4}}).pool
+    assert pool.resolve(kv_bytes_per_token=10, mamba_bytes_per_slot=1000) is pool
+
+
+def test_no_budget_means_resolve_returns_the_same_pool() -> None:
+    pool = PoolConfig(kv_tokens=32)
+    assert pool.resolve(kv_bytes_per_token=10, mamba_bytes_per_slot=10) is pool
+
+
+def test_resolve_is_idempotent() -> None:
+    sized = PoolConfig(memory_bytes=10_000, page_size=8, kv_tokens=8).resolve(10, 360)
+    assert sized.kv_tokens % 8 == 0
+    assert sized.resolve(10, 360) == sized
+
+
+def test_budget_too_small_for_the_default_slots_is_a_config_error() -> None:
+    message = "serve config: pool.memory_bytes = 8000 B cannot hold 8 Mamba slot(s) of 1000 B plus 1 KV token(s)"
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        PoolConfig(memory_bytes=8000).resolve(kv_bytes_per_token=10, mamba_bytes_per_slot=1000)
+
+
+def test_budget_too_small_beside_explicit_kv_tokens_is_a_config_error() -> None:
+    pool = load_serve_config({"pool": {"memory_bytes": 1500, "kv_tokens": 100}}).pool
+    with pytest.raises(ConfigError, match=re.escape("cannot hold 1 Mamba slot(s) of 1000 B plus 100 KV token(s)")):
+        pool.resolve(kv_bytes_per_token=10, mamba_bytes_per_slot=1000)
+
+
+# ---------------------------------------------------------------------------- docs
+
+
+def test_docstring_examples_run() -> None:
+    result = doctest.testmod(raysched.config)
+    assert result.attempted > 0 and result.failed == 0

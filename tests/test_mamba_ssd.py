@@ -1,0 +1,101 @@
+"""The Mamba2 pieces held against their references: chunked SSD vs the plain recurrence, the
+decode step vs the recurrence, the conv's prefill state vs its decode step, and a whole mixer's
+prefill vs prefill-of-a-prefix followed by decode steps."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from actors.mamba import (causal_conv_prefill, causal_conv_step, ssd_chunked, ssd_sequential_ref,
+                          ssd_step)
+from actors.presets import PRESETS, load_preset
+
+CHUNK = 16
+H, P, G, N = 4, 8, 2, 16
+
+
+def _ssd_inputs(length: int, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(length, H, P, generator=gen)  # (L, H, P)
+    dt = torch.rand(length, H, generator=gen) * 0.5 + 0.01  # (L, H)
+    A = -torch.rand(H, generator=gen) * 4 - 0.5  # (H,)
+    B = torch.randn(length, G, N, generator=gen)  # (L, G, N)
+    C = torch.randn(length, G, N, generator=gen)  # (L, G, N)
+    return x, dt, A, B, C
+
+
+@pytest.mark.parametrize("length", [1, CHUNK - 1, CHUNK, 3 * CHUNK + 5])
+def test_chunked_ssd_matches_sequential_reference(length):
+    args = _ssd_inputs(length)
+    y, state = ssd_chunked(*args, CHUNK)
+    y_ref, state_ref = ssd_sequential_ref(*args, CHUNK)
+    assert y.dtype == state.dtype == torch.float32
+    assert y.shape == (length, H, P) and state.shape == (H, P, N)
+    torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(state, state_ref, rtol=1e-5, atol=1e-5)
+
+
+def test_chunked_ssd_continues_from_an_initial_state():
+    x, dt, A, B, C = _ssd_inputs(2 * CHUNK + 3, seed=1)
+    _, mid = ssd_sequential_ref(x[:10], dt[:10], A, B[:10], C[:10], CHUNK)
+    y, final = ssd_chunked(x[10:], dt[10:], A, B[10:], C[10:], CHUNK, initial_state=mid)
+    y_ref, final_ref = ssd_sequential_ref(x, dt, A, B, C, CHUNK)
+    torch.testing.assert_close(y, y_ref[10:], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(final, final_ref, rtol=1e-5, atol=1e-5)
+
+
+def test_ssd_step_matches_reference_and_touches_only_its_slot():
+    x, dt, A, B, C = _ssd_inputs(9, seed=2)
+    pool = torch.randn(4, H, P, N)  # (slots, H, P, N)
+    pool[2] = 0
+    before = pool.clone()
+    ys = [ssd_step(pool, torch.tensor([2]), x[t:t + 1], dt[t:t + 1], A, B[t:t + 1], C[t:t + 1])
+          for t in range(9)]
+    y_ref, state_ref = ssd_sequential_ref(x, dt, A, B, C, CHUNK)
+    torch.testing.assert_close(torch.cat(ys), y_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(pool[2], state_ref, rtol=1e-5, atol=1e-5)
+    for other in (0, 1, 3):
+        assert torch.equal(pool[other], before[other])
+
+
+@pytest.mark.parametrize("length", [1, 2, 3, 11])
+def test_conv_state_after_prefill_continues_with_steps(length):
+    D, K = 6, 4
+    gen = torch.Generator().manual_seed(length)
+    xBC = torch.randn(length + 5, D, generator=gen)  # (L+5, D)
+    weight, bias = torch.randn(D, 1, K, generator=gen), torch.randn(D, generator=gen)
+    full, _ = causal_conv_prefill(xBC, weight, bias)  # (L+5, D)
+    out, state = causal_conv_prefill(xBC[:length], weight, bias)  # (L, D), (D, K-1)
+    expected_state = torch.cat([torch.zeros(D, K - 1), xBC[:length].t()], dim=1)[:, -(K - 1):]
+    assert torch.equal(state, expected_state)  # last K-1 inputs, zero-padded on the left
+    pool = torch.zeros(3, D, K - 1)
+    pool[1] = state
+    steps = [causal_conv_step(pool, torch.tensor([1]), xBC[t:t + 1], weight, bias)
+             for t in range(length, length + 5)]
+    torch.testing.assert_close(torch.cat([out, *steps]), full, rtol=1e-6, atol=1e-6)
+    assert torch.equal(pool[1], xBC[-(K - 1):].t())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mixer_prefill_equals_prefix_prefill_then_decode(dtype):
+    model, config = load_preset("tiny", dtype, "cpu", seed=3)
+    mixer = model.layers[config.mamba_layer_indices[0]].mamba
+    h = torch.randn(2 * config.mamba_chunk_size + 3, config.hidden_size, generator=torch.Generator().manual_seed(0)).to(dtype)
+    conv = torch.zeros(3, config.conv_dim, config.mamba_d_conv - 1, dtype=dtype)
+    ssm = torch.zeros(3, config.mamba_n_heads, config.mamba_d_head, config.mamba_d_state)
+    with torch.inference_mode():
+        full = mixer.prefill(h, conv, ssm, slot=1)  # (L, hidden)
+        prefix = mixer.prefill(h[:-4], conv, ssm, slot=2)
+        steps = [mixer.decode(h[t:t + 1], conv, ssm, torch.tensor([2]), torch.nn.functional.linear)
+                 for t in range(h.shape[0] - 4, h.shape[0])]
+    assert ssm.dtype == torch.float32 and full.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(torch.cat([prefix, *steps]), full, rtol=tol, atol=tol)
+    torch.testing.assert_close(ssm[2], ssm[1], rtol=tol, atol=tol)
+
+
+def test_tiny_preset_is_small():
+    model, _ = load_preset("tiny", torch.float32, "cpu")
+    assert sum(p.numel() for p in model.parameters()) < 1_000_000
+    assert PRESETS["tiny"].mamba_chunk_size == CHUNK
