@@ -16,17 +16,17 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from actors.config import ModelConfig
-from actors.mamba import LinearFn
+from actors.mamba import Kernels, Pointwise, whole
 
 
-def rope_cos_sin(positions: Tensor, rotary_dim: int, theta: float,
-                 dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+def rope_cos_sin(positions: Tensor, rotary_dim: int, theta: float, dtype: torch.dtype,
+                 pointwise: Pointwise = whole) -> tuple[Tensor, Tensor]:
     """cos and sin tables (T, rotary_dim) for positions (T,), computed in fp32, cast to dtype."""
-    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.float32, device=positions.device) / rotary_dim
-    inv_freq = 1.0 / (theta ** exponents)  # (rotary_dim/2,)
+    steps = torch.arange(0, rotary_dim, 2, dtype=torch.float32, device=positions.device)  # (rd/2,)
+    inv_freq = 1.0 / (theta ** (steps / rotary_dim))  # (rd/2,)
     freqs = positions.float()[:, None] * inv_freq[None, :]  # (T, rotary_dim/2)
     angles = torch.cat([freqs, freqs], dim=-1)  # (T, rotary_dim)
-    return angles.cos().to(dtype), angles.sin().to(dtype)
+    return pointwise(torch.cos, angles).to(dtype), pointwise(torch.sin, angles).to(dtype)
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -56,38 +56,39 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(q_dim, c.hidden_size, bias=c.attention_bias, dtype=dtype)
 
     def prefill(self, h: Tensor, positions: Tensor, k_cache: Tensor, v_cache: Tensor,
-                out_slots: Tensor, linear: LinearFn = F.linear) -> Tensor:
+                out_slots: Tensor, kernels: Kernels = Kernels()) -> Tensor:
         """Causal attention over one whole sequence; stores every token's K/V at `out_slots`.
 
         h (L, hidden), positions (L,), out_slots (L,) -> (L, hidden).
         """
-        q, k, v = self._qkv(h, positions, linear)  # (L, Hq, D), (L, Hkv, D), (L, Hkv, D)
+        q, k, v = self._qkv(h, positions, kernels)  # (L, Hq, D), (L, Hkv, D), (L, Hkv, D)
         k_cache[out_slots] = k
         v_cache[out_slots] = v
         out = self._sdpa(q, k, v, causal=True)  # (L, Hq*D)
-        return linear(out, self.o_proj.weight, self.o_proj.bias)  # (L, hidden)
+        return kernels.linear(out, self.o_proj.weight, self.o_proj.bias)  # (L, hidden)
 
     def decode(self, h: Tensor, positions: Tensor, k_cache: Tensor, v_cache: Tensor,
-               out_slots: Tensor, kv_slots: list[Tensor], linear: LinearFn) -> Tensor:
+               out_slots: Tensor, kv_slots: list[Tensor], kernels: Kernels) -> Tensor:
         """One token per request: store its K/V at `out_slots` (R,), attend over `kv_slots[i]`.
 
         h (R, hidden), positions (R,); kv_slots[i] (L_i,) lists request i's token slots, the new
         one last. Returns (R, hidden).
         """
-        q, k, v = self._qkv(h, positions, linear)  # (R, Hq, D), (R, Hkv, D), (R, Hkv, D)
+        q, k, v = self._qkv(h, positions, kernels)  # (R, Hq, D), (R, Hkv, D), (R, Hkv, D)
         k_cache[out_slots] = k
         v_cache[out_slots] = v
         outs = [self._sdpa(q[i:i + 1], k_cache[s], v_cache[s], causal=False)  # (1, Hq*D)
                 for i, s in enumerate(kv_slots)]
-        return linear(torch.cat(outs), self.o_proj.weight, self.o_proj.bias)  # (R, hidden)
+        return kernels.linear(torch.cat(outs), self.o_proj.weight, self.o_proj.bias)  # (R, hidden)
 
-    def _qkv(self, h: Tensor, positions: Tensor, linear: LinearFn) -> tuple[Tensor, Tensor, Tensor]:
+    def _qkv(self, h: Tensor, positions: Tensor, kernels: Kernels) -> tuple[Tensor, Tensor, Tensor]:
         """Project and rotate: q (T, Hq, D), k (T, Hkv, D) after RoPE, v (T, Hkv, D)."""
-        c, T = self.config, h.shape[0]
+        c, T, linear = self.config, h.shape[0], kernels.linear
         q = linear(h, self.q_proj.weight, self.q_proj.bias).view(T, -1, c.head_dim)  # (T, Hq, D)
         k = linear(h, self.k_proj.weight, self.k_proj.bias).view(T, -1, c.head_dim)  # (T, Hkv, D)
         v = linear(h, self.v_proj.weight, self.v_proj.bias).view(T, -1, c.head_dim)  # (T, Hkv, D)
-        cos, sin = rope_cos_sin(positions, c.rotary_dim, c.rope_theta, h.dtype)  # (T, rd) each
+        cos, sin = rope_cos_sin(positions, c.rotary_dim, c.rope_theta, h.dtype,
+                                kernels.pointwise)  # (T, rd) each
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def _sdpa(self, q: Tensor, k: Tensor, v: Tensor, causal: bool) -> Tensor:

@@ -21,6 +21,7 @@ from actors.pools import HybridPool, PoolUsage
 from actors.sampler import sample
 from actors.snapshot import (Snapshot, SnapshotError, check_compatible, checksum, gather_state,
                              model_fingerprint, part_specs, scatter_state)
+from raysched.config import PoolConfig
 from raysched.sampling import SamplingParams
 
 
@@ -274,33 +275,42 @@ def resolve_device(spec: str) -> torch.device:
     return torch.device(spec)
 
 
-def build_engine(model: str | ModelConfig, dtype: str = "float32", device: str = "auto",
-                 kv_tokens: int = 512, mamba_slots: int = 8, page_size: int = 1,
-                 memory_bytes: int | None = None, invariant_tile: int = 8,
-                 record_logits: bool = False, seed: int = 0) -> Engine:
-    """An engine for a preset name, a checkpoint directory, or a `ModelConfig` with seeded random
-    weights, with its pool.
-
-    >>> eng = build_engine("tiny", kv_tokens=256, mamba_slots=4)
-    >>> eng.generate([[5, 17, 42]], [SamplingParams(max_new_tokens=4)])[0].__len__()
-    4
-    """
-    from actors.loader import load_hf_state_dict, weights_fingerprint
+def load_model(model: str | ModelConfig, dtype: torch.dtype, device: torch.device,
+               seed: int = 0) -> tuple[torch.nn.Module, ModelConfig]:
+    """A preset name, a checkpoint directory, or a `ModelConfig` (seeded random weights)."""
+    from actors.loader import load_hf_state_dict
     from actors.model import HybridLM
     from actors.presets import PRESETS, init_state_dict, load_preset, resolve_model
 
+    if isinstance(model, ModelConfig):
+        net = HybridLM(model, dtype, device)
+        load_hf_state_dict(net, init_state_dict(model, seed))
+        return net, model
+    if model in PRESETS:
+        return load_preset(model, dtype, device, seed)
+    return resolve_model(model, dtype, device)
+
+
+def build_engine(model: str | ModelConfig, dtype: str = "float32", device: str = "auto",
+                 kv_tokens: int = 512, mamba_slots: int = 8, page_size: int = 1,
+                 pool_config: PoolConfig | None = None, invariant_tile: int = 8,
+                 record_logits: bool = False, seed: int = 0) -> Engine:
+    """An engine and its pool. `pool_config` (with an optional byte budget) overrides the counts.
+
+    >>> eng = build_engine("tiny", kv_tokens=256, mamba_slots=4)
+    >>> len(eng.generate([[5, 17, 42]], [SamplingParams(max_new_tokens=4)])[0])
+    4
+    """
+    from actors.loader import weights_fingerprint
+
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
     dev = resolve_device(device)
-    if isinstance(model, ModelConfig):
-        net, config = HybridLM(model, torch_dtype, dev), model
-        load_hf_state_dict(net, init_state_dict(model, seed))
-    elif model in PRESETS:
-        net, config = load_preset(model, torch_dtype, dev, seed)
-    else:
-        net, config = resolve_model(model, torch_dtype, dev)
+    net, config = load_model(model, torch_dtype, dev, seed)
     net.invariant_tile = invariant_tile
-    if memory_bytes is not None:
-        pool = HybridPool.from_budget(config, memory_bytes, mamba_slots, torch_dtype, dev, page_size)
-    else:
-        pool = HybridPool(config, kv_tokens, mamba_slots, torch_dtype, dev, page_size)
+    if pool_config is not None:
+        itemsize = torch.empty(0, dtype=torch_dtype).element_size()
+        sized = pool_config.resolve(max(1, config.kv_bytes_per_token(itemsize)),
+                                    max(1, config.mamba_bytes_per_slot(itemsize)))
+        kv_tokens, mamba_slots, page_size = sized.kv_tokens, sized.mamba_slots, sized.page_size
+    pool = HybridPool(config, kv_tokens, mamba_slots, torch_dtype, dev, page_size)
     return Engine(net, config, pool, weights_fingerprint(net.state_dict()), record_logits)

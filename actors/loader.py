@@ -29,7 +29,7 @@ class CheckpointError(ValueError):
 
 
 def hf_name(param_name: str) -> str:
-    """Hugging Face name of a `HybridLM` parameter ("layers.0.mamba.D" -> "model.layers.0.mamba.D")."""
+    """Hugging Face name of a `HybridLM` parameter: "layers.0.mamba.D" -> "model.layers.0.mamba.D"."""
     return param_name if param_name.startswith("lm_head.") else f"model.{param_name}"
 
 
@@ -115,7 +115,8 @@ def read_weights(root: Path) -> dict[str, Tensor]:
     weights: dict[str, Tensor] = {}
     for shard in sorted(set(_read_index(root).values())):
         if not (root / shard).is_file():
-            raise CheckpointError(f"checkpoint {root}: shard {shard} listed in {INDEX_FILE} is missing")
+            raise CheckpointError(f"checkpoint {root}: shard {shard} listed in {INDEX_FILE} "
+                                  "is missing")
         weights.update(load_file(root / shard))
     return weights
 

@@ -17,12 +17,13 @@ model dtype; the conv runs in the model dtype.
 Prefill handles one whole sequence from zero state (`ssd_chunked`, with `ssd_sequential_ref` as
 its reference twin); decode handles one token per request and updates the pool's conv/SSM state at
 the request's slot (`causal_conv_step`, `ssd_step`). The decode functions use only elementwise
-products and reductions over the last dim, so a request's result never depends on which other
-requests share the batch.
+products and reductions over the last dim, and apply their nonlinear functions through
+`Kernels.pointwise`, so a request's result never depends on which other requests share the batch.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -32,6 +33,37 @@ from torch import Tensor, nn
 from actors.config import ModelConfig
 
 LinearFn = Callable[[Tensor, Tensor, "Tensor | None"], Tensor]
+Pointwise = Callable[[Callable[[Tensor], Tensor], Tensor], Tensor]
+
+
+def whole(fn: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
+    """Apply an elementwise fn to the whole tensor at once."""
+    return fn(x)
+
+
+def rowwise(fn: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
+    """Apply an elementwise fn so that each row's result is independent of the other rows.
+
+    CPU kernels of functions such as silu, softplus and sigmoid finish a tensor with a scalar
+    tail whose rounding differs from the vector body, so an element's bits depend on its offset
+    in the tensor: on the CPU each row (x[i], any shape) is computed as a tensor of its own. GPU
+    kernels compute every element alike, so there the whole tensor goes at once.
+    """
+    if x.device.type != "cpu":
+        return fn(x)
+    return torch.cat([fn(row) for row in x.split(1)])
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """How a forward runs its matrix products and nonlinear elementwise functions.
+
+    The defaults call torch directly (prefill: one sequence per call). Batch-invariant decode
+    passes `actors.model.tiled_linear` and `rowwise`.
+    """
+
+    linear: LinearFn = F.linear
+    pointwise: Pointwise = whole
 
 
 # ---------------------------------------------------------------------------- SSD (the scan)
@@ -55,7 +87,8 @@ def ssd_sequential_ref(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, c
     ys = []
     for t in range(x.shape[0]):
         decay = torch.exp(dt[t] * A)  # (H,)
-        state = state * decay[:, None, None] + (dt[t, :, None] * Bh[t])[:, None, :] * x[t, :, :, None]  # (H, P, N)
+        dBx = (dt[t, :, None] * Bh[t])[:, None, :] * x[t, :, :, None]  # (H, P, N)
+        state = state * decay[:, None, None] + dBx  # (H, P, N)
         ys.append((state * Ch[t][:, None, :]).sum(-1))  # (H, P)
     return torch.stack(ys) if ys else x.new_zeros(x.shape), state  # (L, H, P), (H, P, N)
 
@@ -75,7 +108,7 @@ def segment_sum(a: Tensor) -> Tensor:
     """
     l = a.shape[-1]
     strict = torch.tril(torch.ones(l, l, dtype=torch.bool, device=a.device), diagonal=-1)  # (l, l)
-    rows = a[..., :, None].expand(*a.shape, l).masked_fill(~strict, 0.0)  # (..., l, l): a_i below diag
+    rows = a[..., :, None].expand(*a.shape, l).masked_fill(~strict, 0.0)  # (..., l, l): a_i, i > j
     out = torch.cumsum(rows, dim=-2)  # (..., l, l)
     causal = torch.tril(torch.ones(l, l, dtype=torch.bool, device=a.device))  # (l, l)
     return out.masked_fill(~causal, float("-inf"))  # (..., l, l)
@@ -146,17 +179,18 @@ def _carry_states(local: Tensor, chunk_log_decay: Tensor, state: Tensor) -> tupl
 
 
 def ssd_step(ssm_state: Tensor, slots: Tensor, x: Tensor, dt: Tensor, A: Tensor, B: Tensor,
-             C: Tensor) -> Tensor:
+             C: Tensor, pointwise: Pointwise = whole) -> Tensor:
     """One decode token per request: update `ssm_state[slots]` in place and return y.
 
     ssm_state (S, H, P, N) fp32 (one Mamba layer of the pool), slots (R,), x (R, H, P),
     dt (R, H), A (H,), B and C (R, G, N). Returns y (R, H, P) fp32. Elementwise products and a
-    sum over the last dim only: a request's result does not depend on the other requests.
+    sum over the last dim only (no matrix kernel): with `pointwise=rowwise` a request's result
+    does not depend on the other requests.
     """
     x, dt = x.float(), dt.float()  # (R, H, P), (R, H)
     Bh = expand_groups(B.float(), x.shape[1])  # (R, H, N)
     Ch = expand_groups(C.float(), x.shape[1])  # (R, H, N)
-    decay = torch.exp(dt * A.float())  # (R, H)
+    decay = pointwise(torch.exp, dt * A.float())  # (R, H)
     dBx = (dt[..., None] * Bh)[:, :, None, :] * x[..., None]  # (R, H, P, N)
     state = ssm_state[slots] * decay[..., None, None] + dBx  # (R, H, P, N)
     ssm_state[slots] = state
@@ -179,7 +213,7 @@ def causal_conv_prefill(xBC: Tensor, weight: Tensor, bias: Tensor | None) -> tup
 
 
 def causal_conv_step(conv_state: Tensor, slots: Tensor, xBC: Tensor, weight: Tensor,
-                     bias: Tensor | None) -> Tensor:
+                     bias: Tensor | None, pointwise: Pointwise = whole) -> Tensor:
     """One decode token per request: conv over [state | new], SiLU; shift the state in place.
 
     conv_state (S, D, K-1) (one Mamba layer of the pool), slots (R,), xBC (R, D),
@@ -190,22 +224,29 @@ def causal_conv_step(conv_state: Tensor, slots: Tensor, xBC: Tensor, weight: Ten
     out = (window * weight[:, 0, :]).sum(-1)  # (R, D)
     if bias is not None:
         out = out + bias  # (R, D)
-    return F.silu(out)
+    return pointwise(F.silu, out)
 
 
 # ---------------------------------------------------------------------------- small stages
-def discretize_dt(dt: Tensor, dt_bias: Tensor, limit: tuple[float, float]) -> Tensor:
-    """dt = softplus(dt + dt_bias) clamped to `limit`, fp32. dt (T, H), dt_bias (H,)."""
-    return F.softplus(dt.float() + dt_bias.float()).clamp(limit[0], limit[1])  # (T, H)
+def discretize_dt(dt: Tensor, dt_bias: Tensor, limit: tuple[float, float],
+                  pointwise: Pointwise = whole) -> Tensor:
+    """dt = softplus(dt + dt_bias) clamped to `limit`, fp32. dt (T, H), dt_bias (H,).
+
+    transformers clamps only in its prefill, not in its decode step; with the default limits
+    (0, inf) the clamp changes nothing, and applying it in both keeps prefill and decode alike.
+    """
+    dt = pointwise(F.softplus, dt.float() + dt_bias.float())  # (T, H)
+    return dt.clamp(limit[0], limit[1])
 
 
-def gated_rms_norm(y: Tensor, z: Tensor, weight: Tensor, group_size: int, eps: float) -> Tensor:
+def gated_rms_norm(y: Tensor, z: Tensor, weight: Tensor, group_size: int, eps: float,
+                   pointwise: Pointwise = whole) -> Tensor:
     """RMSNorm of y * silu(z) over groups of `group_size` channels, computed in fp32.
 
     y, z (T, I), weight (I,). Returns (T, I) in the weight's dtype.
     """
     T = y.shape[0]
-    h = y.float() * F.silu(z.float())  # (T, I)
+    h = y.float() * pointwise(F.silu, z.float())  # (T, I)
     g = h.view(T, -1, group_size)  # (T, G, I/G)
     g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + eps)  # (T, G, I/G)
     return (weight.float() * g.view(T, -1)).to(weight.dtype)  # (T, I)
@@ -232,41 +273,43 @@ class MambaMixer(nn.Module):
         self.D = nn.Parameter(torch.empty(H, dtype=dtype))
         self.norm = nn.Module()
         self.norm.weight = nn.Parameter(torch.empty(c.mamba_intermediate, dtype=dtype))
-        self.out_proj = nn.Linear(c.mamba_intermediate, c.hidden_size, bias=c.mamba_proj_bias, dtype=dtype)
+        self.out_proj = nn.Linear(c.mamba_intermediate, c.hidden_size, bias=c.mamba_proj_bias,
+                                  dtype=dtype)
 
     def prefill(self, h: Tensor, conv_state: Tensor, ssm_state: Tensor, slot: int,
-                linear: LinearFn = F.linear) -> Tensor:
+                kernels: Kernels = Kernels()) -> Tensor:
         """One whole sequence from zero state; writes its final conv/SSM state to `slot`.
 
         h (L, hidden) -> (L, hidden).
         """
         c = self.config
-        z, xBC, dt = self._project(h, linear)  # (L, I), (L, conv_dim), (L, H)
+        z, xBC, dt = self._project(h, kernels)  # (L, I), (L, conv_dim), (L, H)
         xBC, conv_final = causal_conv_prefill(xBC, self.conv1d.weight, self.conv1d.bias)
         conv_state[slot] = conv_final  # (conv_dim, d_conv-1)
         x, B, C = self._split_xBC(xBC)  # (L, H, P), (L, G, N), (L, G, N)
         dt = discretize_dt(dt, self.dt_bias, c.time_step_limit)  # (L, H) fp32
-        y, ssm_final = ssd_chunked(x, dt, self._A(), B, C, c.mamba_chunk_size)  # (L, H, P), (H, P, N)
+        y, ssm_final = ssd_chunked(x, dt, self._A(), B, C, c.mamba_chunk_size)  # (L,H,P), (H,P,N)
         ssm_state[slot] = ssm_final
-        return self._output(y, x, z, linear)
+        return self._output(y, x, z, kernels)
 
     def decode(self, h: Tensor, conv_state: Tensor, ssm_state: Tensor, slots: Tensor,
-               linear: LinearFn) -> Tensor:
+               kernels: Kernels) -> Tensor:
         """One token per request, updating the conv/SSM state at `slots` (R,). h (R, hidden)."""
-        z, xBC, dt = self._project(h, linear)  # (R, I), (R, conv_dim), (R, H)
-        xBC = causal_conv_step(conv_state, slots, xBC, self.conv1d.weight, self.conv1d.bias)
+        pw = kernels.pointwise
+        z, xBC, dt = self._project(h, kernels)  # (R, I), (R, conv_dim), (R, H)
+        xBC = causal_conv_step(conv_state, slots, xBC, self.conv1d.weight, self.conv1d.bias, pw)
         x, B, C = self._split_xBC(xBC)  # (R, H, P), (R, G, N), (R, G, N)
-        dt = discretize_dt(dt, self.dt_bias, self.config.time_step_limit)  # (R, H) fp32
-        y = ssd_step(ssm_state, slots, x, dt, self._A(), B, C)  # (R, H, P)
-        return self._output(y, x, z, linear)
+        dt = discretize_dt(dt, self.dt_bias, self.config.time_step_limit, pw)  # (R, H) fp32
+        y = ssd_step(ssm_state, slots, x, dt, self._A(), B, C, pw)  # (R, H, P)
+        return self._output(y, x, z, kernels)
 
     def _A(self) -> Tensor:
         return -torch.exp(self.A_log.float())  # (H,)
 
-    def _project(self, h: Tensor, linear: LinearFn) -> tuple[Tensor, Tensor, Tensor]:
+    def _project(self, h: Tensor, kernels: Kernels) -> tuple[Tensor, Tensor, Tensor]:
         """in_proj and split into z (T, I), xBC (T, conv_dim), dt (T, H)."""
         c = self.config
-        zxbcdt = linear(h, self.in_proj.weight, self.in_proj.bias)  # (T, in_proj_dim)
+        zxbcdt = kernels.linear(h, self.in_proj.weight, self.in_proj.bias)  # (T, in_proj_dim)
         return zxbcdt.split([c.mamba_intermediate, c.conv_dim, c.mamba_n_heads], dim=-1)
 
     def _split_xBC(self, xBC: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -278,10 +321,11 @@ class MambaMixer(nn.Module):
                 B.reshape(T, c.mamba_n_groups, c.mamba_d_state),
                 C.reshape(T, c.mamba_n_groups, c.mamba_d_state))
 
-    def _output(self, y: Tensor, x: Tensor, z: Tensor, linear: LinearFn) -> Tensor:
+    def _output(self, y: Tensor, x: Tensor, z: Tensor, kernels: Kernels) -> Tensor:
         """D skip, gated RMSNorm, out_proj. y (T, H, P) fp32, x (T, H, P), z (T, I)."""
         c, T = self.config, y.shape[0]
         y = y + self.D.float()[:, None] * x.float()  # (T, H, P)
         group = c.mamba_intermediate // c.mamba_n_groups
-        y = gated_rms_norm(y.reshape(T, -1), z, self.norm.weight, group, c.rms_norm_eps)  # (T, I)
-        return linear(y, self.out_proj.weight, self.out_proj.bias)  # (T, hidden)
+        y = gated_rms_norm(y.reshape(T, -1), z, self.norm.weight, group, c.rms_norm_eps,
+                           kernels.pointwise)  # (T, I)
+        return kernels.linear(y, self.out_proj.weight, self.out_proj.bias)  # (T, hidden)

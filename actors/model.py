@@ -8,8 +8,10 @@ model keeps no state of its own: K/V, conv and SSM states live in a pool whose t
 Batch invariance: a sequence's logits are bit-identical whatever else is in the batch.
 - Prefill runs the whole stack once per sequence, so every matrix multiply sees only that
   sequence's rows (a linear's row results depend on the number of rows M, nothing else).
-- Decode runs every linear through `tiled_linear`, on fixed tiles of `invariant_tile` rows;
-  everything else in decode is per row (norms, conv/SSM step) or per request (attention).
+- Decode runs every linear through `tiled_linear`, on fixed tiles of `invariant_tile` rows, and
+  every nonlinear elementwise function through `actors.mamba.rowwise` (on the CPU an element's
+  rounding can depend on its offset in the tensor); everything else in decode is per row
+  (norms, conv/SSM step) or per request (attention).
 
 Weights are created empty; load them with `actors.loader.load_hf_state_dict` (Hugging Face
 Bamba names) or build the model through `actors.loader.load_checkpoint` /
@@ -29,7 +31,7 @@ from torch import Tensor, nn
 from actors.attention import Attention
 from actors.batch import ForwardBatch
 from actors.config import ModelConfig
-from actors.mamba import LinearFn, MambaMixer
+from actors.mamba import Kernels, MambaMixer, rowwise
 
 
 class PoolTensors(Protocol):
@@ -93,11 +95,13 @@ class SwiGLU(nn.Module):
         self.up_proj = nn.Linear(H, I, bias=bias, dtype=dtype)
         self.down_proj = nn.Linear(I, H, bias=bias, dtype=dtype)
 
-    def forward(self, x: Tensor, linear: LinearFn = F.linear) -> Tensor:
+    def forward(self, x: Tensor, kernels: Kernels = Kernels()) -> Tensor:
         """x (T, hidden) -> (T, hidden)."""
+        linear = kernels.linear
         gate = linear(x, self.gate_proj.weight, self.gate_proj.bias)  # (T, I)
         up = linear(x, self.up_proj.weight, self.up_proj.bias)  # (T, I)
-        return linear(F.silu(gate) * up, self.down_proj.weight, self.down_proj.bias)  # (T, hidden)
+        act = kernels.pointwise(F.silu, gate) * up  # (T, I)
+        return linear(act, self.down_proj.weight, self.down_proj.bias)  # (T, hidden)
 
 
 class DecoderLayer(nn.Module):
@@ -127,20 +131,20 @@ class DecoderLayer(nn.Module):
             mixed = self.self_attn.prefill(x, seq.positions, pool.k[i], pool.v[i], seq.out_slots)
         else:
             mixed = self.mamba.prefill(x, pool.conv[i], pool.ssm[i], seq.mamba_slot)
-        return self._feed_forward(h + mixed, F.linear)
+        return self._feed_forward(h + mixed, Kernels())
 
-    def decode(self, h: Tensor, batch: ForwardBatch, pool: PoolTensors, linear: LinearFn) -> Tensor:
+    def decode(self, h: Tensor, batch: ForwardBatch, pool: PoolTensors, kernels: Kernels) -> Tensor:
         """One token per request. h (R, hidden) -> (R, hidden)."""
         x, i = self.input_layernorm(h), self.pool_index
         if self.is_attention:
             mixed = self.self_attn.decode(x, batch.positions, pool.k[i], pool.v[i],
-                                          batch.out_slots, batch.kv_slots, linear)
+                                          batch.out_slots, batch.kv_slots, kernels)
         else:
-            mixed = self.mamba.decode(x, pool.conv[i], pool.ssm[i], batch.mamba_slots, linear)
-        return self._feed_forward(h + mixed, linear)
+            mixed = self.mamba.decode(x, pool.conv[i], pool.ssm[i], batch.mamba_slots, kernels)
+        return self._feed_forward(h + mixed, kernels)
 
-    def _feed_forward(self, h: Tensor, linear: LinearFn) -> Tensor:
-        return h + self.feed_forward(self.pre_ff_layernorm(h), linear)  # (T, hidden)
+    def _feed_forward(self, h: Tensor, kernels: Kernels) -> Tensor:
+        return h + self.feed_forward(self.pre_ff_layernorm(h), kernels)  # (T, hidden)
 
 
 class HybridLM(nn.Module):
@@ -151,7 +155,8 @@ class HybridLM(nn.Module):
         dtype: parameter / activation dtype (the SSM state is always fp32).
         device: where the (empty) parameters are allocated.
         invariant_tile: rows per matrix-kernel call in decode (see `tiled_linear`); None runs
-            plain F.linear over the whole batch (faster, not batch-invariant).
+            plain F.linear and elementwise functions over the whole batch (faster, not
+            batch-invariant).
 
     Example:
         model, config = load_preset("tiny", torch.float32, "cpu")
@@ -168,12 +173,14 @@ class HybridLM(nn.Module):
                                         for i in range(config.num_hidden_layers))
             self.final_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
             if not config.tie_word_embeddings:
-                self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
+                self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False,
+                                         dtype=dtype)
         self.to_empty(device=device)
         self.requires_grad_(False)
 
     @property
     def device(self) -> torch.device:
+        """Where the parameters live."""
         return self.embed_tokens.weight.device
 
     @property
@@ -185,7 +192,7 @@ class HybridLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, pool: PoolTensors) -> Tensor:
-        """Run a prefill or decode batch; returns fp32 logits of each sequence's last token (B, vocab)."""
+        """Run a prefill or decode batch: fp32 logits of each sequence's last token (B, vocab)."""
         if not batch.is_prefill:
             return self._decode(batch, pool)
         return torch.cat([self._prefill_one(seq, pool, last_only=True)
@@ -211,23 +218,24 @@ class HybridLM(nn.Module):
         h = F.embedding(seq.input_ids, self.embed_tokens.weight)  # (L, hidden)
         for layer in self.layers:
             h = layer.prefill(h, seq, pool)  # (L, hidden)
-        return self._logits(h[-1:] if last_only else h, F.linear)
+        return self._logits(h[-1:] if last_only else h, Kernels())
 
     def _decode(self, batch: ForwardBatch, pool: PoolTensors) -> Tensor:
         """One token per request; logits (R, vocab)."""
         if batch.kv_slots is None and self.config.num_attention_layers:
             raise ValueError("decode batch needs kv_slots for the attention layers")
-        linear = self._decode_linear()
+        kernels = self.decode_kernels()
         h = F.embedding(batch.input_ids, self.embed_tokens.weight)  # (R, hidden)
         for layer in self.layers:
-            h = layer.decode(h, batch, pool, linear)  # (R, hidden)
-        return self._logits(h, linear)
+            h = layer.decode(h, batch, pool, kernels)  # (R, hidden)
+        return self._logits(h, kernels)
 
-    def _decode_linear(self) -> LinearFn:
+    def decode_kernels(self) -> Kernels:
+        """Batch-invariant kernels for decode, or plain ones when invariant_tile is None."""
         if self.invariant_tile is None:
-            return F.linear
-        return partial(tiled_linear, tile=self.invariant_tile)
+            return Kernels()
+        return Kernels(linear=partial(tiled_linear, tile=self.invariant_tile), pointwise=rowwise)
 
-    def _logits(self, h: Tensor, linear: LinearFn) -> Tensor:
+    def _logits(self, h: Tensor, kernels: Kernels) -> Tensor:
         """Final norm and LM head: h (T, hidden) -> fp32 logits (T, vocab)."""
-        return linear(self.final_layernorm(h), self.lm_head_weight, None).float()
+        return kernels.linear(self.final_layernorm(h), self.lm_head_weight, None).float()

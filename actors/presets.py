@@ -37,7 +37,8 @@ PRESETS: dict[str, ModelConfig] = {
 
 def init_state_dict(config: ModelConfig, seed: int) -> dict[str, Tensor]:
     """Seeded random fp32 weights under Hugging Face Bamba names (deterministic per seed)."""
-    shapes = {n: tuple(p.shape) for n, p in hf_state_dict(HybridLM(config, torch.float32, "meta")).items()}
+    empty = HybridLM(config, torch.float32, "meta")
+    shapes = {n: tuple(p.shape) for n, p in hf_state_dict(empty).items()}
     gen = torch.Generator().manual_seed(seed)
     return {name: _init_tensor(name, shapes[name], config, gen) for name in sorted(shapes)}
 

@@ -25,10 +25,9 @@ class Worker:
     def __init__(self, config: ServeConfig, index: int) -> None:
         self.index = index
         self.config = config
-        self.engine: Engine = build_engine(
-            config.model, config.dtype, config.device, config.pool.kv_tokens,
-            config.pool.mamba_slots, config.pool.page_size, config.pool.memory_bytes,
-            config.invariant_tile)
+        self.engine: Engine = build_engine(config.model, config.dtype, config.device,
+                                           pool_config=config.pool, invariant_tile=config.invariant_tile,
+                                           seed=config.seed)
         self.drop_mamba_state = config.scheduler.debug_drop_mamba_state
         self._speeds: tuple[float, float] | None = None
 

@@ -22,6 +22,18 @@ from raysched.sampling import SamplingParams
 DEFAULT_OBJECT_STORE_BYTES = 512 << 20
 
 
+class SchedulerDiedError(RuntimeError):
+    """The scheduler actor is gone; pending requests cannot complete through it."""
+
+
+def _get(ref: Any, timeout: float | None = None) -> Any:
+    """ray.get, turning the scheduler's death into a SchedulerDiedError."""
+    try:
+        return ray.get(ref, timeout=timeout)
+    except ray.exceptions.RayActorError as err:
+        raise SchedulerDiedError(f"the raysched scheduler actor died: {err}") from None
+
+
 def launch(config: ServeConfig | str | Mapping[str, Any] | None = None, address: str | None = None,
            num_cpus: int | None = None) -> "Client":
     """Start the scheduler and its workers; returns a `Client`.
@@ -74,18 +86,21 @@ class Client:
         >>> h = client.submit([1, 2, 3], {"max_new_tokens": 4, "temperature": 0.7, "seed": 1})
         """
         params = sampling.to_dict() if isinstance(sampling, SamplingParams) else dict(sampling or {})
-        rid = ray.get(self.scheduler.submit.remote(list(prompt_ids), params, request_id))
+        rid = _get(self.scheduler.submit.remote(list(prompt_ids), params, request_id))
         return RequestHandle(self.scheduler, rid)
 
     def vocab_size(self) -> int:
         return self.workers[0]["vocab_size"]
 
-    def stats(self) -> dict:
-        return ray.get(self.scheduler.stats.remote())
+    def stats(self, detail: bool = False) -> dict:
+        return _get(self.scheduler.stats.remote(detail))
+
+    def timeline(self) -> list[tuple]:
+        return _get(self.scheduler.timeline.remote())
 
     def check_idle(self) -> dict:
         """Whether every worker pool and every scheduler table is empty."""
-        return ray.get(self.scheduler.check_idle.remote())
+        return _get(self.scheduler.check_idle.remote())
 
     def shutdown(self) -> None:
         """Stop the scheduler and workers; stop Ray too if `launch` started it."""
@@ -111,15 +126,15 @@ class RequestHandle:
 
     def result(self, timeout: float | None = None) -> dict:
         """Block until the request ends; its record (token_ids, workers, retractions, timings)."""
-        return ray.get(self.scheduler.wait.remote(self.request_id), timeout=timeout)
+        return _get(self.scheduler.wait.remote(self.request_id), timeout)
 
     def stream(self) -> Iterator[int]:
         """Yield tokens as they are generated."""
         cursor, done = 0, False
         while not done:
-            tokens, done = ray.get(self.scheduler.next_tokens.remote(self.request_id, cursor))
+            tokens, done = _get(self.scheduler.next_tokens.remote(self.request_id, cursor))
             cursor += len(tokens)
             yield from tokens
 
     def abort(self) -> bool:
-        return ray.get(self.scheduler.abort.remote(self.request_id))
+        return _get(self.scheduler.abort.remote(self.request_id))

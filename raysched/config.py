@@ -28,7 +28,7 @@ ADMISSION_MODES = ("overcommit", "reserve")
 VICTIM_ORDERS = ("fewest_generated", "most_generated", "newest", "oldest", "largest_memory")
 DTYPES = ("float32", "bfloat16")
 DEVICES = ("auto", "cuda", "cpu")
-FAULT_KINDS = ("kill_worker", "remove_node")
+FAULT_KINDS = ("kill_worker", "remove_node", "corrupt_snapshot")
 MAX_SEED = 2**64  # seeds are unsigned 64-bit (the sampler mixes them with SplitMix64)
 
 PathOrDict: TypeAlias = str | os.PathLike[str] | Mapping[str, Any]
@@ -331,6 +331,9 @@ class SchedulerConfig:
     max_retractions: int = 8  # a request retracted this many times is never retracted again
     debug_drop_mamba_state: bool = False  # deliberately broken: zero Mamba state on resume
     max_batch_size: int | None = None  # most requests per decode step; None = mamba_slots
+    snapshot_budget_bytes: int | None = None  # bytes of waiting snapshots the scheduler keeps in
+    #   the object store; past it, victims are retracted by recompute. None = half the store
+    replace_failed_workers: bool = True  # start a new worker when one dies (if resources allow)
 
     CHECKS: ClassVar[dict[str, Check]] = {
         "retract": check_one_of(RETRACT_MODES),
@@ -341,6 +344,8 @@ class SchedulerConfig:
         "max_retractions": check_non_negative_int,
         "debug_drop_mamba_state": check_bool,
         "max_batch_size": check_optional(check_positive_int),
+        "snapshot_budget_bytes": check_optional(check_non_negative_int),
+        "replace_failed_workers": check_bool,
     }
 
     def __post_init__(self) -> None:
@@ -356,9 +361,14 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class FaultSpec:
-    """An injected fault: after `after_steps` scheduler steps, kill a worker or remove its node."""
+    """An injected fault, fired when worker `worker` has run `after_steps` calls.
 
-    kind: str  # kill_worker | remove_node
+    kill_worker: the worker actor is killed. remove_node: every worker on that worker's node is
+    killed (what the scheduler sees when a node is lost). corrupt_snapshot: one byte of the next
+    snapshot taken from that worker is flipped (its resume must be refused and recomputed).
+    """
+
+    kind: str  # kill_worker | remove_node | corrupt_snapshot
     worker: int  # index of the worker, in [0, workers)
     after_steps: int  # scheduler steps before the fault fires
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import ray
 
-from raysched.client import Client
+from raysched.client import Client, _get
 from raysched.sampling import RequestError
 from raysched.workload import RequestSpec
 
@@ -31,13 +31,13 @@ def run_workload(client: Client, specs: list[RequestSpec], progress: bool = True
             done, _ = ray.wait(list(pending), num_returns=len(pending), timeout=wait_s)
             for ref in done:
                 pending.pop(ref)
-                records.append(ray.get(ref))
+                records.append(_get(ref))
         else:
             time.sleep(wait_s)
         if progress and time.monotonic() - last_print > 1.0:
             last_print = time.monotonic()
             _print_progress(client, len(records), len(specs), time.monotonic() - start)
-    return build_report(records, client.stats(), time.monotonic() - start, client.check_idle())
+    return build_report(records, client.stats(detail=True), time.monotonic() - start, client.check_idle())
 
 
 def _submit(client: Client, spec: RequestSpec, pending: dict, records: list[dict]) -> None:

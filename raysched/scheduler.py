@@ -14,7 +14,10 @@ them. Torch is never imported here.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+import os
+import re
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -56,6 +59,11 @@ class Scheduler:
         self._next_id = 0
         self._closing = False
         self._fatal: str | None = None
+        self._pending_replacements = 0
+        self._fired: set[int] = set()  # indices of config.faults already fired
+        self._corrupt_next: set[int] = set()  # workers whose next snapshot gets a flipped byte
+        self._inflight_snapshot_bytes = 0  # estimated bytes of retractions not yet fetched
+        self._snapshot_budget = config.scheduler.snapshot_budget_bytes or 0
 
     # ================================================================== lifecycle
     async def start(self) -> list[dict]:
@@ -67,6 +75,8 @@ class Scheduler:
         for h, info in zip(handles, infos):
             self._add_worker(h, info)
         self._check_same_model()
+        if self.config.scheduler.snapshot_budget_bytes is None:
+            self._snapshot_budget = _local_object_store_bytes() // 2
         return [self._worker_line(w) for w in self.workers]
 
     def _add_worker(self, handle: Any, info: WorkerInfo) -> WorkerSlot:
@@ -173,8 +183,21 @@ class Scheduler:
         except KeyError:
             raise RequestError(f"unknown request id {request_id!r}") from None
 
-    async def stats(self) -> dict:
-        return self.counters.summary(self._table_sizes(), [w.view for w in self.workers])
+    async def stats(self, detail: bool = False) -> dict:
+        """Counters, table sizes, per-worker room; with `detail`, the scheduler's RSS and the
+        object store's spill counters too."""
+        d = self.counters.summary(self._table_sizes(), [w.view for w in self.workers])
+        d["snapshot_bytes_held"] = self._snapshot_bytes_held()
+        d["snapshot_budget_bytes"] = self._snapshot_budget
+        d["workers_alive"] = sum(w.alive for w in self.workers)
+        if detail:
+            d["scheduler_rss_bytes"] = _rss_bytes()
+            d.update(_object_store_stats())
+        return d
+
+    async def timeline(self) -> list[tuple]:
+        """(t_s, worker, kv_used_fraction, mamba_slots_used, new_tokens) per worker call."""
+        return self.counters.timeline_rows()
 
     def _table_sizes(self) -> dict:
         return {"requests": len(self.requests), "waiting": len(self.waiting),
@@ -211,6 +234,7 @@ class Scheduler:
         return plan_step(w.view, self.waiting, self.retracted, self.config.scheduler, best_elsewhere, reserve)
 
     async def _execute(self, w: WorkerSlot, plan: Plan) -> None:
+        self._fire_faults(w)
         snap_victims, drop = self._apply_victims(w, plan)
         resume_snap = [r for r in plan.resume if not r.recompute]
         prefill = [_prefill_item(r) for r in plan.resume if r.recompute] + [_prefill_item(r) for r in plan.admit]
@@ -246,12 +270,25 @@ class Scheduler:
         return snap, drop
 
     def _retract_mode(self, w: WorkerSlot, r: Request) -> str:
-        mode = self.config.scheduler.retract
-        if mode != "auto":
-            return mode
-        info = w.info
-        nbytes = r.num_cached * info.kv_bytes_per_token + info.mamba_bytes_per_slot
-        return choose_retract_mode(r.num_cached + 1, nbytes, info.copy_bytes_per_s, info.prefill_tokens_per_s)
+        """snapshot | recompute for this victim: the configured mode, the cost model in `auto`
+        mode, and recompute whenever the snapshot would overflow the object-store budget."""
+        info, mode = w.info, self.config.scheduler.retract
+        nbytes = self._estimate_bytes(w, r)
+        if mode == "auto":
+            mode = choose_retract_mode(r.num_cached + 1, nbytes, info.copy_bytes_per_s, info.prefill_tokens_per_s)
+        if mode == "snapshot" and self._snapshot_bytes_held() + nbytes > self._snapshot_budget:
+            self.counters.store_pressure_fallbacks += 1
+            return "recompute"
+        self._inflight_snapshot_bytes += nbytes if mode == "snapshot" else 0
+        return mode
+
+    @staticmethod
+    def _estimate_bytes(w: WorkerSlot, r: Request) -> int:
+        return r.num_cached * w.info.kv_bytes_per_token + w.info.mamba_bytes_per_slot
+
+    def _snapshot_bytes_held(self) -> int:
+        held = sum(r.snapshot_bytes for r in self.requests.values() if r.snapshot_ref is not None)
+        return held + self._inflight_snapshot_bytes
 
     def _mark_running(self, w: WorkerSlot, reqs: list[Request]) -> None:
         for r in reqs:
@@ -272,6 +309,8 @@ class Scheduler:
     def _on_result(self, w: WorkerSlot, plan: Plan, result: Any, resumed: list[Request]) -> None:
         if isinstance(result, BaseException):
             self._on_worker_failure(w, result)
+            for r in resumed:  # their snapshots were not consumed: resume from them elsewhere
+                r.recompute = r.snapshot_ref is None
             return
         now = time.monotonic()
         assert isinstance(result, StepResult)
@@ -320,30 +359,94 @@ class Scheduler:
 
     async def _on_snapshots(self, w: WorkerSlot, victims: list[Request], results: list[Any]) -> None:
         for req, snap in zip(victims, results):
+            self._inflight_snapshot_bytes -= self._estimate_bytes(w, req)
             if isinstance(snap, BaseException):
                 log.warning("retraction of %s on worker %d failed (%r); it will be recomputed",
                             req.request_id, w.index, snap)
                 req.recompute = True
             elif req.state is State.RETRACTED:  # re-own the bytes on our node: survives worker loss
+                snap = self._maybe_corrupt(w, snap)
                 req.snapshot_ref, req.snapshot_bytes = ray.put(snap), snap.nbytes
                 self.counters.snapshot_bytes += snap.nbytes
             if req.state is State.RETRACTED:
                 self.retracted.append(req)
 
     def _on_worker_failure(self, w: WorkerSlot, err: BaseException) -> None:
-        """The worker died: recompute whatever ran there from the token history we hold."""
-        log.error("worker %d failed: %r; recovering its %d requests", w.index, err, len(w.view.running))
+        """A call failed: retire the worker and recover every request it held.
+
+        Requests holding a snapshot resume from it; the others are recomputed from the token
+        history the scheduler holds. Tokens of the failed call never arrived, so nothing is
+        emitted twice. A replacement worker is started when the cluster has room for one.
+        """
+        if not w.alive:
+            return
+        dead = isinstance(err, (ray.exceptions.RayActorError, ray.exceptions.ActorDiedError))
+        log.error("worker %d %s (%r); recovering its %d requests", w.index,
+                  "died" if dead else "failed a call", err, len(w.view.running))
         w.alive = False
+        if not dead:
+            ray.kill(w.handle, no_restart=True)  # its state is unknown after a failed call
         self.counters.worker_failures += 1
-        for req in list(w.view.running):
-            req.recompute, req.snapshot_ref = True, None if not req.snapshot_ref else req.snapshot_ref
+        for req in reversed(w.view.running):
+            req.recompute = req.snapshot_ref is None
             req.state = State.RETRACTED
             self.retracted.appendleft(req)
             self.counters.recovered += 1
         w.view.running = []
-        if not any(x.alive for x in self.workers):
-            self._fatal = "every worker has failed"
+        if self.config.scheduler.replace_failed_workers and not self._closing:
+            self._pending_replacements += 1
+            asyncio.get_running_loop().create_task(self._replace_worker())
+        self._check_any_alive()
+
+    async def _replace_worker(self, timeout_s: float = 60.0) -> None:
+        from raysched.workers import spawn_worker
+
+        index = len(self.workers) + self._pending_replacements - 1
+        handle = spawn_worker(self.config, index)
+        try:
+            info = await asyncio.wait_for(handle.info.remote(), timeout_s)
+        except Exception as err:  # no room in the cluster, or it failed to start
+            log.warning("could not start a replacement worker (%r); carrying on with fewer", err)
+            ray.kill(handle)
+            info = None
+        self._pending_replacements -= 1
+        if info is not None and not self._closing:
+            info = dataclasses.replace(info, index=len(self.workers))
+            self._add_worker(handle, info)
+            self.counters.workers_replaced += 1
+            log.info("replacement worker %d started on node %s", info.index, info.node_id[:12])
+        self._check_any_alive()
+        self._notify()
+
+    def _check_any_alive(self) -> None:
+        if not any(x.alive for x in self.workers) and not self._pending_replacements:
+            self._fatal = "every worker has failed and none could be replaced"
             self._notify_all_requests()
+
+    # ================================================================== fault injection
+    def _fire_faults(self, w: WorkerSlot) -> None:
+        for i, fault in enumerate(self.config.faults):
+            if i in self._fired or fault.worker != w.index or w.view.calls < fault.after_steps:
+                continue
+            self._fired.add(i)
+            log.warning("fault injection: %s on worker %d after %d calls", fault.kind, w.index, w.view.calls)
+            if fault.kind == "kill_worker":
+                ray.kill(w.handle, no_restart=True)
+            elif fault.kind == "remove_node":
+                for other in self.workers:
+                    if other.alive and other.info.node_id == w.info.node_id:
+                        ray.kill(other.handle, no_restart=True)
+            else:
+                self._corrupt_next.add(w.index)
+
+    def _maybe_corrupt(self, w: WorkerSlot, snap: Any) -> Any:
+        if w.index not in self._corrupt_next:
+            return snap
+        self._corrupt_next.discard(w.index)
+        payload = snap.payload.copy()
+        payload[len(payload) // 2] ^= 0x01
+        log.warning("fault injection: flipped one byte of the snapshot of %s", snap.request_id)
+        return dataclasses.replace(snap, payload=payload)
 
     # ================================================================== helpers
     def _finish(self, req: Request, state: State, reason: str) -> None:
@@ -366,6 +469,36 @@ class Scheduler:
     def _raise_if_fatal(self) -> None:
         if self._fatal:
             raise RuntimeError(self._fatal)
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _object_store_stats() -> dict:
+    """Spilled/restored bytes as Ray reports them (best effort; empty if unavailable)."""
+    try:
+        from ray._private.internal_api import memory_summary
+
+        text = memory_summary(stats_only=True)
+    except Exception:
+        return {}
+    out = {}
+    for key, pattern in (("object_store_spilled_mib", r"Spilled (\d+) MiB"),
+                         ("object_store_restored_mib", r"Restored (\d+) MiB")):
+        m = re.search(pattern, text)
+        out[key] = int(m.group(1)) if m else 0
+    return out
+
+
+def _local_object_store_bytes() -> int:
+    """Capacity of the object store on this (the scheduler's) node."""
+    here = ray.get_runtime_context().get_node_id()
+    for node in ray.nodes():
+        if node.get("NodeID") == here:
+            return int(node.get("Resources", {}).get("object_store_memory", 0))
+    return int(ray.cluster_resources().get("object_store_memory", 0))
 
 
 def _prefill_item(r: Request) -> PrefillItem:

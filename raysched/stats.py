@@ -31,6 +31,7 @@ class Counters:
     worker_failures: int = 0
     workers_replaced: int = 0
     recovered: int = 0
+    store_pressure_fallbacks: int = 0
     busy_s: float = 0.0
     started_s: float = field(default_factory=time.monotonic)
     timeline: deque = field(default_factory=lambda: deque(maxlen=20000))

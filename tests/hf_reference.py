@@ -73,7 +73,8 @@ def hf_prefill_logits(hf: torch.nn.Module, prompt: list[int]) -> Tensor:
 
 
 @torch.no_grad()
-def hf_greedy(hf: torch.nn.Module, prompt: list[int], num_tokens: int) -> tuple[list[int], list[Tensor]]:
+def hf_greedy(hf: torch.nn.Module, prompt: list[int],
+              num_tokens: int) -> tuple[list[int], list[Tensor]]:
     """Greedy decode with transformers: the tokens and each decode step's logits (vocab,).
 
     Token 1 comes from the prefill, tokens 2..num_tokens from one step each. Steps use the
@@ -87,14 +88,16 @@ def hf_greedy(hf: torch.nn.Module, prompt: list[int], num_tokens: int) -> tuple[
     cache, tokens, step_logits = out.cache, [int(out.logits[0, -1].argmax())], []
     for step in range(num_tokens - 1):
         pos = torch.tensor([[len(prompt) + step]])
-        out = hf(input_ids=torch.tensor([[tokens[-1]]]), cache=cache, position_ids=pos, use_cache=True)
+        out = hf(input_ids=torch.tensor([[tokens[-1]]]), cache=cache, position_ids=pos,
+                 use_cache=True)
         cache = out.cache
         step_logits.append(out.logits[0, -1].float())
         tokens.append(int(step_logits[-1].argmax()))
     return tokens, step_logits
 
 
-def _hf_greedy_uncached(hf: torch.nn.Module, prompt: list[int], num_tokens: int) -> tuple[list[int], list[Tensor]]:
+def _hf_greedy_uncached(hf: torch.nn.Module, prompt: list[int],
+                        num_tokens: int) -> tuple[list[int], list[Tensor]]:
     tokens = [int(hf_prefill_logits(hf, prompt)[-1].argmax())]
     step_logits = []
     for _ in range(num_tokens - 1):
@@ -135,7 +138,8 @@ class GreedyRun:
     step_logits: list[list[Tensor]] = field(default_factory=list)  # per decode step, (vocab,)
 
 
-def prefill_batch(prompts: list[list[int]], regions: list[Tensor], mamba_slots: list[int]) -> ForwardBatch:
+def prefill_batch(prompts: list[list[int]], regions: list[Tensor],
+                  mamba_slots: list[int]) -> ForwardBatch:
     """One ragged prefill of whole prompts; request i's tokens go to regions[i][:L_i]."""
     lens = [len(p) for p in prompts]
     return ForwardBatch(
@@ -150,7 +154,8 @@ def decode_batch(last_tokens: list[int], lengths: list[int], regions: list[Tenso
     """One decode token per request; `lengths[i]` tokens of request i are already cached."""
     return ForwardBatch(
         is_prefill=False, input_ids=torch.tensor(last_tokens), positions=torch.tensor(lengths),
-        seq_lens=[1] * len(lengths), out_slots=torch.stack([r[n] for r, n in zip(regions, lengths)]),
+        seq_lens=[1] * len(lengths),
+        out_slots=torch.stack([r[n] for r, n in zip(regions, lengths)]),
         mamba_slots=torch.tensor(mamba_slots),
         kv_slots=[r[: n + 1] for r, n in zip(regions, lengths)])
 

@@ -2,14 +2,18 @@
 
 The tiny preset decodes one request alone and then inside batches of 2, 7 and 32 (other requests
 with random prompts), at different positions in the batch, for 8 decode steps; every step's
-logits must be torch.equal. The negative control runs the same with plain (untiled) F.linear
-batching and must see a difference, so this test would catch a regression to it.
+logits must be torch.equal. The negative controls run the same with plain (untiled) F.linear
+batching, and with whole-tensor elementwise functions, and must each see a difference: both
+mechanisms are needed, and this test would catch a regression to either.
 """
 
 from __future__ import annotations
 
+import pytest
 import torch
+import torch.nn.functional as F
 
+from actors.mamba import Kernels, rowwise, whole
 from actors.model import HybridLM, tiled_linear
 from actors.presets import load_preset
 from tests.hf_reference import greedy_generate
@@ -24,7 +28,8 @@ def _prompts(n: int, vocab: int, seed: int) -> list[list[int]]:
     return [torch.randint(0, vocab, (length,), generator=gen).tolist() for length in lens]
 
 
-def _logits_in_batch(model: HybridLM, target: list[int], batch_size: int) -> tuple[list, torch.Tensor]:
+def _logits_in_batch(model: HybridLM, target: list[int],
+                     batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode `target` among batch_size-1 random others; its (prefill, steps) logits."""
     others = _prompts(batch_size - 1, model.config.vocab_size, seed=batch_size)
     where = batch_size // 2
@@ -44,22 +49,34 @@ def _compare_alone_vs_batched(model: HybridLM) -> list[bool]:
     return same
 
 
-def test_decode_is_bit_identical_alone_and_in_batches():
-    model, _ = load_preset("tiny", torch.float32, "cpu")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_is_bit_identical_alone_and_in_batches(dtype):
+    model, _ = load_preset("tiny", dtype, "cpu")
     assert model.invariant_tile == 8
     assert _compare_alone_vs_batched(model) == [True] * len(BATCH_SIZES)
 
 
 def test_untiled_batching_is_not_bit_identical():
-    """Negative control: without tiles some batch size changes the logits' last bits."""
+    """Negative control: plain batching (invariant_tile=None) changes some logits' last bits."""
     model, _ = load_preset("tiny", torch.float32, "cpu")
     model.invariant_tile = None
     assert not all(_compare_alone_vs_batched(model))
 
 
+@pytest.mark.parametrize("kernels", [
+    Kernels(linear=F.linear, pointwise=rowwise),
+    Kernels(linear=lambda x, w, b: tiled_linear(x, w, b, 8), pointwise=whole),
+], ids=["untiled_linear", "whole_tensor_pointwise"])
+def test_each_invariance_mechanism_is_needed(kernels):
+    model, _ = load_preset("tiny", torch.float32, "cpu")
+    model.decode_kernels = lambda: kernels
+    assert not all(_compare_alone_vs_batched(model))
+
+
 def test_tiled_linear_equals_linear_up_to_rounding():
     gen = torch.Generator().manual_seed(0)
-    x, w, b = torch.randn(13, 64, generator=gen), torch.randn(40, 64, generator=gen), torch.randn(40, generator=gen)
+    x, w = torch.randn(13, 64, generator=gen), torch.randn(40, 64, generator=gen)
+    b = torch.randn(40, generator=gen)
     out = tiled_linear(x, w, b, tile=8)
     assert out.shape == (13, 40)
     torch.testing.assert_close(out, torch.nn.functional.linear(x, w, b))

@@ -46,7 +46,8 @@ def test_wrong_shape_is_named_with_both_shapes(checkpoint, tmp_path):
 
 
 def test_unexpected_tensor_is_named(checkpoint, tmp_path):
-    path = _edited_copy(checkpoint, tmp_path, lambda w: w.update({"model.extra.weight": torch.ones(3)}))
+    extra = {"model.extra.weight": torch.ones(3)}
+    path = _edited_copy(checkpoint, tmp_path, lambda w: w.update(extra))
     with pytest.raises(CheckpointError, match=r"unexpected .*model\.extra\.weight"):
         load_checkpoint(path, torch.float32)
 
@@ -80,7 +81,8 @@ def test_sharded_checkpoint_loads_the_same_weights(checkpoint, tmp_path):
     weights = load_file(path / "model.safetensors")
     (path / "model.safetensors").unlink()
     names = sorted(weights)
-    shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    shards = {"model-00001-of-00002.safetensors": names[::2],
+              "model-00002-of-00002.safetensors": names[1::2]}
     for file, shard_names in shards.items():
         save_file({n: weights[n] for n in shard_names}, path / file)
     index = {"weight_map": {n: f for f, ns in shards.items() for n in ns}}

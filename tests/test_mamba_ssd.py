@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from actors.mamba import (causal_conv_prefill, causal_conv_step, ssd_chunked, ssd_sequential_ref,
-                          ssd_step)
+from actors.mamba import (Kernels, causal_conv_prefill, causal_conv_step, ssd_chunked,
+                          ssd_sequential_ref, ssd_step)
 from actors.presets import PRESETS, load_preset
 
 CHUNK = 16
@@ -81,13 +81,14 @@ def test_conv_state_after_prefill_continues_with_steps(length):
 def test_mixer_prefill_equals_prefix_prefill_then_decode(dtype):
     model, config = load_preset("tiny", dtype, "cpu", seed=3)
     mixer = model.layers[config.mamba_layer_indices[0]].mamba
-    h = torch.randn(2 * config.mamba_chunk_size + 3, config.hidden_size, generator=torch.Generator().manual_seed(0)).to(dtype)
+    gen = torch.Generator().manual_seed(0)
+    h = torch.randn(2 * config.mamba_chunk_size + 3, config.hidden_size, generator=gen).to(dtype)
     conv = torch.zeros(3, config.conv_dim, config.mamba_d_conv - 1, dtype=dtype)
     ssm = torch.zeros(3, config.mamba_n_heads, config.mamba_d_head, config.mamba_d_state)
     with torch.inference_mode():
         full = mixer.prefill(h, conv, ssm, slot=1)  # (L, hidden)
         prefix = mixer.prefill(h[:-4], conv, ssm, slot=2)
-        steps = [mixer.decode(h[t:t + 1], conv, ssm, torch.tensor([2]), torch.nn.functional.linear)
+        steps = [mixer.decode(h[t:t + 1], conv, ssm, torch.tensor([2]), Kernels())
                  for t in range(h.shape[0] - 4, h.shape[0])]
     assert ssm.dtype == torch.float32 and full.dtype == dtype
     tol = 1e-5 if dtype == torch.float32 else 3e-2
