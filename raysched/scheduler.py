@@ -27,7 +27,7 @@ import ray
 
 from raysched.config import ServeConfig
 from raysched.messages import PrefillItem, StepPlan, StepResult, Usage, WorkerInfo
-from raysched.planner import Plan, WorkerView, plan_step
+from raysched.planner import Plan, WorkerView, decode_need, plan_step
 from raysched.policy import choose_retract_mode
 from raysched.request import Request, State
 from raysched.sampling import RequestError, SamplingParams, validate_prompt
@@ -241,12 +241,27 @@ class Scheduler:
         self._mark_running(w, plan.resume + plan.admit)
         step = StepPlan(tuple(drop), tuple(r.request_id for r in resume_snap), tuple(prefill), plan.decode_steps)
         retract_refs = [w.handle.retract.remote(r.request_id) for r in snap_victims]
-        step_ref = w.handle.step.remote(step, *[r.snapshot_ref for r in resume_snap])
-        w.view.calls += 1
-        results = await asyncio.gather(step_ref, *retract_refs, return_exceptions=True)
+        step_refs = [w.handle.step.remote(step, *[r.snapshot_ref for r in resume_snap])]
+        if self._can_pipeline(w, plan):  # queue the next call now: the worker never waits for us
+            step_refs.append(w.handle.step.remote(StepPlan(decode_steps=plan.decode_steps)))
+            self.counters.pipelined_calls += 1
+        w.view.calls += len(step_refs)
+        results = await asyncio.gather(*step_refs, *retract_refs, return_exceptions=True)
         self._on_result(w, plan, results[0], resume_snap)
-        await self._on_snapshots(w, snap_victims, results[1:])
+        if len(step_refs) == 2:
+            self._on_result(w, Plan(decode_steps=plan.decode_steps), results[1], [])
+        await self._on_snapshots(w, snap_victims, results[len(step_refs):])
         self._notify()
+
+    def _can_pipeline(self, w: WorkerSlot, plan: Plan) -> bool:
+        """A pure-decode call with nothing waiting and room for twice the steps: the call after
+        it needs no decision, so it is sent before this one returns."""
+        cfg = self.config.scheduler
+        if plan.victims or plan.resume or plan.admit or self.waiting or self.retracted:
+            return False
+        if cfg.force_retract_every or any(i not in self._fired for i in range(len(self.config.faults))):
+            return False
+        return decode_need(w.view, w.view.running, 2 * plan.decode_steps) <= w.view.free_tokens
 
     def _apply_victims(self, w: WorkerSlot, plan: Plan) -> tuple[list[Request], list[str]]:
         """Move victims out of RUNNING; returns (victims to snapshot, ids to drop)."""

@@ -18,6 +18,7 @@ class Counters:
     failed: int = 0
     tokens: int = 0
     calls: int = 0
+    pipelined_calls: int = 0
     retractions: int = 0
     retractions_snapshot: int = 0
     retractions_recompute: int = 0

@@ -1,0 +1,94 @@
+"""Shared fixtures: a small multi-node Ray cluster, the in-process reference, leak guards.
+
+    def test_something(multinode_cluster):
+        client = raysched.launch(config)        # attaches to the cluster the fixture started
+        ...
+        client.shutdown()
+        wait_for_no_workers()                   # the scheduler's workers really went away
+
+The cluster is one head (1 CPU, no GPU: the driver and the scheduler live there) and two worker
+nodes with 1 CPU and 1 fake GPU each. Workers ask for one GPU when the cluster has GPUs, so each
+lands on its own node; torch sees no CUDA, so `device: auto` runs them on the CPU. Every node
+has its own object store, so snapshots really cross nodes.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import Callable, Iterator
+
+import pytest
+import ray
+
+from raysched.sampling import SamplingParams
+
+NODE_OBJECT_STORE_BYTES = 100 << 20  # the smallest store Ray accepts is 75 MiB
+
+
+def reference_tokens(model: str, prompts: list[list[int]], sampling_list: list[SamplingParams],
+                     dtype: str = "float32", seed: int = 0) -> list[list[int]]:
+    """Output tokens of each request run uninterrupted in this process (`Engine.generate`).
+
+    The pool holds every request's whole budget at once, so nothing is ever retracted.
+    """
+    from actors.engine import build_engine
+
+    kv_tokens = sum(len(p) + sp.max_new_tokens for p, sp in zip(prompts, sampling_list))
+    engine = build_engine(model, dtype, "cpu", kv_tokens=kv_tokens, mamba_slots=len(prompts), seed=seed)
+    return engine.generate([list(p) for p in prompts], list(sampling_list))
+
+
+def alive_worker_actors() -> list:
+    """Worker actors (class `Worker`) of the connected cluster that are not dead."""
+    from ray.util.state import list_actors
+
+    return [a for a in list_actors(filters=[("class_name", "=", "Worker")], raise_on_missing_output=False)
+            if a.state != "DEAD"]
+
+
+def wait_until(condition: Callable[[], bool], timeout_s: float, what: str, poll_s: float = 0.2) -> None:
+    """Poll `condition` until it holds; fail the test naming `what` after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout_s:.0f} s waiting for {what}")
+        time.sleep(poll_s)  # polling interval of a condition, not a synchronisation guess
+
+
+def wait_for_no_workers(timeout_s: float = 30.0) -> None:
+    """Fail unless every Worker actor is dead (and its GPU back) within `timeout_s`."""
+    wait_until(lambda: not alive_worker_actors(), timeout_s, "the worker actors to exit")
+
+
+@pytest.fixture(scope="module")
+def multinode_cluster() -> Iterator[object]:
+    """A 3-node `ray.cluster_utils.Cluster` (head + 2 one-GPU nodes), connected for the module."""
+    from ray.cluster_utils import Cluster
+
+    if ray.is_initialized():
+        ray.shutdown()
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 1, "num_gpus": 0, "object_store_memory": NODE_OBJECT_STORE_BYTES,
+        "include_dashboard": False})
+    try:
+        for _ in range(2):
+            cluster.add_node(num_cpus=1, num_gpus=1, object_store_memory=NODE_OBJECT_STORE_BYTES)
+        cluster.wait_for_nodes()
+        ray.init(address=cluster.address, logging_level="WARNING")
+        yield cluster
+    finally:
+        ray.shutdown()  # before cluster.shutdown: removing the driver's node would raise
+        cluster.shutdown()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _no_stale_ray() -> Iterator[None]:
+    """No Ray connection may leak into, or out of, a test module."""
+    if ray.is_initialized():
+        warnings.warn("a Ray connection leaked from an earlier test module; shutting it down")
+        ray.shutdown()
+    yield
+    if ray.is_initialized():
+        ray.shutdown()
+        pytest.fail("this test module left Ray initialised (shut it down in its fixture)")
