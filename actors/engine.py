@@ -219,7 +219,7 @@ class Engine:
         rid = request_id or snap.request_id
         if rid in self.running:
             raise SnapshotError(f"request {rid!r} is already running on this engine")
-        if not self.pool.admit(rid, snap.num_cached_tokens):
+        if not self.pool.admit(rid, snap.num_cached_tokens, zero_state=False):
             return False
         scatter_state(self.pool, rid, snap)
         sampling = SamplingParams.from_dict(snap.sampling)

@@ -82,7 +82,10 @@ class KVPool:
         need = self.pages_needed(request_id, total_tokens)
         if need > len(self._free_pages):
             return False
-        pages.extend(self._free_pages.pop() for _ in range(need))
+        if need:
+            taken = self._free_pages[-need:]  # the lowest free pages sit at the end
+            del self._free_pages[-need:]
+            pages.extend(reversed(taken))
         if total_tokens > self._lens[request_id]:
             self._lens[request_id] = total_tokens
             self._slots[request_id] = self._slot_tensor(pages, total_tokens)
@@ -137,15 +140,17 @@ class MambaPool:
     def num_free_slots(self) -> int:
         return len(self._free)
 
-    def allocate(self, request_id: str) -> int | None:
-        """A zeroed slot for the request, or None when all slots are taken."""
+    def allocate(self, request_id: str, zero: bool = True) -> int | None:
+        """A slot for the request (zeroed unless the caller overwrites it, e.g. a restore), or
+        None when all slots are taken."""
         if request_id in self._slot_of:
             raise PoolError(f"MambaPool: request {request_id!r} already holds slot {self._slot_of[request_id]}")
         if not self._free:
             return None
         slot = self._free.pop()
-        self.conv[:, slot].zero_()
-        self.ssm[:, slot].zero_()
+        if zero:
+            self.conv[:, slot].zero_()
+            self.ssm[:, slot].zero_()
         self._slot_of[request_id] = slot
         return slot
 
@@ -217,11 +222,12 @@ class HybridPool:
     def can_admit(self, num_tokens: int) -> bool:
         return self.mamba.num_free_slots > 0 and self.kv.can_allocate(num_tokens)
 
-    def admit(self, request_id: str, num_tokens: int) -> bool:
-        """Take a Mamba slot and room for `num_tokens` tokens, both or neither."""
+    def admit(self, request_id: str, num_tokens: int, zero_state: bool = True) -> bool:
+        """Take a Mamba slot and room for `num_tokens` tokens, both or neither. The Mamba state
+        starts at zero unless `zero_state` is False (the caller writes all of it, as restore does)."""
         if not self.can_admit(num_tokens):
             return False
-        self.mamba.allocate(request_id)
+        self.mamba.allocate(request_id, zero=zero_state)
         if not self.kv.allocate(request_id, num_tokens):  # cannot happen after can_admit
             self.mamba.free(request_id)
             return False

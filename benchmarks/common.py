@@ -1,0 +1,162 @@
+"""Helpers shared by the benchmarks: timing, tables, JSON and PNG output, small Ray instances.
+
+Every benchmark module has `main(out_dir: Path, quick: bool) -> dict`: it prints a table,
+writes `<name>.json` (and maybe `<name>.png`) into `out_dir` and returns the dict it wrote.
+Ray instances started here are small (no dashboard, bounded object store) and always shut down.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import platform
+import random
+import statistics
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+OBJECT_STORE_BYTES = 256 << 20  # per node; snapshots here are at most ~35 MB
+
+
+# ---------------------------------------------------------------------------- timing
+def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
+    """(seconds, result) of one call."""
+    t0 = time.perf_counter()
+    result = fn()
+    return time.perf_counter() - t0, result
+
+
+def best_of(fn: Callable[[], Any], repeats: int) -> float:
+    """Shortest of `repeats` timed calls: the least disturbed by other load on the machine."""
+    return min(timed(fn)[0] for _ in range(repeats))
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """Nearest-rank percentile (the same rule as `raysched.runner.percentile`)."""
+    if not values:
+        return None
+    xs = sorted(values)
+    return xs[min(len(xs) - 1, max(0, round(q / 100 * (len(xs) - 1))))]
+
+
+def median(values: Sequence[float]) -> float:
+    return statistics.median(values)
+
+
+# ---------------------------------------------------------------------------- inputs
+def random_prompt(length: int, vocab_size: int, seed: int) -> list[int]:
+    """A seeded prompt of `length` token ids in [0, vocab_size)."""
+    rng = random.Random(seed)
+    return [rng.randrange(vocab_size) for _ in range(length)]
+
+
+# ---------------------------------------------------------------------------- output
+def machine() -> dict:
+    """What the numbers were measured on (the load average says how shared it was)."""
+    import torch
+
+    return {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "load_avg_1m": round(os.getloadavg()[0], 2), "python": platform.python_version(),
+            "torch": torch.__version__}
+
+
+def write_json(out_dir: Path, name: str, result: dict) -> Path:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{name}.json"
+    path.write_text(json.dumps(result, indent=1, default=str))
+    return path
+
+
+def pyplot():
+    """matplotlib.pyplot on the Agg backend (no display needed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(fig: Any, out_dir: Path, name: str) -> Path:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{name}.png"
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    pyplot().close(fig)
+    return path
+
+
+@dataclass(frozen=True)
+class Column:
+    """One table column: header, row key, format spec (applied when the value is a number)."""
+
+    header: str
+    key: str
+    fmt: str = ""
+    scale: float = 1.0  # e.g. 1e3 to print seconds as milliseconds
+
+
+def print_table(title: str, columns: Sequence[Column], rows: Sequence[dict]) -> None:
+    """A plain fixed-width table; missing values print as '-'."""
+    cells = [[_cell(row.get(c.key), c) for c in columns] for row in rows]
+    widths = [max([len(c.header)] + [len(r[i]) for r in cells]) for i, c in enumerate(columns)]
+    print(title)
+    print("  ".join(c.header.rjust(w) for c, w in zip(columns, widths)))
+    for r in cells:
+        print("  ".join(v.rjust(w) for v, w in zip(r, widths)))
+
+
+def _cell(value: Any, col: Column) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return format(value * col.scale if col.scale != 1.0 else value, col.fmt)
+    return str(value)
+
+
+# ---------------------------------------------------------------------------- Ray
+@contextlib.contextmanager
+def local_ray(num_cpus: int, object_store_bytes: int = OBJECT_STORE_BYTES) -> Iterator[None]:
+    """An embedded single-node Ray instance for the duration of the block."""
+    import ray
+
+    ray.init(address="local", include_dashboard=False, num_cpus=num_cpus,
+             object_store_memory=object_store_bytes, logging_level="WARNING")
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+@contextlib.contextmanager
+def two_node_cluster(cpus_per_node: int = 1,
+                     object_store_bytes: int = OBJECT_STORE_BYTES) -> Iterator[tuple[str, str]]:
+    """A `ray.cluster_utils.Cluster` of two nodes on this machine, the driver attached to the
+    first; yields (head node id, second node id). Each node has its own object store, so an
+    object read on the other node really crosses between stores."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    node_args = {"num_cpus": cpus_per_node, "object_store_memory": object_store_bytes}
+    cluster = Cluster(initialize_head=True, head_node_args={**node_args, "include_dashboard": False})
+    try:
+        cluster.add_node(**node_args)
+        cluster.wait_for_nodes()
+        ray.init(address=cluster.address, logging_level="WARNING")
+        head = ray.get_runtime_context().get_node_id()
+        other = next(n["NodeID"] for n in ray.nodes() if n["Alive"] and n["NodeID"] != head)
+        yield head, other
+    finally:
+        ray.shutdown()  # before removing the node the driver is attached to
+        cluster.shutdown()
+
+
+def pinned(node_id: str) -> Any:
+    """Scheduling strategy that places an actor on `node_id` and nowhere else."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    return NodeAffinitySchedulingStrategy(node_id, soft=False)
