@@ -16,7 +16,7 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from raysched.config import ServeConfig, load_serve_config
+from raysched.config import ConfigError, ServeConfig, load_serve_config
 from raysched.sampling import SamplingParams
 
 DEFAULT_OBJECT_STORE_BYTES = 512 << 20
@@ -44,6 +44,7 @@ def launch(config: ServeConfig | str | Mapping[str, Any] | None = None, address:
     """
     cfg = config if isinstance(config, ServeConfig) else load_serve_config(config or {})
     owns_ray = _init_ray(cfg, address, num_cpus)
+    sched = None
     try:
         here = ray.get_runtime_context().get_node_id()
         from raysched.scheduler import Scheduler
@@ -52,9 +53,13 @@ def launch(config: ServeConfig | str | Mapping[str, Any] | None = None, address:
             num_cpus=0, max_concurrency=10000,
             scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False)).remote(cfg)
         workers = ray.get(sched.start.remote())
-    except BaseException:
+    except BaseException as err:
+        if sched is not None:
+            ray.kill(sched)  # on a shared cluster it (and its workers) would otherwise linger
         if owns_ray:
             ray.shutdown()
+        if isinstance(err, ray.exceptions.RayTaskError) and isinstance(err.cause, ConfigError):
+            raise err.cause from None  # e.g. a missing checkpoint: one line, not Ray's traceback
         raise
     return Client(sched, cfg, workers, owns_ray)
 

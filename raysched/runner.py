@@ -37,7 +37,8 @@ def run_workload(client: Client, specs: list[RequestSpec], progress: bool = True
         if progress and time.monotonic() - last_print > 1.0:
             last_print = time.monotonic()
             _print_progress(client, len(records), len(specs), time.monotonic() - start)
-    return build_report(records, client.stats(detail=True), time.monotonic() - start, client.check_idle())
+    duration_s = time.monotonic() - start  # before the stats calls, which can take a while
+    return build_report(records, client.stats(detail=True), duration_s, client.check_idle())
 
 
 def _submit(client: Client, spec: RequestSpec, pending: dict, records: list[dict]) -> None:

@@ -25,7 +25,7 @@ from typing import Any
 
 import ray
 
-from raysched.config import ServeConfig
+from raysched.config import ConfigError, ServeConfig
 from raysched.messages import PrefillItem, StepPlan, StepResult, Usage, WorkerInfo
 from raysched.planner import Plan, WorkerView, decode_need, plan_step
 from raysched.policy import choose_retract_mode
@@ -71,7 +71,12 @@ class Scheduler:
         from raysched.workers import spawn_worker
 
         handles = [spawn_worker(self.config, i) for i in range(self.config.workers)]
-        infos = await asyncio.gather(*[h.info.remote() for h in handles])
+        infos = await asyncio.gather(*[h.info.remote() for h in handles], return_exceptions=True)
+        failed = next((i for i, info in enumerate(infos) if isinstance(info, BaseException)), None)
+        if failed is not None:
+            for h in handles:
+                ray.kill(h)
+            raise _start_error(self.config, failed, infos[failed])
         for h, info in zip(handles, infos):
             self._add_worker(h, info)
         self._check_same_model()
@@ -269,13 +274,16 @@ class Scheduler:
         w.view.running = [r for r in w.view.running if r.state is State.RUNNING]
         tokens_gained = 0
         for r in plan.victims:
+            if r.state is not State.RUNNING:  # aborted after the plan saw it: already in `drop`
+                continue
             w.view.running.remove(r)
             tokens_gained += w.view.held(r)
             r.state, r.retractions = State.RETRACTED, r.retractions + 1
             if self._retract_mode(w, r) == "snapshot":
+                r.recompute = False  # a flag left from an earlier recompute would skip this snapshot
                 snap.append(r)
             else:
-                r.recompute = True
+                r.recompute, r.snapshot_ref = True, None
                 drop.append(r.request_id)
                 self.retracted.append(r)
             self.counters.on_retract(r.recompute)
@@ -354,13 +362,16 @@ class Scheduler:
     def _requeue(self, w: WorkerSlot, result: StepResult) -> None:
         """Resumes/prefills that did not fit go back to the head of their queue."""
         for rid, why in result.resume_failed.items():
-            req = self.requests[rid]
+            req = self.requests.get(rid)
             log.warning("snapshot of %s refused on worker %d (%s); recomputing it instead", rid, w.index, why)
-            req.snapshot_ref, req.recompute = None, True
             self.counters.snapshots_refused += 1
-            self._unrun(w, req, front=True)
+            if req is not None and req.state is State.RUNNING:  # not aborted while in flight
+                req.snapshot_ref, req.recompute = None, True
+                self._unrun(w, req, front=True)
         for rid in result.not_admitted:
-            self._unrun(w, self.requests[rid], front=True)
+            req = self.requests.get(rid)
+            if req is not None and req.state is State.RUNNING:  # an aborted one stays ended
+                self._unrun(w, req, front=True)
 
     def _unrun(self, w: WorkerSlot, req: Request, front: bool) -> None:
         if req in w.view.running:
@@ -403,6 +414,8 @@ class Scheduler:
             ray.kill(w.handle, no_restart=True)  # its state is unknown after a failed call
         self.counters.worker_failures += 1
         for req in reversed(w.view.running):
+            if req.state is not State.RUNNING:
+                continue  # aborted while the call was in flight: it stays ended
             req.recompute = req.snapshot_ref is None
             req.state = State.RETRACTED
             self.retracted.appendleft(req)
@@ -486,6 +499,16 @@ class Scheduler:
             raise RuntimeError(self._fatal)
 
 
+def _start_error(config: ServeConfig, index: int, err: BaseException) -> BaseException:
+    """A worker that raised in its constructor (bad model path, foreign checkpoint, no CUDA):
+    a ConfigError naming the cause in one line instead of Ray's nested traceback."""
+    if not getattr(err, "actor_init_failed", False):
+        return err
+    lines = [ln.strip() for ln in re.sub(r"\x1b\[[0-9;]*m", "", str(err)).splitlines() if ln.strip()]
+    cause = re.sub(r"^[\w.]*\.(\w+: )", r"\1", lines[-1]) if lines else "unknown error"  # drop the module
+    return ConfigError(f"serve config: model {config.model!r}: worker {index} could not start: {cause}")
+
+
 def _rss_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
@@ -496,7 +519,8 @@ def _object_store_stats() -> dict:
     try:
         from ray._private.internal_api import memory_summary
 
-        text = memory_summary(stats_only=True)
+        # this cluster's GCS: without an address Ray picks the newest cluster on the machine
+        text = memory_summary(address=ray.get_runtime_context().gcs_address, stats_only=True)
     except Exception:
         return {}
     out = {}

@@ -1,0 +1,149 @@
+"""`raysched bench overhead`: what the Ray scheduler costs, against the bare engine.
+
+The same requests, on the `small` preset, run
+- through the scheduler with 1 worker actor (embedded Ray, 1 CPU for the worker), and
+- in this process with `Engine.generate` (continuous batching, no Ray),
+alternately, twice each; the best run of each side counts. Both use the same pool sizes and
+admission rule (`admission: reserve`, which is what `Engine.generate` does: a request is admitted
+when its whole budget fits), so both batch alike and neither retracts. A Ray actor with
+num_cpus=1 runs torch with 1 thread (Ray sets OMP_NUM_THREADS=1), so the bare run calls
+torch.set_num_threads(1) too. Throughput is generated tokens over wall time from the first
+submit to the last result; greedy outputs must agree between the two.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from benchmarks.common import Column, local_ray, machine, print_table, timed, write_json
+from raysched.config import PoolConfig, SchedulerConfig, ServeConfig
+from raysched.workload import RequestSpec, WorkloadConfig, build_requests
+
+TARGET_RATIO = 0.9
+
+
+@dataclass(frozen=True)
+class Setup:
+    model: str
+    kv_tokens: int
+    mamba_slots: int
+    workload: WorkloadConfig
+    repeats: int  # runs of each side, alternating
+
+
+FULL = Setup("small", kv_tokens=4096, mamba_slots=8, repeats=2,
+             workload=WorkloadConfig(requests=16, seed=5, prompt_len=(200, 600),
+                                     max_new_tokens=(64, 128)))
+QUICK = Setup("tiny", kv_tokens=1024, mamba_slots=8, repeats=1,
+              workload=WorkloadConfig(requests=8, seed=5, prompt_len=(50, 150),
+                                      max_new_tokens=(16, 48)))
+
+
+def serve_config(setup: Setup) -> ServeConfig:
+    return ServeConfig(model=setup.model, workers=1, device="cpu",
+                       pool=PoolConfig(kv_tokens=setup.kv_tokens, mamba_slots=setup.mamba_slots),
+                       scheduler=SchedulerConfig(admission="reserve"))
+
+
+def main(out_dir: Path = Path("bench-out"), quick: bool = False) -> dict:
+    setup = QUICK if quick else FULL
+    from actors.engine import build_engine
+
+    engine = build_engine(setup.model, device="cpu", kv_tokens=setup.kv_tokens,
+                          mamba_slots=setup.mamba_slots)
+    specs = build_requests(setup.workload, engine.config.vocab_size)
+    bare_runs, sched_runs = [], []
+    with local_ray(num_cpus=1):
+        import raysched
+
+        client = raysched.launch(serve_config(setup))
+        try:
+            for k in range(setup.repeats):
+                bare_runs.append(run_bare(engine, specs))
+                sched_runs.append(run_scheduler(client, specs, run=k))
+        finally:
+            client.shutdown()
+        actor_threads = _actor_threads()
+    result = _result(setup, specs, bare_runs, sched_runs, actor_threads)
+    _print(result)
+    write_json(out_dir, "overhead", result)
+    return result
+
+
+def run_bare(engine, specs: list[RequestSpec]) -> dict:
+    """Engine.generate in this process with 1 torch thread."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        seconds, outputs = timed(lambda: engine.generate([list(s.prompt_ids) for s in specs],
+                                                         [s.sampling for s in specs]))
+    finally:
+        torch.set_num_threads(threads)
+    tokens = sum(len(o) for o in outputs)
+    return {"duration_s": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds,
+            "outputs": {s.request_id: o for s, o in zip(specs, outputs)}}
+
+
+def run_scheduler(client, specs: list[RequestSpec], run: int) -> dict:
+    """The workload through the scheduler and its one worker actor (already started)."""
+    from raysched.runner import run_workload
+
+    busy_before = client.stats()["busy_s"]
+    ids = [f"{s.request_id}-run{run}" for s in specs]
+    renamed = [RequestSpec(rid, s.prompt_ids, s.sampling, s.arrival_s) for rid, s in zip(ids, specs)]
+    report = run_workload(client, renamed, progress=False)
+    s = report["summary"]
+    by_id = {r["request_id"]: r["token_ids"] for r in report["requests"]}
+    return {"duration_s": s["duration_s"], "tokens": s["tokens"], "tokens_per_s": s["tokens_per_s"],
+            "worker_busy_s": client.stats()["busy_s"] - busy_before, "finished": s["finished"],
+            "outputs": {spec.request_id: by_id.get(rid) for rid, spec in zip(ids, specs)}}
+
+
+def _actor_threads() -> int:
+    import ray
+
+    @ray.remote(num_cpus=1)
+    def threads() -> int:
+        import torch
+
+        return torch.get_num_threads()
+
+    return ray.get(threads.remote())
+
+
+def _result(setup: Setup, specs: list[RequestSpec], bare_runs: list[dict], sched_runs: list[dict],
+            actor_threads: int) -> dict:
+    bare = max(bare_runs, key=lambda r: r["tokens_per_s"])
+    sched = max(sched_runs, key=lambda r: r["tokens_per_s"])
+    mismatched = sorted(rid for rid, toks in bare["outputs"].items() if sched["outputs"].get(rid) != toks)
+    ratio = sched["tokens_per_s"] / bare["tokens_per_s"]
+    strip = lambda r: {k: v for k, v in r.items() if k != "outputs"}  # noqa: E731
+    return {
+        "model": setup.model, "kv_tokens": setup.kv_tokens, "mamba_slots": setup.mamba_slots,
+        "requests": len(specs), "prompt_tokens": sum(len(s.prompt_ids) for s in specs),
+        "bare_threads": 1, "actor_threads": actor_threads, "machine": machine(),
+        "rows": [{"side": "bare engine (Engine.generate)", **strip(bare)},
+                 {"side": "scheduler + 1 worker actor", **strip(sched)}],
+        "bare_runs": [strip(r) for r in bare_runs], "scheduler_runs": [strip(r) for r in sched_runs],
+        "worker_busy_fraction": sched["worker_busy_s"] / sched["duration_s"],
+        "ratio": ratio, "target": {"min_ratio": TARGET_RATIO, "met": ratio >= TARGET_RATIO},
+        "mismatched_requests": mismatched,
+    }
+
+
+def _print(result: dict) -> None:
+    cols = [Column("side", "side"), Column("tokens", "tokens"), Column("time s", "duration_s", ".2f"),
+            Column("tokens/s", "tokens_per_s", ".1f")]
+    print_table(f"overhead: model {result['model']}, {result['requests']} requests, torch threads "
+                f"bare {result['bare_threads']} / actor {result['actor_threads']}", cols, result["rows"])
+    t = result["target"]
+    print(f"scheduler / bare throughput: {result['ratio']:.3f} (target >= {t['min_ratio']}: "
+          f"{'met' if t['met'] else 'MISSED'}); worker busy {result['worker_busy_fraction']:.0%} "
+          f"of the scheduled run; mismatched outputs: {len(result['mismatched_requests'])}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,114 @@
+"""Shared checks for the reliability suites (faults, bad input, soak).
+
+The promise they check: every accepted request ends exactly once, `finished`, with the tokens
+an uninterrupted in-process run gives (`Engine.generate`: same model, same seeds, never
+retracted), and afterwards no slot, table entry or snapshot is left behind.
+
+    specs = synthetic(seed=3, requests=16)
+    report = run_workload(client, specs, progress=False)
+    assert_exactly_once(report, specs)
+    assert_idle(report["summary"]["idle_after"])
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Sequence
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import pytest
+import ray
+
+from raysched.sampling import SamplingParams
+from raysched.workload import RequestSpec, load_workload
+
+TINY_VOCAB = 512
+
+
+def synthetic(seed: int, requests: int, prompt_len: tuple[int, int] = (8, 40),
+              max_new_tokens: tuple[int, int] = (16, 40), sampled_fraction: float = 0.5) -> list[RequestSpec]:
+    """A seeded workload for the tiny preset, all arriving at t=0; a share of it samples."""
+    raw = {"requests": requests, "seed": seed, "prompt_len": list(prompt_len),
+           "max_new_tokens": list(max_new_tokens)}
+    if sampled_fraction:
+        raw["sampling"] = {"sampled_fraction": sampled_fraction, "temperature": 0.8, "top_p": 0.9}
+    return load_workload(raw, TINY_VOCAB)
+
+
+@lru_cache(maxsize=64)
+def _reference(model: str, seed: int, prompts: tuple[tuple[int, ...], ...],
+               sampling: tuple[SamplingParams, ...]) -> tuple[tuple[int, ...], ...]:
+    from actors.engine import build_engine
+
+    kv_tokens = sum(len(p) + sp.max_new_tokens for p, sp in zip(prompts, sampling))
+    engine = build_engine(model, "float32", "cpu", kv_tokens=kv_tokens, mamba_slots=len(prompts), seed=seed)
+    return tuple(tuple(out) for out in engine.generate([list(p) for p in prompts], list(sampling)))
+
+
+def reference(specs: Sequence[RequestSpec], model: str = "tiny", seed: int = 0) -> dict[str, list[int]]:
+    """request id -> output tokens of an uninterrupted run of all `specs` in this process."""
+    outs = _reference(model, seed, tuple(s.prompt_ids for s in specs), tuple(s.sampling for s in specs))
+    return {s.request_id: list(out) for s, out in zip(specs, outs)}
+
+
+def _first_difference(got: list[int], want: list[int]) -> str:
+    i = next((k for k, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+    return f"first difference at token {i}: got {got[i:i + 4]}, want {want[i:i + 4]} (lengths {len(got)}/{len(want)})"
+
+
+def assert_exactly_once(report: dict, specs: Sequence[RequestSpec], model: str = "tiny") -> None:
+    """Every spec has exactly one record, finished, with the reference tokens."""
+    records = report["requests"]
+    ids = sorted(r["request_id"] for r in records)
+    assert ids == sorted(s.request_id for s in specs), "a request was lost or reported twice"
+    unfinished = {r["request_id"]: (r["state"], r.get("error")) for r in records if r["state"] != "finished"}
+    assert not unfinished, f"requests that did not finish: {unfinished}"
+    want = reference(specs, model)
+    mismatched = {r["request_id"]: _first_difference(r["token_ids"], want[r["request_id"]])
+                  for r in records if r["token_ids"] != want[r["request_id"]]}
+    assert not mismatched, f"{len(mismatched)} of {len(records)} requests differ from the reference: {mismatched}"
+
+
+def assert_idle(idle: dict) -> None:
+    """`client.check_idle()`: every live worker's pool free, every scheduler table empty."""
+    assert idle["workers_idle"], f"a worker still holds slots: {idle}"
+    assert not any(idle["tables"].values()), f"scheduler tables not empty: {idle['tables']}"
+
+
+def wait_until(condition: Callable[[], bool], timeout_s: float, what: str, poll_s: float = 0.05) -> float:
+    """Poll `condition` until it holds (returns the seconds waited); fail naming `what`."""
+    start = time.monotonic()
+    while not condition():
+        if time.monotonic() - start > timeout_s:
+            pytest.fail(f"timed out after {timeout_s:.0f} s waiting for {what}")
+        time.sleep(poll_s)  # the polling interval of a condition, not a guess at an ordering
+    return time.monotonic() - start
+
+
+def scheduler_log(client) -> str:
+    """What the scheduler actor wrote to stderr (its warnings and errors), from the session logs."""
+    pid = ray.get(client.scheduler.__ray_call__.remote(lambda _self: os.getpid()))
+    logs = Path(ray._private.worker._global_node.get_session_dir_path()) / "logs"
+    return "".join(p.read_text(errors="replace") for p in sorted(logs.glob(f"worker-*-{pid}.err")))
+
+
+def bare_scheduler() -> tuple[Any, Any]:
+    """A `Scheduler` object in this process (no Ray, no worker loops, no replacements) with two
+    fake 256-token workers; returns (scheduler, worker slot 0). For white-box tests of its
+    bookkeeping: submit, plan, then feed `_on_result` the results or failures to check."""
+    from raysched.config import SchedulerConfig, ServeConfig
+    from raysched.messages import Usage, WorkerInfo
+    from raysched.planner import WorkerView
+    from raysched.scheduler import Scheduler, WorkerSlot
+
+    def slot(index: int) -> WorkerSlot:
+        usage = Usage(256, 256, 4, 4, 1)
+        info = WorkerInfo(index, f"node-{index}", "cpu", "model", TINY_VOCAB, 8192, usage, 256, 31_488)
+        return WorkerSlot(index, None, info, WorkerView(index, 256, 4, 256, 4, 1))
+
+    sched = Scheduler(ServeConfig(scheduler=SchedulerConfig(replace_failed_workers=False)))
+    sched.workers = [slot(0), slot(1)]
+    return sched, sched.workers[0]

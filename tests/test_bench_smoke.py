@@ -1,0 +1,73 @@
+"""Every benchmark runs in its quick mode and writes the JSON (and plot) it promises.
+
+These check that the benchmarks work, not the numbers they measure (the quick sizes on a
+shared 2-core machine say nothing about performance). Each starts and stops its own Ray.
+"""
+
+import importlib
+import json
+
+import pytest
+import ray
+
+from raysched.cli import BENCHES
+
+# name -> (keys of the result, keys of each row, the row list's key, files written)
+EXPECTED = {
+    "snapshot": ({"model", "bandwidth", "resume"}, set(), None, {"snapshot.json"}),
+    "resume": ({"model", "worker_threads", "rows", "crossover_tokens", "recompute_cheaper_at",
+                "all_same_next_token", "target"},
+               {"tokens", "snapshot_bytes", "snapshot_s", "recompute_s", "speedup", "same_next_token"},
+               "rows", {"resume.json", "resume.png"}),
+    "e2e": ({"model", "workload", "modes", "targets", "mismatched_requests", "timelines"},
+            {"mode", "tokens_per_s", "latency_p50_s", "latency_p99_s", "ttft_p99_s", "retractions",
+             "migrations", "mismatches"},
+            "modes", {"e2e.json", "e2e.png"}),
+    "overhead": ({"model", "rows", "ratio", "target", "bare_threads", "actor_threads",
+                  "mismatched_requests"},
+                 {"side", "tokens", "duration_s", "tokens_per_s"}, "rows", {"overhead.json"}),
+    "engine": ({"model", "threads", "rows", "kernels_present"},
+               {"batch", "ours_tokens_per_s", "hf_tokens_per_s", "ratio", "tokens_match_hf"},
+               "rows", {"engine.json"}),
+}
+
+
+def test_every_cli_benchmark_has_a_smoke_test():
+    assert set(EXPECTED) == set(BENCHES)
+
+
+@pytest.mark.parametrize("name", BENCHES)
+def test_quick_benchmark_writes_its_json(name, tmp_path):
+    if ray.is_initialized():  # a fixture of another test left Ray connected: benchmarks start their own
+        ray.shutdown()
+    keys, row_keys, rows_key, files = EXPECTED[name]
+    result = importlib.import_module(f"benchmarks.{name}").main(out_dir=tmp_path, quick=True)
+
+    assert keys <= set(result), f"missing keys: {keys - set(result)}"
+    assert files <= {p.name for p in tmp_path.iterdir()}
+    written = json.loads((tmp_path / f"{name}.json").read_text())
+    assert set(written) == set(result)
+    if rows_key:
+        assert result[rows_key], "no rows measured"
+        for row in result[rows_key]:
+            assert row_keys <= set(row), f"row misses {row_keys - set(row)}"
+    assert not ray.is_initialized(), "the benchmark left Ray running"
+    CORRECTNESS[name](result)
+
+
+def _e2e_correct(result: dict) -> None:
+    """Every mode finished every request, with the same greedy tokens as the reserve run."""
+    from benchmarks.e2e import MODES
+
+    assert [m["mode"] for m in result["modes"]] == list(MODES)
+    assert all(m["finished"] == result["workload"]["requests"] for m in result["modes"])
+    assert result["mismatched_requests"] == {m: [] for m in MODES}
+
+
+CORRECTNESS = {
+    "snapshot": lambda r: None,
+    "resume": lambda r: r["all_same_next_token"] or pytest.fail("snapshot and recompute disagree"),
+    "e2e": _e2e_correct,
+    "overhead": lambda r: r["mismatched_requests"] == [] or pytest.fail(f"{r['mismatched_requests']}"),
+    "engine": lambda r: None,  # ours vs transformers tokens are reported, not required to match
+}

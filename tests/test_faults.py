@@ -1,0 +1,321 @@
+"""Faults: every accepted request finishes exactly once with the tokens it would have had anyway.
+
+Workers are killed at chosen moments through the `faults:` config (prefill, decode, during and
+right after a retraction, while a resume is in flight), a whole node is removed while snapshots
+it produced wait to resume, the scheduler itself is killed, a snapshot is corrupted, and the
+object store is put under pressure. After each run: all requests finished, tokens identical to
+the uninterrupted in-process reference, replacement workers started, pools and tables empty.
+
+The cluster (`ray.cluster_utils.Cluster`): a head with 1 CPU (driver and scheduler) and three
+nodes with 1 CPU and 1 fake GPU each. A worker asks for one GPU when the cluster has GPUs, so
+each worker sits on its own node and one node is spare for a replacement. Torch sees no CUDA,
+so the workers run on the CPU. Each scenario launches its own scheduler on that cluster.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+import ray
+
+import raysched
+from raysched.client import SchedulerDiedError
+from raysched.config import load_serve_config
+from raysched.messages import StepResult, Usage
+from raysched.planner import Plan
+from raysched.request import State
+from raysched.runner import run_workload
+from raysched.workload import RequestSpec
+from tests.exactness import (assert_exactly_once, assert_idle, bare_scheduler, scheduler_log, synthetic,
+                             wait_until)
+
+NODE_STORE_BYTES = 100 << 20
+POOL = {"kv_tokens": 160, "mamba_slots": 4}  # small: 20 requests overflow two workers
+REPLACEMENT_TIMEOUT_S = 60
+
+
+def kill(worker: int, after: int) -> dict:
+    return {"kind": "kill_worker", "worker": worker, "after_steps": after}
+
+
+@pytest.fixture(scope="class")
+def cluster() -> Iterator[Any]:
+    from ray.cluster_utils import Cluster
+
+    if ray.is_initialized():
+        ray.shutdown()
+    c = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 1, "num_gpus": 0, "object_store_memory": NODE_STORE_BYTES, "include_dashboard": False})
+    try:
+        for _ in range(3):
+            c.add_node(num_cpus=1, num_gpus=1, object_store_memory=NODE_STORE_BYTES)
+        c.wait_for_nodes()
+        ray.init(address=c.address, logging_level="WARNING")
+        yield c
+    finally:
+        ray.shutdown()  # before cluster.shutdown: removing the driver's node would raise
+        c.shutdown()
+
+
+@contextmanager
+def serving(raw: dict) -> Iterator[raysched.Client]:
+    client = raysched.launch(load_serve_config(raw))
+    try:
+        yield client
+    finally:
+        client.shutdown()
+
+
+def config(scheduler: dict | None = None, faults: list | None = None, workers: int = 2, **extra) -> dict:
+    return {"workers": workers, "pool": POOL, "scheduler": {"decode_steps_per_call": 4, **(scheduler or {})},
+            "faults": faults or [], **extra}
+
+
+def wait_for_replacements(client: raysched.Client, count: int) -> dict:
+    wait_until(lambda: client.stats()["workers_replaced"] >= count, REPLACEMENT_TIMEOUT_S,
+               f"{count} replacement worker(s)")
+    return client.stats()
+
+
+# ---------------------------------------------------------------------------- scenarios
+
+SCENARIOS = {
+    # id: (scheduler overrides, faults, workload seed)
+    "prefill": ({}, [kill(0, 0)], 1),  # dies on its very first call: the first prefill
+    "first-decode": ({}, [kill(1, 1)], 2),
+    "decode-3": ({}, [kill(0, 3)], 3),
+    "decode-7": ({}, [kill(1, 7)], 4),
+    "during-retraction": ({"force_retract_every": 2}, [kill(0, 2)], 5),  # call 2 retracts: its snapshot is lost
+    "after-retraction": ({"force_retract_every": 2}, [kill(1, 3)], 6),  # call 2's snapshot waits elsewhere
+    "resume-in-flight": ({"force_retract_every": 1}, [kill(0, 4)], 7),  # every call from the 2nd resumes one
+    "both-workers": ({"force_retract_every": 3}, [kill(0, 2), kill(1, 6)], 8),
+    "recompute-mode": ({"retract": "recompute", "force_retract_every": 2}, [kill(1, 3)], 9),
+    "auto-mode": ({"retract": "auto", "force_retract_every": 2}, [kill(0, 5)], 10),
+    # a tight snapshot budget mixes both retraction modes on the same requests before the kill
+    "mixed-modes": ({"force_retract_every": 1, "snapshot_budget_bytes": 60_000}, [kill(0, 6)], 20),
+    "node-fault": ({"force_retract_every": 2}, [{"kind": "remove_node", "worker": 1, "after_steps": 4}], 11),
+}
+
+
+@pytest.mark.usefixtures("cluster")
+class TestOnCluster:
+    @pytest.mark.parametrize("name", list(SCENARIOS))
+    def test_killed_worker_loses_no_request_and_no_token(self, name):
+        sched, faults, seed = SCENARIOS[name]
+        specs = synthetic(seed, requests=20, max_new_tokens=(24, 48))
+        with serving(config(sched, faults)) as client:
+            report = run_workload(client, specs, progress=False)
+            assert_exactly_once(report, specs)
+            summary = report["summary"]
+            assert summary["worker_failures"] == len(faults), summary
+            assert summary["recovered"] >= 1, summary
+            stats = wait_for_replacements(client, len(faults))
+            assert stats["workers_alive"] == 2
+            assert_idle(client.check_idle())  # the replacements' pools too
+
+    def test_without_replacement_the_survivor_finishes_everything(self):
+        specs = synthetic(12, requests=16)
+        with serving(config({"replace_failed_workers": False, "force_retract_every": 2}, [kill(1, 2)])) as client:
+            report = run_workload(client, specs, progress=False)
+            assert_exactly_once(report, specs)
+            stats = client.stats()
+            assert (stats["worker_failures"], stats["workers_replaced"], stats["workers_alive"]) == (1, 0, 1)
+            assert_idle(client.check_idle())
+
+    def test_corrupted_snapshot_is_refused_recomputed_and_logged(self):
+        specs = synthetic(13, requests=12)
+        faults = [{"kind": "corrupt_snapshot", "worker": 0, "after_steps": 1}]
+        with serving(config({"force_retract_every": 1}, faults)) as client:
+            report = run_workload(client, specs, progress=False)
+            assert_exactly_once(report, specs)
+            summary = report["summary"]
+            assert summary["snapshots_refused"] == 1 and summary["worker_failures"] == 0, summary
+            assert_idle(summary["idle_after"])
+            log = scheduler_log(client)
+        assert "flipped one byte of the snapshot" in log
+        assert "refused on worker" in log and "checksum mismatch" in log and "recomputing it instead" in log
+
+    def test_snapshot_budget_falls_back_to_recompute_under_store_pressure(self):
+        # One tiny-preset snapshot is 35-45 KB: the budget holds one at a time, far less than
+        # the retracted requests would need, so the rest are retracted by recompute.
+        specs = synthetic(14, requests=20, max_new_tokens=(24, 48))
+        with serving(config({"force_retract_every": 1, "snapshot_budget_bytes": 60_000})) as client:
+            report = run_workload(client, specs, progress=False)
+            assert_exactly_once(report, specs)
+            s = report["summary"]
+            stats = client.stats()
+            assert stats["store_pressure_fallbacks"] > 0 and s["retractions_snapshot"] > 0, stats
+            assert s["retractions_recompute"] == stats["store_pressure_fallbacks"]
+            assert s["snapshot_bytes"] > 60_000  # what went through the store, a snapshot at a time
+            assert_idle(s["idle_after"])
+
+    def test_victim_order_would_starve_one_request_without_max_retractions(self):
+        # fewest_generated picks, among equals, the longest prompt: the long request is retracted
+        # first, resumes behind the others and so stays the one with the fewest tokens.
+        short = synthetic(15, requests=7, prompt_len=(6, 10), max_new_tokens=(40, 40), sampled_fraction=0)
+        long = synthetic(16, requests=1, prompt_len=(120, 120), max_new_tokens=(40, 40), sampled_fraction=0)
+        specs = [RequestSpec("long", long[0].prompt_ids, long[0].sampling)] + short
+        counts = {}
+        for cap in (3, 1000):
+            sched = {"force_retract_every": 1, "max_retractions": cap, "victim_order": "fewest_generated"}
+            with serving(config(sched, workers=1, pool={"kv_tokens": 512, "mamba_slots": 8})) as client:
+                report = run_workload(client, specs, progress=False)
+                assert_exactly_once(report, specs)
+                assert_idle(report["summary"]["idle_after"])
+            counts[cap] = {r["request_id"]: r["retractions"] for r in report["requests"]}
+        assert counts[3]["long"] <= 3
+        assert max(counts[3].values()) <= 3
+        unbounded = counts[1000]
+        assert unbounded["long"] == max(unbounded.values()), unbounded
+        assert unbounded["long"] >= 3 * 3, unbounded  # picked again and again
+
+    def test_scheduler_death_fails_pending_requests_promptly(self):
+        raw = config(pool={"kv_tokens": 4096, "mamba_slots": 8})
+        specs = synthetic(17, requests=4, max_new_tokens=(3000, 3000), sampled_fraction=0)
+        with serving(raw) as client:
+            handles = [client.submit([1, 2, 3, i], {"max_new_tokens": 3000}) for i in range(3)]
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                run = pool.submit(run_workload, client, specs, False)
+                wait_until(lambda: client.stats()["submitted"] == 7 and client.stats()["tokens"] > 0,
+                           30, "the workload to start decoding")
+                killed_at = time.monotonic()
+                ray.kill(client.scheduler)
+                with pytest.raises(SchedulerDiedError):
+                    handles[0].result(timeout=10)
+                with pytest.raises(SchedulerDiedError):
+                    run.result(timeout=10)
+                elapsed = time.monotonic() - killed_at
+            for h in handles[1:]:
+                with pytest.raises(SchedulerDiedError):
+                    h.result(timeout=10)
+        assert elapsed < 5.0, f"took {elapsed:.1f} s to notice the scheduler's death"
+
+    def test_removed_node_loses_no_waiting_snapshot(self, cluster):
+        """Last on the cluster: the node does not come back.
+
+        Long requests on small pools: decode overflows and victims wait, snapshotted, for room.
+        Once one worker has produced at least two snapshots that still wait, its node is removed
+        (a crash, not a drain). The scheduler re-owned those snapshots on its own node, so they
+        resume elsewhere: a lost one would fail the call that resumes it (a second failure).
+        """
+        specs = synthetic(18, requests=24, prompt_len=(16, 40), max_new_tokens=(60, 100))
+        with serving(config(pool={"kv_tokens": 160, "mamba_slots": 4})) as client:
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                run = pool.submit(run_workload, client, specs, False)
+                waiting: dict[int, int] = {}
+
+                def snapshots_wait() -> bool:
+                    waiting.update(_waiting_snapshots_by_producer(client))
+                    return run.done() or max(waiting.values(), default=0) >= 2
+
+                wait_until(snapshots_wait, 60, "two waiting snapshots from one worker")
+                assert not run.done(), "the workload ended before snapshots waited"
+                tables = client.stats()["tables"]
+                producer = max(waiting, key=waiting.get)
+                victim_node = client.workers[producer]["node"]
+                node = next(n for n in cluster.list_all_nodes() if n.node_id == victim_node)
+                cluster.remove_node(node, allow_graceful=False)
+                report = run.result(timeout=120)
+            assert tables["retracted"] > 0 and tables["snapshots_held"] > 0, tables
+            assert_exactly_once(report, specs)
+            s = report["summary"]
+            assert s["worker_failures"] == 1 and s["snapshots_refused"] == 0, s
+            wait_for_replacements(client, 1)  # on the spare node: the removed one is gone
+            assert_idle(client.check_idle())
+
+
+def _waiting_snapshots_by_producer(client: raysched.Client) -> dict[int, int]:
+    """worker index -> snapshots it took that wait (retracted, not resumed yet), read from the
+    scheduler actor's own tables."""
+    def count(sched: Any) -> dict[int, int]:
+        out: dict[int, int] = {}
+        for r in sched.retracted:
+            if r.snapshot_ref is not None:
+                out[r.workers[-1]] = out.get(r.workers[-1], 0) + 1
+        return out
+
+    return ray.get(client.scheduler.__ray_call__.remote(count))
+
+
+# ---------------------------------------------------------------------------- small object store
+
+
+def test_small_object_store_with_many_large_snapshots_loses_nothing():
+    """A local Ray with an 80 MiB store; prompts of several hundred tokens, retracted every call."""
+    specs = synthetic(19, requests=16, prompt_len=(200, 500), max_new_tokens=(8, 16))
+    raw = config({"force_retract_every": 1}, pool={"kv_tokens": 2048, "mamba_slots": 6},
+                 object_store_memory=80 << 20)
+    with serving(raw) as client:
+        report = run_workload(client, specs, progress=False)
+        stats = client.stats(detail=True)
+    assert_exactly_once(report, specs)
+    assert_idle(report["summary"]["idle_after"])
+    assert stats["retractions_snapshot"] > 0
+    assert "object_store_spilled_mib" in stats
+    print(f"\nsmall store: {stats['retractions_snapshot']} snapshots, {stats['snapshot_bytes'] / 2**20:.1f} MiB "
+          f"through the store, spilled {stats['object_store_spilled_mib']} MiB, "
+          f"fallbacks {stats['store_pressure_fallbacks']}")
+
+
+# ---------------------------------------------------------------------------- scheduler, in process
+
+
+def test_request_aborted_during_a_failed_call_stays_aborted():
+    async def scenario() -> None:
+        sched, w = bare_scheduler()
+        ids = [await sched.submit([1, 2, 3 + i], {"max_new_tokens": 8}) for i in range(2)]
+        plan = sched._plan(w)
+        sched._mark_running(w, plan.admit)
+        assert await sched.abort(ids[0])
+        sched._on_result(w, plan, ray.exceptions.ActorDiedError(), [])  # the in-flight call failed
+        assert sched.requests[ids[0]].state is State.ABORTED
+        assert [r.request_id for r in sched.retracted] == [ids[1]]
+        assert sched.counters.recovered == 1
+
+    asyncio.run(scenario())
+
+
+def test_request_aborted_while_not_admitted_stays_aborted():
+    async def scenario() -> None:
+        sched, w = bare_scheduler()
+        ids = [await sched.submit([1, 2, 3 + i], {"max_new_tokens": 8}) for i in range(2)]
+        plan = sched._plan(w)
+        sched._mark_running(w, plan.admit)
+        assert await sched.abort(ids[0])
+        result = StepResult(not_admitted=[ids[0]], usage=Usage(256, 256, 4, 4, 1))
+        sched._on_result(w, plan, result, [])
+        assert sched.requests[ids[0]].state is State.ABORTED
+        assert not sched.waiting and not sched.retracted
+        record = await sched.wait(ids[0])  # the client collects it; a late result must not crash
+        assert record["state"] == "aborted"
+        sched._on_result(w, plan, StepResult(not_admitted=[ids[0]], resume_failed={ids[0]: "late"},
+                                             usage=Usage(256, 256, 4, 4, 1)), [])
+        assert not sched.waiting and not sched.retracted
+
+    asyncio.run(scenario())
+
+
+def test_snapshot_retraction_after_a_recompute_resumes_from_the_snapshot():
+    """A request once recomputed and later retracted by snapshot must resume from that snapshot:
+    a stale `recompute` flag would prefill it instead and leave the snapshot pinned, and a worker
+    failure after that would resume it from the stale snapshot (tokens emitted twice)."""
+    async def scenario() -> None:
+        sched, w = bare_scheduler()
+        sched._snapshot_budget = 1 << 30
+        rid = await sched.submit([1, 2, 3], {"max_new_tokens": 8})
+        plan = sched._plan(w)
+        sched._mark_running(w, plan.admit)
+        req = sched.requests[rid]
+        req.recompute = True  # as after an earlier retraction by recompute (store pressure)
+        snap, drop = sched._apply_victims(w, Plan(victims=[req]))
+        assert (snap, drop) == ([req], [])
+        assert req.recompute is False
+        assert (sched.counters.retractions_snapshot, sched.counters.retractions_recompute) == (1, 0)
+
+    asyncio.run(scenario())

@@ -1,0 +1,233 @@
+"""`planner.plan_step` as a pure function: no Ray, no torch, hand-built worker views."""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+
+import pytest
+
+from raysched.config import SchedulerConfig
+from raysched.planner import Plan, WorkerView, decode_need, plan_step
+from raysched.request import Request
+from raysched.sampling import SamplingParams
+
+
+def request(rid: str, prompt_len: int, generated: int = 0, max_new: int = 64, arrival_s: float = 0.0,
+            retractions: int = 0) -> Request:
+    r = Request(rid, tuple(range(1, prompt_len + 1)), SamplingParams(max_new_tokens=max_new),
+                arrival_s=arrival_s, retractions=retractions)
+    r.output_ids = [7] * generated
+    return r
+
+
+def view(running: list[Request], total_tokens: int = 256, total_slots: int = 8, free_tokens: int | None = None,
+         calls: int = 0, page_size: int = 1) -> WorkerView:
+    """A worker whose running requests hold exactly their cached tokens."""
+    held = sum(r.num_cached for r in running)
+    v = WorkerView(0, total_tokens - held if free_tokens is None else free_tokens,
+                   total_slots - len(running), total_tokens, total_slots, page_size)
+    v.running = list(running)
+    v.allocated = {r.request_id: r.num_cached for r in running}
+    v.calls = calls
+    return v
+
+
+def plan(v: WorkerView, waiting=(), retracted=(), best_room_elsewhere: float = -1.0, reserve: bool = False,
+         **cfg) -> Plan:
+    return plan_step(v, deque(waiting), deque(retracted), SchedulerConfig(**cfg), best_room_elsewhere, reserve)
+
+
+# ------------------------------------------------------------------------------ decode steps
+
+
+def test_decode_steps_halve_before_anything_is_retracted() -> None:
+    running = [request("a", 10, generated=6), request("b", 10, generated=6)]  # 1 token/step each
+    assert plan(view(running, free_tokens=8)).decode_steps == 4  # 2 x 4 fits
+    for free, steps in ((7, 2), (4, 2), (3, 1), (2, 1)):
+        p = plan(view(running, free_tokens=free))
+        assert (p.decode_steps, p.victims) == (steps, []), free
+
+
+def test_steps_halve_from_the_configured_count() -> None:
+    running = [request("a", 10, generated=6)]
+    assert plan(view(running, free_tokens=5), decode_steps_per_call=8).decode_steps == 4
+    assert plan(view(running, free_tokens=3), decode_steps_per_call=8).decode_steps == 2
+
+
+def test_retracts_only_when_a_single_step_does_not_fit() -> None:
+    running = [request("a", 10, generated=6), request("b", 12, generated=3)]
+    v = view(running, free_tokens=1)
+    assert decode_need(v, running, 1) == 2  # even one step of both does not fit
+    p = plan(v)
+    assert p.decode_steps == 1 and [r.request_id for r in p.victims] == ["b"]  # fewest generated
+
+
+def test_requests_near_their_budget_need_only_their_remaining_tokens() -> None:
+    running = [request("a", 10, generated=63, max_new=64)]  # one token left
+    p = plan(view(running, free_tokens=1))
+    assert (p.decode_steps, p.victims) == (4, [])
+
+
+# ------------------------------------------------------------------------------ victims
+
+# a: prompt 10, 5 generated, oldest   | b: prompt 30, 2 generated, most KV
+# c: prompt 4, 9 generated            | d: prompt 20, 2 generated, newest
+EXPECTED_ORDER = {
+    "fewest_generated": "bdac",  # (generated, -prompt length)
+    "most_generated": "cabd",
+    "newest": "dcba",
+    "oldest": "abcd",
+    "largest_memory": "bdac",  # by cached tokens: 31, 21, 14, 12
+}
+
+
+def four_running() -> list[Request]:
+    return [request("a", 10, 5, arrival_s=1.0), request("b", 30, 2, arrival_s=2.0),
+            request("c", 4, 9, arrival_s=3.0), request("d", 20, 2, arrival_s=4.0)]
+
+
+@pytest.mark.parametrize("order", sorted(EXPECTED_ORDER))
+def test_victims_follow_the_victim_order(order: str) -> None:
+    """Forced retraction takes one victim per call, so protecting each victim in turn walks
+    the whole order."""
+    running = four_running()
+    picked = []
+    for _ in running:
+        p = plan(view(running, calls=1), force_retract_every=1, victim_order=order, max_retractions=1)
+        assert len(p.victims) == 1
+        picked.append(p.victims[0].request_id)
+        p.victims[0].retractions = 1  # protected from now on
+    assert "".join(picked) == EXPECTED_ORDER[order]
+
+
+def test_overflow_victims_come_in_victim_order_until_the_step_fits() -> None:
+    running = [request(rid, 1, generated=1, arrival_s=t) for rid, t in zip("wxyz", (1.0, 2.0, 3.0, 4.0))]
+    p = plan(view(running, free_tokens=0), victim_order="newest")  # each holds 1 token, needs 1 more
+    assert [r.request_id for r in p.victims] == ["z", "y"]
+    assert p.decode_steps == 1
+
+
+def test_protected_requests_are_never_retracted() -> None:
+    running = four_running()
+    for r in running:
+        r.retractions = 2 if r.request_id in "bd" else 0  # the two best victims are protected
+    p = plan(view(running, free_tokens=0), max_retractions=2)
+    assert [r.request_id for r in p.victims] == ["a"]
+    p = plan(view(running, calls=4), force_retract_every=2, max_retractions=2)
+    assert [r.request_id for r in p.victims] == ["a"]
+
+
+def test_when_everyone_is_protected_the_worker_decodes_whom_it_can() -> None:
+    running = [request("a", 10, 5, retractions=3), request("b", 10, 5, retractions=3)]
+    p = plan(view(running, free_tokens=0), max_retractions=3)
+    assert p.victims == [] and p.decode_steps == 1
+
+
+def test_forced_retraction_fires_every_k_calls_only() -> None:
+    running = four_running()
+    fired = [bool(plan(view(running, calls=c), force_retract_every=3).victims) for c in range(7)]
+    assert fired == [False, False, False, True, False, False, True]
+
+
+# ------------------------------------------------------------------------------ resume / admit
+
+
+def test_retracted_requests_take_the_room_before_admissions() -> None:
+    back = [request("r1", 20, 4, retractions=1)]  # needs 23 cached + 1 + 4 steps = 28 tokens
+    new = [request("n1", 8)]  # needs 8 + 4 = 12 tokens
+    assert [r.request_id for r in plan(view([], total_tokens=35), waiting=new).admit] == ["n1"]
+    p = plan(view([], total_tokens=35), waiting=new, retracted=back)
+    assert [r.request_id for r in p.resume] == ["r1"] and p.admit == []
+    p = plan(view([], total_tokens=40), waiting=new, retracted=back)  # room for both: both go
+    assert [r.request_id for r in p.resume] == ["r1"] and [r.request_id for r in p.admit] == ["n1"]
+
+
+def test_retracted_requests_resume_oldest_retraction_first() -> None:
+    back = [request("r1", 20, 4, retractions=1), request("r2", 10, 2, retractions=1)]
+    assert [r.request_id for r in plan(view([]), retracted=back).resume] == ["r1", "r2"]
+
+
+def test_a_retracted_request_that_does_not_fit_still_blocks_admissions() -> None:
+    back = [request("big", 200, 10, retractions=1)]
+    p = plan(view([], total_tokens=128), waiting=[request("n1", 8)], retracted=back)
+    assert p.resume == [] and p.admit == [] and p.is_empty()
+
+
+def test_resumes_stop_at_the_free_mamba_slots() -> None:
+    back = [request(f"r{i}", 4, 1, retractions=1) for i in range(3)]
+    p = plan(view([request("a", 4, 1)], total_slots=3), retracted=back)
+    assert [r.request_id for r in p.resume] == ["r0", "r1"]
+
+
+def test_admissions_go_to_the_worker_with_the_most_room() -> None:
+    running = [request("a", 64, 1)]  # this worker: 65/128 tokens free, room ~0.5
+    waiting = [request("n1", 8), request("n2", 8)]
+    v = view(running, total_tokens=128)
+    assert plan(v, waiting=waiting, best_room_elsewhere=0.9).admit == []
+    assert [r.request_id for r in plan(v, waiting=waiting, best_room_elsewhere=0.3).admit] == ["n1", "n2"]
+    assert len(plan(v, waiting=waiting, best_room_elsewhere=v.room()).admit) == 2  # a tie admits
+
+
+def test_admissions_are_first_come_first_served_and_stop_at_the_first_misfit() -> None:
+    waiting = [request("n1", 40), request("big", 100), request("n3", 4)]
+    p = plan(view([], total_tokens=128), waiting=waiting)
+    assert [r.request_id for r in p.admit] == ["n1"]  # n3 would fit, but does not jump the queue
+
+
+def test_max_batch_size_caps_resumes_and_admissions() -> None:
+    p = plan(view([request("a", 4, 1)]), waiting=[request(f"n{i}", 4) for i in range(5)], max_batch_size=3)
+    assert len(p.admit) == 2
+
+
+# ------------------------------------------------------------------------------ reserve mode
+
+
+def simulate(reserve: bool, seed: int, total_tokens: int = 160, slots: int = 4) -> dict:
+    """Run a random workload through plan_step on one idealised worker; returns what happened.
+
+    The fake worker does what the real one does with a plan: victims free their KV, resumes
+    and admissions take `num_cached` tokens (+1 for the prefill's sampled token), each decode
+    step adds one token per running request, finished requests free everything."""
+    rng = random.Random(seed)
+    waiting = deque(request(f"q{i}", rng.randint(8, 48), max_new=rng.randint(16, 48), arrival_s=float(i))
+                    for i in range(16))
+    retracted: deque[Request] = deque()
+    running: list[Request] = []
+    worst_reserved, victims, overflows = 0, 0, 0
+    for calls in range(10_000):
+        if not (waiting or retracted or running):
+            break
+        v = view(running, total_tokens, slots, calls=calls)
+        p = plan_step(v, waiting, retracted, SchedulerConfig(), -1.0, reserve)
+        victims += len(p.victims)
+        running = [r for r in running if r not in p.victims]
+        retracted.extend(p.victims)
+        for r in p.resume + p.admit:
+            r.output_ids.append(7)  # the prefill samples one token
+            running.append(r)
+        for _ in range(p.decode_steps):
+            running = [r for r in running if r.remaining > 0]
+            for r in running:
+                r.output_ids.append(7)
+        running = [r for r in running if r.remaining > 0]
+        overflows += sum(r.num_cached for r in running) > total_tokens
+        worst_reserved = max(worst_reserved, sum(len(r.prompt_ids) + r.sampling.max_new_tokens for r in running))
+    else:
+        raise AssertionError("the simulation did not finish")
+    return {"victims": victims, "overflows": overflows, "worst_reserved": worst_reserved}
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_reserve_mode_never_overcommits(seed: int) -> None:
+    out = simulate(reserve=True, seed=seed)
+    assert out["victims"] == 0 and out["overflows"] == 0
+    assert out["worst_reserved"] <= 160  # every running request's whole budget fits at once
+
+
+def test_overcommit_mode_does_overcommit_on_the_same_workloads() -> None:
+    """The control for the test above: without reserve the same workloads need retractions."""
+    outs = [simulate(reserve=False, seed=seed) for seed in range(5)]
+    assert all(o["overflows"] == 0 for o in outs)  # retraction keeps the pool itself in bounds
+    assert sum(o["victims"] for o in outs) > 0
+    assert max(o["worst_reserved"] for o in outs) > 160
