@@ -1,6 +1,9 @@
 """`raysched bench e2e`: one memory-pressure workload on 2 workers under each retract mode.
 
-Modes, run one after another on the same embedded Ray instance and the same requests:
+Modes, run one after another on the same embedded Ray instance and the same requests, in two
+rounds of opposite order (recompute, snapshot, auto, reserve, then reserve, ..., recompute) so
+that a drift in the machine's load (it is shared) falls on every mode alike; a mode's numbers
+are the mean of its rounds:
 
 - `recompute`: overcommit admission; a retracted request is re-prefilled (prompt + outputs).
 - `snapshot`:  overcommit admission; a retracted request's state goes to the object store and is
@@ -20,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
+from statistics import mean
 
 from benchmarks.common import (Column, local_ray, machine, print_table, pyplot, save_figure,
                                write_json)
@@ -39,12 +43,13 @@ class Setup:
     mamba_slots: int  # per worker
     workload: WorkloadConfig
     bin_s: float  # width of the time bins in the plot
+    rounds: int  # 2: every mode twice, the second round in reverse order
 
 
-FULL = Setup("small", kv_tokens=4096, mamba_slots=8, bin_s=2.0,
-             workload=WorkloadConfig(requests=24, seed=11, prompt_len=(600, 1400),
-                                     max_new_tokens=(64, 256)))
-QUICK = Setup("tiny", kv_tokens=768, mamba_slots=8, bin_s=0.5,
+FULL = Setup("small", kv_tokens=3072, mamba_slots=8, bin_s=2.0, rounds=2,
+             workload=WorkloadConfig(requests=16, seed=11, prompt_len=(600, 1400),
+                                     max_new_tokens=(128, 384)))
+QUICK = Setup("tiny", kv_tokens=768, mamba_slots=8, bin_s=0.5, rounds=1,
               workload=WorkloadConfig(requests=10, seed=11, prompt_len=(100, 300),
                                       max_new_tokens=(16, 64)))
 
@@ -59,11 +64,12 @@ def serve_config(setup: Setup, mode: str) -> ServeConfig:
 
 def main(out_dir: Path = Path("bench-out"), quick: bool = False) -> dict:
     setup = QUICK if quick else FULL
-    runs: dict[str, dict] = {}
+    runs: dict[str, list[dict]] = {m: [] for m in MODES}
+    order = [m for r in range(setup.rounds) for m in (MODES if r % 2 == 0 else MODES[::-1])]
     with local_ray(num_cpus=2):
-        for mode in MODES:
-            runs[mode] = run_mode(setup, mode)
-    result = _result(setup, runs)
+        for mode in order:
+            runs[mode].append(run_mode(setup, mode))
+    result = _result(setup, runs, order)
     _print(result)
     write_json(out_dir, "e2e", result)
     _plot(result, out_dir)
@@ -111,9 +117,14 @@ def _mismatches(outputs: dict[str, list[int]], reference: dict[str, list[int]]) 
     return bad
 
 
-def _row(mode: str, run: dict, reference: dict) -> dict:
+MEAN_KEYS = ("tokens_per_s", "duration_s", "latency_p50_s", "latency_p99_s", "ttft_p50_s", "ttft_p99_s",
+             "retractions", "retractions_snapshot", "retractions_recompute", "resumes", "migrations",
+             "snapshot_mb")
+
+
+def _run_row(run: dict, reference: dict) -> dict:
     s = run["summary"]
-    return {"mode": mode, "tokens_per_s": s["tokens_per_s"], "duration_s": s["duration_s"],
+    return {"tokens_per_s": s["tokens_per_s"], "duration_s": s["duration_s"], "tokens": s["tokens"],
             "finished": s["finished"], "failed": s["failed"],
             "latency_p50_s": s["latency_p50_s"], "latency_p99_s": s["latency_p99_s"],
             "ttft_p50_s": s["ttft_p50_s"], "ttft_p99_s": s["ttft_p99_s"],
@@ -122,6 +133,17 @@ def _row(mode: str, run: dict, reference: dict) -> dict:
             "migrations": s["migrations"], "snapshot_mb": (s["snapshot_bytes"] or 0) / 1e6,
             "mismatches": len(_mismatches(run["outputs"], reference)),
             "idle_after": s["idle_after"]["workers_idle"]}
+
+
+def _row(mode: str, runs: list[dict], reference: dict) -> dict:
+    """A mode's numbers: the mean over its rounds (each round listed under `rounds`)."""
+    per_round = [_run_row(r, reference) for r in runs]
+    row = {"mode": mode, **{k: mean(r[k] for r in per_round) for k in MEAN_KEYS}}
+    row.update({"finished": min(r["finished"] for r in per_round),
+                "failed": sum(r["failed"] for r in per_round),
+                "mismatches": sum(r["mismatches"] for r in per_round),
+                "idle_after": all(r["idle_after"] for r in per_round), "rounds": per_round})
+    return row
 
 
 def _targets(rows: dict[str, dict]) -> dict:
@@ -143,17 +165,19 @@ def _targets(rows: dict[str, dict]) -> dict:
     }
 
 
-def _result(setup: Setup, runs: dict[str, dict]) -> dict:
-    reference = runs[REFERENCE_MODE]["outputs"]
+def _result(setup: Setup, runs: dict[str, list[dict]], order: list[str]) -> dict:
+    reference = runs[REFERENCE_MODE][0]["outputs"]  # never retracted: the uninterrupted run
     rows = {m: _row(m, runs[m], reference) for m in MODES}
     return {
         "model": setup.model, "workers": 2, "kv_tokens_per_worker": setup.kv_tokens,
-        "mamba_slots_per_worker": setup.mamba_slots, "workload": runs[MODES[0]]["workload"],
+        "mamba_slots_per_worker": setup.mamba_slots, "workload": runs[MODES[0]][0]["workload"],
         "workload_config": {k: (list(v) if isinstance(v, tuple) else v)
                             for k, v in dataclasses.asdict(setup.workload).items()},
-        "machine": machine(), "modes": list(rows.values()), "targets": _targets(rows),
-        "mismatched_requests": {m: _mismatches(runs[m]["outputs"], reference) for m in MODES},
-        "timelines": {m: runs[m]["timeline"] for m in MODES},
+        "rounds": setup.rounds, "run_order": order, "machine": machine(),
+        "modes": list(rows.values()), "targets": _targets(rows),
+        "mismatched_requests": {m: [bad for r in runs[m] for bad in _mismatches(r["outputs"], reference)]
+                                for m in MODES},
+        "timelines": {m: runs[m][0]["timeline"] for m in MODES},  # first round's
     }
 
 
@@ -162,14 +186,14 @@ def _print(result: dict) -> None:
     w = result["workload"]
     print(f"e2e: model {result['model']}, 2 workers x {result['kv_tokens_per_worker']} KV tokens, "
           f"{w['requests']} requests at t=0, prompts {w['prompt_len_range']}, "
-          f"max_new_tokens {w['max_new_tokens_range']}")
+          f"max_new_tokens {w['max_new_tokens_range']}; mean of {result['rounds']} round(s)")
     cols = [Column("mode", "mode"), Column("tokens/s", "tokens_per_s", ".1f"),
             Column("time s", "duration_s", ".1f"),
             Column("p50 lat s", "latency_p50_s", ".2f"), Column("p99 lat s", "latency_p99_s", ".2f"),
-            Column("p99 TTFT s", "ttft_p99_s", ".2f"), Column("retract", "retractions"),
-            Column("(snap/recomp)", "split"), Column("migrations", "migrations"),
+            Column("p99 TTFT s", "ttft_p99_s", ".2f"), Column("retract", "retractions", "g"),
+            Column("(snap/recomp)", "split"), Column("migrations", "migrations", "g"),
             Column("mismatches", "mismatches")]
-    rows = [{**r, "split": f"{r['retractions_snapshot']}/{r['retractions_recompute']}"}
+    rows = [{**r, "split": f"{r['retractions_snapshot']:g}/{r['retractions_recompute']:g}"}
             for r in result["modes"]]
     print_table("", cols, rows)
     for name, t in result["targets"].items():

@@ -17,7 +17,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raysched.config import ConfigError, ServeConfig, load_serve_config
-from raysched.sampling import SamplingParams
+from raysched.sampling import RequestError, SamplingParams
 
 DEFAULT_OBJECT_STORE_BYTES = 512 << 20
 
@@ -27,11 +27,16 @@ class SchedulerDiedError(RuntimeError):
 
 
 def _get(ref: Any, timeout: float | None = None) -> Any:
-    """ray.get, turning the scheduler's death into a SchedulerDiedError."""
+    """ray.get, turning the scheduler's death into a SchedulerDiedError and a rejected request
+    into the plain RequestError the scheduler raised (its message, without Ray's traceback)."""
     try:
         return ray.get(ref, timeout=timeout)
     except ray.exceptions.RayActorError as err:
         raise SchedulerDiedError(f"the raysched scheduler actor died: {err}") from None
+    except ray.exceptions.RayTaskError as err:
+        if isinstance(err.cause, RequestError):
+            raise err.cause from None
+        raise
 
 
 def launch(config: ServeConfig | str | Mapping[str, Any] | None = None, address: str | None = None,

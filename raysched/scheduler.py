@@ -35,6 +35,8 @@ from raysched.stats import Counters
 
 log = logging.getLogger("raysched.scheduler")
 
+ENDED_RECORDS_KEPT = 4096  # ended requests already read once, still readable by a late reader
+
 
 @dataclass
 class WorkerSlot:
@@ -56,6 +58,7 @@ class Scheduler:
         self.workers: list[WorkerSlot] = []
         self.counters = Counters()
         self._progress: dict[str, asyncio.Event] = {}
+        self._ended: dict[str, Request] = {}  # read once, out of the live table; oldest first
         self._next_id = 0
         self._closing = False
         self._fatal: str | None = None
@@ -163,30 +166,48 @@ class Scheduler:
         return True
 
     async def wait(self, request_id: str, timeout: float | None = None) -> dict:
-        """Wait for the request to end; returns its record and forgets it."""
+        """Wait for the request to end; returns its record and forgets it (see `_forget`)."""
         req = self._get(request_id)
+        progress = self._progress.get(request_id)  # a local: a concurrent reader may forget it
         while not req.state.is_done:
             self._raise_if_fatal()
-            await asyncio.wait_for(self._progress[request_id].wait(), timeout)
-            self._progress[request_id].clear()
-        self.requests.pop(request_id, None)
-        self._progress.pop(request_id, None)
+            await asyncio.wait_for(progress.wait(), timeout)
+            progress.clear()
+        self._forget(req)
         return req.result()
 
     async def next_tokens(self, request_id: str, cursor: int) -> tuple[list[int], bool]:
-        """Tokens generated after `cursor` (waits for at least one unless the request ended)."""
+        """Tokens generated after `cursor` (waits for at least one unless the request ended).
+        The call that reports the end forgets the request, like `wait`."""
         req = self._get(request_id)
+        progress = self._progress.get(request_id)
         while len(req.output_ids) <= cursor and not req.state.is_done:
             self._raise_if_fatal()
-            await self._progress[request_id].wait()
-            self._progress[request_id].clear()
+            await progress.wait()
+            progress.clear()
+        if req.state.is_done:
+            self._forget(req)
         return req.output_ids[cursor:], req.state.is_done
 
     def _get(self, request_id: str) -> Request:
-        try:
-            return self.requests[request_id]
-        except KeyError:
-            raise RequestError(f"unknown request id {request_id!r}") from None
+        req = self.requests.get(request_id) or self._ended.get(request_id)
+        if req is None:
+            raise RequestError(f"unknown request id {request_id!r}")
+        return req
+
+    def _forget(self, req: Request) -> None:
+        """Move an ended request out of the live tables. Its record stays readable for a while
+        (the last ENDED_RECORDS_KEPT), so a stream and `result()` of one request both succeed,
+        in either order or at once, and a stream-only request does not linger in the tables."""
+        rid = req.request_id
+        if self.requests.get(rid) is req:
+            del self.requests[rid]
+            self._progress.pop(rid, None)
+        req.snapshot_ref = None
+        self._ended.pop(rid, None)
+        self._ended[rid] = req
+        while len(self._ended) > ENDED_RECORDS_KEPT:
+            del self._ended[next(iter(self._ended))]
 
     async def stats(self, detail: bool = False) -> dict:
         """Counters, table sizes, per-worker room; with `detail`, the scheduler's RSS and the

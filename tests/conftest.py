@@ -48,12 +48,12 @@ def reference_tokens(model: str, prompts: list[list[int]], sampling_list: list[S
         torch.set_num_threads(threads)
 
 
-def alive_worker_actors() -> list[dict]:
-    """Worker actors (class `Worker`) of the connected cluster that are not dead yet.
+def alive_actors(*class_names: str) -> list[dict]:
+    """Actors of these classes in the connected cluster that are not dead yet.
 
     Reads the GCS actor table directly (the state API would need the dashboard)."""
     return [a for a in ray._private.state.actors().values()
-            if a["ActorClassName"] == "Worker" and a["State"] != "DEAD"]
+            if a["ActorClassName"] in class_names and a["State"] != "DEAD"]
 
 
 def wait_until(condition: Callable[[], bool], timeout_s: float, what: str, poll_s: float = 0.2) -> None:
@@ -66,13 +66,14 @@ def wait_until(condition: Callable[[], bool], timeout_s: float, what: str, poll_
 
 
 def wait_for_no_workers(timeout_s: float = 30.0) -> None:
-    """Fail unless every Worker actor is dead and every GPU and CPU of the cluster is free again
-    (the resource view lags the actor table a little) within `timeout_s`."""
+    """Fail unless every raysched actor (scheduler and workers) is dead and every CPU and GPU of
+    the cluster is free again (the resource view lags the actor table a little) in `timeout_s`."""
     def released() -> bool:
         total, free = ray.cluster_resources(), ray.available_resources()
-        return not alive_worker_actors() and all(free.get(k, 0) == total.get(k, 0) for k in ("CPU", "GPU"))
+        return (not alive_actors("Scheduler", "Worker")
+                and all(free.get(k, 0) == total.get(k, 0) for k in ("CPU", "GPU")))
 
-    wait_until(released, timeout_s, "the worker actors to exit and free their CPUs and GPUs")
+    wait_until(released, timeout_s, "the raysched actors to exit and free their CPUs and GPUs")
 
 
 @pytest.fixture(scope="module")

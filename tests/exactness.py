@@ -29,10 +29,12 @@ TINY_VOCAB = 512
 
 
 def synthetic(seed: int, requests: int, prompt_len: tuple[int, int] = (8, 40),
-              max_new_tokens: tuple[int, int] = (16, 40), sampled_fraction: float = 0.5) -> list[RequestSpec]:
-    """A seeded workload for the tiny preset, all arriving at t=0; a share of it samples."""
+              max_new_tokens: tuple[int, int] = (16, 40), sampled_fraction: float = 0.5,
+              arrival_rate: float | str = "inf") -> list[RequestSpec]:
+    """A seeded workload for the tiny preset (all arriving at t=0 unless a Poisson
+    `arrival_rate` in requests/s is given); a share of it samples."""
     raw = {"requests": requests, "seed": seed, "prompt_len": list(prompt_len),
-           "max_new_tokens": list(max_new_tokens)}
+           "max_new_tokens": list(max_new_tokens), "arrival_rate": arrival_rate}
     if sampled_fraction:
         raw["sampling"] = {"sampled_fraction": sampled_fraction, "temperature": 0.8, "top_p": 0.9}
     return load_workload(raw, TINY_VOCAB)
@@ -41,11 +43,18 @@ def synthetic(seed: int, requests: int, prompt_len: tuple[int, int] = (8, 40),
 @lru_cache(maxsize=64)
 def _reference(model: str, seed: int, prompts: tuple[tuple[int, ...], ...],
                sampling: tuple[SamplingParams, ...]) -> tuple[tuple[int, ...], ...]:
+    import torch
+
     from actors.engine import build_engine
 
     kv_tokens = sum(len(p) + sp.max_new_tokens for p, sp in zip(prompts, sampling))
-    engine = build_engine(model, "float32", "cpu", kv_tokens=kv_tokens, mamba_slots=len(prompts), seed=seed)
-    return tuple(tuple(out) for out in engine.generate([list(p) for p in prompts], list(sampling)))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as in Ray's workers (OMP_NUM_THREADS=1); 2 threads on 2 busy cores crawl
+    try:
+        engine = build_engine(model, "float32", "cpu", kv_tokens=kv_tokens, mamba_slots=len(prompts), seed=seed)
+        return tuple(tuple(out) for out in engine.generate([list(p) for p in prompts], list(sampling)))
+    finally:
+        torch.set_num_threads(threads)
 
 
 def reference(specs: Sequence[RequestSpec], model: str = "tiny", seed: int = 0) -> dict[str, list[int]]:

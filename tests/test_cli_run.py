@@ -31,6 +31,7 @@ RECORD_KEYS = {"prompt_ids", "token_ids", "workers", "retractions", "ttft_s", "l
 
 def raysched(*args: str, timeout_s: float = 120) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # embedded Ray, not a leftover
+    env["OMP_NUM_THREADS"] = "1"  # as in a Ray worker; two threads on a busy 2-core box crawl
     return subprocess.run([*RAYSCHED, *map(str, args)], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=timeout_s)
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import random
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -47,8 +48,8 @@ def reference() -> list[list[int]]:
 
 @pytest.fixture
 def serve(multinode_cluster: Any) -> Iterator[Callable[..., raysched.Client]]:
-    """`serve(scheduler={...})` launches a client on the cluster; all are shut down afterwards,
-    and the test fails unless their worker actors really exit."""
+    """`serve(pool=None, **scheduler_settings)` launches a client on the cluster; all are shut
+    down afterwards, and the test fails unless their scheduler and worker actors really exit."""
     clients: list[raysched.Client] = []
 
     def launch(pool: dict | None = None, **scheduler: Any) -> raysched.Client:
@@ -267,13 +268,24 @@ def test_abort_in_any_state_frees_everything(serve, reference, state: str, force
 
 
 def test_stream_yields_exactly_the_result_tokens(serve, reference) -> None:
+    """Streams read while `result()` waits on the same request (which once made the stream fail
+    with a KeyError), streams alone (which once left the request in the tables for good), and
+    `result()` alone; a late `result()` after a finished stream still answers."""
     client = serve(force_retract_every=2)
     handles = [client.submit(p, sp) for p, sp in zip(PROMPTS, PARAMS)]
-    streamed = {h.request_id: list(h.stream()) for h in handles[::3]}
-    records = [h.result(timeout=120) for h in handles]
-    for h, r, ref in zip(handles, records, reference):
-        assert r["token_ids"] == ref
-        if h.request_id in streamed:
-            assert streamed[h.request_id] == r["token_ids"]
-    assert any(records[i]["retractions"] for i in range(0, len(handles), 3))  # streams crossed a retraction
-    assert_clean(client)
+    both, stream_only = handles[0::3], handles[1::3]
+    with ThreadPoolExecutor(max_workers=len(both) + len(stream_only)) as pool:
+        streams = {h.request_id: pool.submit(lambda h=h: list(h.stream())) for h in both + stream_only}
+        records = {h.request_id: h.result(timeout=120) for h in handles if h not in stream_only}
+        streamed = {rid: f.result(timeout=120) for rid, f in streams.items()}
+    for h, ref in zip(handles, reference):
+        if h in stream_only:
+            assert streamed[h.request_id] == ref
+        else:
+            assert records[h.request_id]["token_ids"] == ref
+        if h in both:
+            assert streamed[h.request_id] == records[h.request_id]["token_ids"]
+    assert any(records[h.request_id]["retractions"] for h in both)  # streams crossed a retraction
+    assert_clean(client)  # the stream-only requests left the tables too
+    late = stream_only[0].result(timeout=10)
+    assert late["state"] == "finished" and late["token_ids"] == streamed[stream_only[0].request_id]
