@@ -57,11 +57,10 @@ def assert_still_serving(client: raysched.Client) -> None:
     assert idle["workers_idle"] and not any(idle["tables"].values()), idle
 
 
-def rejects(client: raysched.Client, prompt: list, sampling: dict, message: str,
-            request_id: str | None = None) -> None:
+def rejects(client: raysched.Client, prompt: list, sampling: dict, message: str) -> None:
     """Submitting raises RequestError with exactly `message` (no Ray traceback around it)."""
     with pytest.raises(RequestError) as info:
-        client.submit(prompt, sampling, request_id)
+        client.submit(prompt, sampling)
     assert type(info.value) is RequestError and str(info.value) == message
     assert_still_serving(client)
 
@@ -117,9 +116,12 @@ def test_stop_token_outside_the_vocabulary(client):
 def test_request_id_already_in_use(client):
     first = client.submit(VALID_PROMPT, {"max_new_tokens": 2}, request_id="dup")
     try:
-        rejects(client, VALID_PROMPT, {}, "request id 'dup' is already in use", request_id="dup")
+        with pytest.raises(RequestError) as info:
+            client.submit(VALID_PROMPT, {}, request_id="dup")
+        assert str(info.value) == "request id 'dup' is already in use"
     finally:
         assert first.result(timeout=60)["state"] == "finished"
+    assert_still_serving(client)
 
 
 # ---------------------------------------------------------------------------- serve config
