@@ -13,10 +13,12 @@ import re
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import pytest
 
+from raysched.sampling import SamplingParams
 from raysched.workload import load_workload
 from tests.conftest import reference_tokens
 
@@ -50,13 +52,18 @@ def run_demo(report: Path) -> tuple[subprocess.CompletedProcess, float]:
 
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess, dict, float]:
-    """One `raysched run` of the demo. Whether a resumed request lands on the other worker
-    depends on timing; over 20 measured runs the demo always migrated at least one request
-    (1-8 times), so a run with none is rerun once rather than failed."""
+    """One `raysched run` of the demo, up to three tries for a migration.
+
+    Whether a resumed request lands on the other worker depends on which worker has room first.
+    Measured on this 2-core box: 0 of 21 runs migrated nothing at a load average of ~5, but 2 of
+    15 did at ~14 (with 4-10 retractions each). A run without a migration is legal, so it is
+    rerun (with a warning) rather than failed; every other check applies to the run kept."""
     report = tmp_path_factory.mktemp("run") / "out.json"
-    proc, wall = run_demo(report)
-    if proc.returncode == 0 and summary_count(proc.stdout, "migrations") == 0:
+    for attempt in range(1, 4):
         proc, wall = run_demo(report)
+        if proc.returncode != 0 or summary_count(proc.stdout, "migrations") > 0:
+            break
+        warnings.warn(f"demo run {attempt} migrated no request ({wall:.0f} s)")
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc, json.loads(report.read_text()), wall
 
@@ -97,20 +104,19 @@ def test_report_tokens_equal_the_in_process_reference(demo) -> None:
 
 
 def test_report_tokens_equal_raysched_generate(demo) -> None:
-    """The CLI's reference agrees too, for a retracted greedy and a retracted sampled request."""
+    """The CLI's reference agrees too, for a request that was retracted and resumed (a sampled
+    one where there is one; greedy `generate` is checked against `Engine.generate` below)."""
     _, report, _ = demo
     specs = {s.request_id: s for s in load_workload(WORKLOAD_YAML, TINY_VOCAB)}
-    retracted = [r for r in report["requests"] if r["retractions"]]
-    picks = [next((r for r in retracted if specs[r["request_id"]].sampling.is_greedy), None),
-             next((r for r in retracted if not specs[r["request_id"]].sampling.is_greedy), None)]
-    for record in filter(None, picks):
-        sp = specs[record["request_id"]].sampling
-        proc = raysched("generate", "--model", "tiny", "--json",
-                        "--prompt-ids", ",".join(map(str, record["prompt_ids"])),
-                        "--max-new-tokens", sp.max_new_tokens, "--temperature", sp.temperature,
-                        "--top-p", sp.top_p, "--seed", sp.seed)
-        assert proc.returncode == 0, proc.stderr
-        assert json.loads(proc.stdout)["outputs"][0]["token_ids"] == record["token_ids"]
+    retracted = sorted((r for r in report["requests"] if r["retractions"]),
+                       key=lambda r: specs[r["request_id"]].sampling.is_greedy)  # sampled first
+    record = retracted[0]
+    sp = specs[record["request_id"]].sampling
+    proc = raysched("generate", "--model", "tiny", "--json", "--prompt-ids", ",".join(map(str, record["prompt_ids"])),
+                    "--max-new-tokens", sp.max_new_tokens, "--temperature", sp.temperature,
+                    "--top-p", sp.top_p, "--seed", sp.seed)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["outputs"][0]["token_ids"] == record["token_ids"]
 
 
 def test_generate_prints_the_documented_json() -> None:
@@ -121,13 +127,7 @@ def test_generate_prints_the_documented_json() -> None:
     assert out["outputs"][0]["prompt_ids"] == [1, 2, 3]
     tokens = out["outputs"][0]["token_ids"]
     assert len(tokens) == 8 and all(isinstance(t, int) and 0 <= t < TINY_VOCAB for t in tokens)
-    assert tokens == reference_tokens("tiny", [[1, 2, 3]], [_greedy(8)])[0]
-
-
-def _greedy(n: int):
-    from raysched.sampling import SamplingParams
-
-    return SamplingParams(max_new_tokens=n)
+    assert tokens == reference_tokens("tiny", [[1, 2, 3]], [SamplingParams(max_new_tokens=8)])[0]
 
 
 def test_unknown_config_key_exits_2_naming_the_key(tmp_path: Path) -> None:
