@@ -64,6 +64,11 @@ def machine() -> dict:
             "torch": torch.__version__}
 
 
+def load_average() -> float:
+    """1-minute load average: on a shared machine, how many others wanted the CPUs."""
+    return round(os.getloadavg()[0], 2)
+
+
 def write_json(out_dir: Path, name: str, result: dict) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"{name}.json"

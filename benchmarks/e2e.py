@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from statistics import mean
 
-from benchmarks.common import (Column, local_ray, machine, print_table, pyplot, save_figure,
+from benchmarks.common import (Column, load_average, local_ray, machine, print_table, pyplot, save_figure,
                                write_json)
 from raysched.config import PoolConfig, SchedulerConfig, ServeConfig
 from raysched.workload import RequestSpec, WorkloadConfig, build_requests
@@ -47,8 +47,8 @@ class Setup:
 
 
 FULL = Setup("small", kv_tokens=3072, mamba_slots=8, bin_s=2.0, rounds=2,
-             workload=WorkloadConfig(requests=16, seed=11, prompt_len=(600, 1400),
-                                     max_new_tokens=(128, 384)))
+             workload=WorkloadConfig(requests=12, seed=11, prompt_len=(400, 1200),
+                                     max_new_tokens=(256, 768)))
 QUICK = Setup("tiny", kv_tokens=768, mamba_slots=8, bin_s=0.5, rounds=1,
               workload=WorkloadConfig(requests=10, seed=11, prompt_len=(100, 300),
                                       max_new_tokens=(16, 64)))
@@ -63,6 +63,7 @@ def serve_config(setup: Setup, mode: str) -> ServeConfig:
 
 
 def main(out_dir: Path = Path("bench-out"), quick: bool = False) -> dict:
+    load_start = load_average()
     setup = QUICK if quick else FULL
     runs: dict[str, list[dict]] = {m: [] for m in MODES}
     order = [m for r in range(setup.rounds) for m in (MODES if r % 2 == 0 else MODES[::-1])]
@@ -70,6 +71,7 @@ def main(out_dir: Path = Path("bench-out"), quick: bool = False) -> dict:
         for mode in order:
             runs[mode].append(run_mode(setup, mode))
     result = _result(setup, runs, order)
+    result["load_avg_1m_start"] = load_start
     _print(result)
     write_json(out_dir, "e2e", result)
     _plot(result, out_dir)

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import Column, machine, print_table, random_prompt, timed, write_json
+from benchmarks.common import Column, load_average, machine, print_table, random_prompt, timed, write_json
 
 FORBIDDEN_KERNELS = ("mamba_ssm", "causal_conv1d", "kernels", "fla")
 TARGET_BATCH, TARGET_RATIO = 32, 2.0
@@ -49,6 +49,7 @@ QUICK = Setup("tiny", batches=(1, 8), prompt_len=32, max_new_tokens=9, repeats=1
 
 
 def main(out_dir: Path = Path("bench-out"), quick: bool = False) -> dict:
+    load_start = load_average()
     setup = QUICK if quick else FULL
     present = [m for m in FORBIDDEN_KERNELS if importlib.util.find_spec(m) is not None]
     if present:
@@ -60,6 +61,7 @@ def main(out_dir: Path = Path("bench-out"), quick: bool = False) -> dict:
         with tempfile.TemporaryDirectory() as tmp:
             ckpt = save_preset_checkpoint(setup.model, Path(tmp))
             result = run(setup, ckpt, quick)
+            result["load_avg_1m_start"] = load_start
     finally:
         torch.set_num_threads(threads)
     _print(result)

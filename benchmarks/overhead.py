@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import Column, local_ray, machine, print_table, timed, write_json
+from benchmarks.common import Column, load_average, local_ray, machine, print_table, timed, write_json
 from raysched.config import PoolConfig, SchedulerConfig, ServeConfig
 from raysched.workload import RequestSpec, WorkloadConfig, build_requests
 
@@ -49,6 +49,7 @@ def serve_config(setup: Setup) -> ServeConfig:
 
 
 def main(out_dir: Path = Path("bench-out"), quick: bool = False) -> dict:
+    load_start = load_average()
     setup = QUICK if quick else FULL
     from actors.engine import build_engine
 
@@ -68,6 +69,7 @@ def main(out_dir: Path = Path("bench-out"), quick: bool = False) -> dict:
             client.shutdown()
         actor_threads = _actor_threads()
     result = _result(setup, specs, bare_runs, sched_runs, actor_threads)
+    result["load_avg_1m_start"] = load_start
     _print(result)
     write_json(out_dir, "overhead", result)
     return result

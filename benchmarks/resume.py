@@ -24,7 +24,7 @@ from typing import Any
 
 import ray
 
-from benchmarks.common import (Column, machine, pinned, print_table, pyplot, random_prompt,
+from benchmarks.common import (Column, load_average, machine, pinned, print_table, pyplot, random_prompt,
                                save_figure, timed, two_node_cluster, write_json)
 from raysched.config import PoolConfig, ServeConfig
 from raysched.messages import PrefillItem, StepPlan, StepResult
@@ -37,6 +37,7 @@ TARGET_LENGTH, TARGET_SPEEDUP = 8192, 50.0
 
 
 def main(out_dir: Path = Path("bench-out"), quick: bool = False) -> dict:
+    load_start = load_average()
     model, lengths = ("tiny", QUICK_LENGTHS) if quick else ("small", FULL_LENGTHS)
     rounds = 2 if quick else 3
     config = ServeConfig(model=model, workers=2, device="cpu",
@@ -49,6 +50,7 @@ def main(out_dir: Path = Path("bench-out"), quick: bool = False) -> dict:
         vocab = ray.get(a.info.remote()).vocab_size
         rows = [_measure(a, b, n, rounds, vocab) for n in lengths]
     result = _result(model, threads, rounds, rows)
+    result["load_avg_1m_start"] = load_start
     _print(result)
     write_json(out_dir, "resume", result)
     _plot(result, out_dir)

@@ -196,6 +196,7 @@ class TestOnCluster:
             for h in handles[1:]:
                 with pytest.raises(SchedulerDiedError):
                     h.result(timeout=10)
+        print(f"\nscheduler death noticed by result() and run_workload in {elapsed:.2f} s")
         assert elapsed < 5.0, f"took {elapsed:.1f} s to notice the scheduler's death"
 
     def test_removed_node_loses_no_waiting_snapshot(self, cluster):
@@ -250,7 +251,7 @@ def _waiting_snapshots_by_producer(client: raysched.Client) -> dict[int, int]:
 
 def test_small_object_store_with_many_large_snapshots_loses_nothing():
     """A local Ray with an 80 MiB store; prompts of several hundred tokens, retracted every call."""
-    specs = synthetic(19, requests=12, prompt_len=(200, 500), max_new_tokens=(8, 16))
+    specs = synthetic(19, requests=16, prompt_len=(200, 500), max_new_tokens=(16, 32))
     raw = config({"force_retract_every": 1}, pool={"kv_tokens": 2048, "mamba_slots": 6},
                  object_store_memory=80 << 20)
     with serving(raw) as client:
