@@ -18,6 +18,8 @@ import time
 import warnings
 from collections.abc import Callable, Iterator
 
+from contextlib import contextmanager
+
 import pytest
 import ray
 
@@ -76,25 +78,32 @@ def wait_for_no_workers(timeout_s: float = 30.0) -> None:
     wait_until(released, timeout_s, "the raysched actors to exit and free their CPUs and GPUs")
 
 
-@pytest.fixture(scope="module")
-def multinode_cluster() -> Iterator[object]:
-    """A 3-node `ray.cluster_utils.Cluster` (head + 2 one-GPU nodes), connected for the module."""
+@contextmanager
+def local_cluster(gpu_nodes: int, store_bytes: int = NODE_OBJECT_STORE_BYTES) -> Iterator[object]:
+    """A `ray.cluster_utils.Cluster`: a head node (1 CPU, no GPU) and `gpu_nodes` nodes with
+    1 CPU and 1 fake GPU each, so every worker actor lands on its own node; connected."""
     from ray.cluster_utils import Cluster
 
     if ray.is_initialized():
         ray.shutdown()
     cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 1, "num_gpus": 0, "object_store_memory": NODE_OBJECT_STORE_BYTES,
-        "include_dashboard": False})
+        "num_cpus": 1, "num_gpus": 0, "object_store_memory": store_bytes, "include_dashboard": False})
     try:
-        for _ in range(2):
-            cluster.add_node(num_cpus=1, num_gpus=1, object_store_memory=NODE_OBJECT_STORE_BYTES)
+        for _ in range(gpu_nodes):
+            cluster.add_node(num_cpus=1, num_gpus=1, object_store_memory=store_bytes)
         cluster.wait_for_nodes()
         ray.init(address=cluster.address, logging_level="WARNING")
         yield cluster
     finally:
         ray.shutdown()  # before cluster.shutdown: removing the driver's node would raise
         cluster.shutdown()
+
+
+@pytest.fixture(scope="module")
+def multinode_cluster() -> Iterator[object]:
+    """A 3-node cluster (head + 2 one-GPU nodes), connected for the module."""
+    with local_cluster(gpu_nodes=2) as cluster:
+        yield cluster
 
 
 @pytest.fixture(autouse=True, scope="module")

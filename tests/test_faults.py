@@ -32,6 +32,7 @@ from raysched.planner import Plan
 from raysched.request import State
 from raysched.runner import run_workload
 from raysched.workload import RequestSpec
+from tests.conftest import local_cluster
 from tests.exactness import (assert_exactly_once, assert_idle, bare_scheduler, scheduler_log, synthetic,
                              wait_until)
 
@@ -46,21 +47,9 @@ def kill(worker: int, after: int) -> dict:
 
 @pytest.fixture(scope="class")
 def cluster() -> Iterator[Any]:
-    from ray.cluster_utils import Cluster
-
-    if ray.is_initialized():
-        ray.shutdown()
-    c = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 1, "num_gpus": 0, "object_store_memory": NODE_STORE_BYTES, "include_dashboard": False})
-    try:
-        for _ in range(3):
-            c.add_node(num_cpus=1, num_gpus=1, object_store_memory=NODE_STORE_BYTES)
-        c.wait_for_nodes()
-        ray.init(address=c.address, logging_level="WARNING")
+    """Head + 3 one-GPU nodes: one spare node for replacement workers."""
+    with local_cluster(gpu_nodes=3, store_bytes=NODE_STORE_BYTES) as c:
         yield c
-    finally:
-        ray.shutdown()  # before cluster.shutdown: removing the driver's node would raise
-        c.shutdown()
 
 
 @contextmanager
