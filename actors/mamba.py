@@ -41,17 +41,25 @@ def whole(fn: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
     return fn(x)
 
 
+_ROW_ALIGN = 256  # elements: every row a whole number of vector blocks, for any SIMD width/threads
+
+
 def rowwise(fn: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
     """Apply an elementwise fn so that each row's result is independent of the other rows.
 
     CPU kernels of functions such as silu, softplus and sigmoid finish a tensor with a scalar
     tail whose rounding differs from the vector body, so an element's bits depend on its offset
-    in the tensor: on the CPU each row (x[i], any shape) is computed as a tensor of its own. GPU
-    kernels compute every element alike, so there the whole tensor goes at once.
+    in the tensor. On the CPU every row (x[i], any shape) is zero-padded to a multiple of
+    `_ROW_ALIGN` elements and the whole batch goes in one call: no element of a real row then
+    falls in a scalar tail (tests/test_batch_invariance.py holds this, with a negative control).
+    GPU kernels compute every element alike, so there the whole tensor goes at once.
     """
-    if x.device.type != "cpu":
+    if x.device.type != "cpu" or x.numel() == 0:
         return fn(x)
-    return torch.cat([fn(row) for row in x.split(1)])
+    rows = x.reshape(x.shape[0], -1)  # (R, n)
+    n = rows.shape[1]
+    padded = F.pad(rows, (0, -n % _ROW_ALIGN))  # (R, n') with n' a multiple of _ROW_ALIGN
+    return fn(padded)[:, :n].reshape(x.shape)
 
 
 @dataclass(frozen=True)
