@@ -411,6 +411,7 @@ class Scheduler:
                 log.warning("retraction of %s on worker %d failed (%r); it will be recomputed",
                             req.request_id, w.index, snap)
                 req.recompute = True
+                self.counters.recovered += req.state is State.RETRACTED  # recovered by recompute
             elif req.state is State.RETRACTED:  # re-own the bytes on our node: survives worker loss
                 snap = self._maybe_corrupt(w, snap)
                 req.snapshot_ref, req.snapshot_bytes = ray.put(snap), snap.nbytes
