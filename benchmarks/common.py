@@ -160,6 +160,31 @@ def two_node_cluster(cpus_per_node: int = 1,
         cluster.shutdown()
 
 
+def actor_pids(class_name: str) -> list[int]:
+    """Process ids of the live actors of `class_name` in the connected Ray instance (read from
+    the GCS actor table, so no dashboard is needed); all on this machine here."""
+    import ray
+
+    return sorted(a["Pid"] for a in ray._private.state.actors().values()
+                  if a["ActorClassName"] == class_name and a["State"] == "ALIVE" and a.get("Pid"))
+
+
+def cpu_seconds(pids: Sequence[int]) -> float:
+    """User + system CPU time the processes have used so far (0 for one that is gone).
+
+    Competing programs on a shared machine move this much less than wall time, so it compares
+    the work two runs did; it is not immune (caches and memory bandwidth are shared too)."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / ticks  # utime, stime (fields 14, 15)
+    return total
+
+
 def pinned(node_id: str) -> Any:
     """Scheduling strategy that places an actor on `node_id` and nowhere else."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy

@@ -21,7 +21,7 @@ EXPECTED = {
                "rows", {"resume.json", "resume.png"}),
     "e2e": ({"model", "workload", "modes", "targets", "mismatched_requests", "timelines"},
             {"mode", "tokens_per_s", "latency_p50_s", "latency_p99_s", "ttft_p99_s", "retractions",
-             "migrations", "mismatches"},
+             "migrations", "mismatches", "worker_cpu_s", "tokens_per_worker_cpu_s"},
             "modes", {"e2e.json", "e2e.png"}),
     "overhead": ({"model", "rows", "ratio", "target", "bare_threads", "actor_threads",
                   "mismatched_requests"},
