@@ -9,6 +9,7 @@ are the *return values* of `retract`, so the caller (the scheduler) owns them in
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import ray
@@ -17,7 +18,7 @@ import torch
 from actors.engine import Engine, Sequence, StepOutput, build_engine
 from actors.snapshot import Snapshot, SnapshotError
 from raysched.config import ServeConfig
-from raysched.messages import PrefillItem, StepPlan, StepResult, Usage, WorkerInfo
+from raysched.messages import SNAPSHOT_LOST, PrefillItem, StepPlan, StepResult, Usage, WorkerInfo
 from raysched.sampling import SamplingParams
 
 
@@ -58,6 +59,20 @@ class Worker:
         """Snapshot the request and free its slots; the snapshot is this call's return value."""
         return self.engine.snapshot(request_id)
 
+    def retract_pending(self, request_id: str, corrupt: bool = False) -> tuple[Snapshot, int]:
+        """`retract` for a call made with ``num_returns=2``: (snapshot, its payload bytes).
+
+        The scheduler queues the request at once with the first ref (a destination worker reads
+        the bytes from where they lie, see `_fetch`) and awaits only the small second one.
+        `corrupt` (fault injection) flips one payload byte after the checksum was taken.
+        """
+        snap = self.engine.snapshot(request_id)
+        if corrupt:
+            payload = snap.payload.copy()
+            payload[len(payload) // 2] ^= 0x01
+            snap = dataclasses.replace(snap, payload=payload)
+        return snap, int(snap.nbytes)
+
     def step(self, plan: StepPlan, *snapshots: Snapshot) -> StepResult:
         """Execute one plan: drop, resume, prefill, then `decode_steps` decode steps."""
         t0 = time.perf_counter()
@@ -78,9 +93,12 @@ class Worker:
             raise ValueError(f"step plan names {len(ids)} resumes but {len(snapshots)} snapshots came")
         for rid, snap in zip(ids, snapshots):
             try:
-                ok = self.engine.restore(snap, rid)
+                ok = self.engine.restore(_fetch(snap), rid)
             except SnapshotError as err:
                 result.resume_failed[rid] = str(err)
+                continue
+            except SnapshotLost as err:
+                result.resume_failed[rid] = f"{SNAPSHOT_LOST}: {err}"
                 continue
             if not ok:
                 out.not_admitted.append(rid)
@@ -103,6 +121,21 @@ class Worker:
         if self._speeds is None:
             self._speeds = (_copy_speed(self.engine.device), _prefill_speed(self.engine))
         return self._speeds
+
+
+class SnapshotLost(Exception):
+    """The snapshot's object could not be read (its node died, or its retraction failed)."""
+
+
+def _fetch(snap: Snapshot | list) -> Snapshot:
+    """A snapshot passed by value, or `[ref]` (a nested ref Ray does not resolve): read it here,
+    from the node where it lies, turning a lost object into `SnapshotLost`."""
+    if isinstance(snap, Snapshot):
+        return snap
+    try:
+        return ray.get(snap[0])
+    except (ray.exceptions.RayError, OSError) as err:
+        raise SnapshotLost(type(err).__name__) from None
 
 
 def _sequence(item: PrefillItem) -> Sequence:

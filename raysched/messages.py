@@ -1,13 +1,16 @@
 """The small messages between the scheduler and a worker: a step plan in, tokens and counts out.
 
 Only ids, token ids and integers cross the wire every step; snapshots travel as Ray object refs
-passed as extra top-level arguments of `Worker.step` (so Ray resolves them zero-copy), in the
-order of `StepPlan.resume`.
+passed as extra arguments of `Worker.step`, in the order of `StepPlan.resume`, each wrapped in a
+one-element list so that the worker reads it itself (from the node where it lies, zero-copy on
+the same node) and a lost one fails only its own resume.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+SNAPSHOT_LOST = "snapshot lost"  # prefix of a `StepResult.resume_failed` reason: recompute, no blame
 
 
 @dataclass(frozen=True)

@@ -42,12 +42,14 @@ def decode_need(req: Request, allocated: int, steps: int, page_size: int) -> int
     return max(0, pages(target, page_size) - pages(allocated, page_size)) * page_size
 
 
-def snapshot_cost_s(num_bytes: int, copy_bytes_per_s: float) -> float:
-    """Time to snapshot, move and restore: the bytes cross memory about four times
-    (gather, object store in, object store out, scatter)."""
+def snapshot_cost_s(num_bytes: int, copy_bytes_per_s: float, cross_node: bool = True) -> float:
+    """Time to snapshot, move and restore. The bytes cross memory three times on one node
+    (gather, put into the producer's object store, scatter from the zero-copy read) and once
+    more when the destination reads them from another node's store (one direct transfer: the
+    scheduler never relays them)."""
     if copy_bytes_per_s <= 0:
         return math.inf
-    return 4.0 * num_bytes / copy_bytes_per_s
+    return (3.0 + cross_node) * num_bytes / copy_bytes_per_s
 
 
 def recompute_cost_s(num_tokens: int, prefill_tokens_per_s: float) -> float:
@@ -57,8 +59,8 @@ def recompute_cost_s(num_tokens: int, prefill_tokens_per_s: float) -> float:
 
 
 def choose_retract_mode(num_tokens: int, num_bytes: int, copy_bytes_per_s: float,
-                        prefill_tokens_per_s: float) -> str:
+                        prefill_tokens_per_s: float, cross_node: bool = True) -> str:
     """'snapshot' or 'recompute', whichever is estimated cheaper for this request."""
-    snap = snapshot_cost_s(num_bytes, copy_bytes_per_s)
+    snap = snapshot_cost_s(num_bytes, copy_bytes_per_s, cross_node)
     recompute = recompute_cost_s(num_tokens, prefill_tokens_per_s)
     return "snapshot" if snap <= recompute else "recompute"

@@ -43,7 +43,8 @@ class Request:
     workers: list[int] = field(default_factory=list)  # every worker it ran on, in order
     retractions: int = 0
     snapshot_ref: Any = None  # ray.ObjectRef of its Snapshot while RETRACTED by snapshot
-    snapshot_bytes: int = 0
+    snapshot_bytes: int = 0  # its payload size, once the retraction reported it
+    snapshot_node: str | None = None  # the node whose object store holds the snapshot
     recompute: bool = False  # resume by re-prefilling prompt + outputs instead of a snapshot
     first_token_s: float | None = None
     finish_s: float | None = None

@@ -6,9 +6,12 @@ queue and the retracted queue. One asyncio task per worker runs the loop
     plan (pure, `planner.plan_step`)  ->  retract victims + step call  ->  apply the result
 
 so a slow worker never blocks the others, and `submit` / `abort` / `stats` get through between
-awaits. Snapshots of retracted requests are fetched to the scheduler's node and put back into the
-object store by the scheduler itself, so they survive the loss of the worker (or node) that took
-them. Torch is never imported here.
+awaits. A snapshot victim is queued at plan time with the ref of its pending `retract` call: the
+scheduler (the caller) owns that object, it outlives the worker process that made it, and any
+worker may resume the request as soon as the bytes exist, reading them straight from the node
+where they lie (one transfer). If that node is lost with the object, the resume reports the
+snapshot lost and the request is recomputed from the token history the scheduler keeps. Torch is
+never imported here.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from typing import Any
 import ray
 
 from raysched.config import ConfigError, ServeConfig
-from raysched.messages import PrefillItem, StepPlan, StepResult, Usage, WorkerInfo
+from raysched.messages import SNAPSHOT_LOST, PrefillItem, StepPlan, StepResult, Usage, WorkerInfo
 from raysched.planner import Plan, WorkerView, decode_need, plan_step
 from raysched.policy import choose_retract_mode
 from raysched.request import Request, State
@@ -67,6 +70,7 @@ class Scheduler:
         self._corrupt_next: set[int] = set()  # workers whose next snapshot gets a flipped byte
         self._inflight_snapshot_bytes = 0  # estimated bytes of retractions not yet fetched
         self._snapshot_budget = config.scheduler.snapshot_budget_bytes or 0
+        self._node_id: str | None = None  # the scheduler's node (for bytes-moved accounting)
 
     # ================================================================== lifecycle
     async def start(self) -> list[dict]:
@@ -83,6 +87,7 @@ class Scheduler:
         for h, info in zip(handles, infos):
             self._add_worker(h, info)
         self._check_same_model()
+        self._node_id = ray.get_runtime_context().get_node_id()
         if self.config.scheduler.snapshot_budget_bytes is None:
             self._snapshot_budget = _local_object_store_bytes() // 2
         return [self._worker_line(w) for w in self.workers]
@@ -266,18 +271,33 @@ class Scheduler:
         prefill = [_prefill_item(r) for r in plan.resume if r.recompute] + [_prefill_item(r) for r in plan.admit]
         self._mark_running(w, plan.resume + plan.admit)
         step = StepPlan(tuple(drop), tuple(r.request_id for r in resume_snap), tuple(prefill), plan.decode_steps)
-        retract_refs = [w.handle.retract.remote(r.request_id) for r in snap_victims]
-        step_refs = [w.handle.step.remote(step, *[r.snapshot_ref for r in resume_snap])]
+        retract_refs = [self._retract_call(w, r) for r in snap_victims]  # queued: others may resume them
+        step_refs = [w.handle.step.remote(step, *[[r.snapshot_ref] for r in resume_snap])]
+        self._count_resume_bytes(w, resume_snap)
         if self._can_pipeline(w, plan):  # queue the next call now: the worker never waits for us
             step_refs.append(w.handle.step.remote(StepPlan(decode_steps=plan.decode_steps)))
             self.counters.pipelined_calls += 1
         w.view.calls += len(step_refs)
-        results = await asyncio.gather(*step_refs, *retract_refs, return_exceptions=True)
+        results = await asyncio.gather(*step_refs, *[size for _, size in retract_refs], return_exceptions=True)
         self._on_result(w, plan, results[0], resume_snap)
         if len(step_refs) == 2:
             self._on_result(w, Plan(decode_steps=plan.decode_steps), results[1], [])
-        await self._on_snapshots(w, snap_victims, results[len(step_refs):])
+        self._on_snapshots(w, [(r, ref) for r, (ref, _) in zip(snap_victims, retract_refs)],
+                           results[len(step_refs):])
         self._notify()
+
+    def _retract_call(self, w: WorkerSlot, r: Request) -> tuple[Any, Any]:
+        """Send `Worker.retract_pending` and queue `r` with the pending snapshot ref now; returns
+        (snapshot ref, size ref): only the small size is awaited, never the bytes."""
+        corrupt = w.index in self._corrupt_next
+        if corrupt:
+            self._corrupt_next.discard(w.index)
+            log.warning("fault injection: flipped one byte of the snapshot of %s", r.request_id)
+        snap_ref, size_ref = w.handle.retract_pending.options(num_returns=2).remote(r.request_id, corrupt)
+        r.snapshot_ref, r.snapshot_bytes, r.snapshot_node = snap_ref, 0, w.info.node_id
+        self.retracted.append(r)
+        self._notify()
+        return snap_ref, size_ref
 
     def _can_pipeline(self, w: WorkerSlot, plan: Plan) -> bool:
         """A pure-decode call with nothing waiting and room for twice the steps: the call after
@@ -319,12 +339,27 @@ class Scheduler:
         info, mode = w.info, self.config.scheduler.retract
         nbytes = self._estimate_bytes(w, r)
         if mode == "auto":
-            mode = choose_retract_mode(r.num_cached + 1, nbytes, info.copy_bytes_per_s, info.prefill_tokens_per_s)
+            mode = choose_retract_mode(r.num_cached + 1, nbytes, info.copy_bytes_per_s, info.prefill_tokens_per_s,
+                                       cross_node=self._multi_node())
         if mode == "snapshot" and self._snapshot_bytes_held() + nbytes > self._snapshot_budget:
             self.counters.store_pressure_fallbacks += 1
             return "recompute"
         self._inflight_snapshot_bytes += nbytes if mode == "snapshot" else 0
         return mode
+
+    def _multi_node(self) -> bool:
+        """Do live workers sit on more than one node (a resume may cross the network)?"""
+        return len({w.info.node_id for w in self.workers if w.alive}) > 1
+
+    def _count_resume_bytes(self, w: WorkerSlot, resumed: list[Request]) -> None:
+        """Bytes each snapshot resume moves between nodes: once from the producer's node to
+        this worker's, or nothing on the same node; and what the former flow (producer ->
+        scheduler node -> destination) would have moved, for comparison."""
+        for r in resumed:
+            nbytes = r.snapshot_bytes or self._estimate_bytes(w, r)
+            here = w.info.node_id
+            via = (r.snapshot_node != self._node_id) + (here != self._node_id)
+            self.counters.on_resume_bytes(nbytes * (r.snapshot_node != here), nbytes * via)
 
     @staticmethod
     def _estimate_bytes(w: WorkerSlot, r: Request) -> int:
@@ -384,8 +419,12 @@ class Scheduler:
         """Resumes/prefills that did not fit go back to the head of their queue."""
         for rid, why in result.resume_failed.items():
             req = self.requests.get(rid)
-            log.warning("snapshot of %s refused on worker %d (%s); recomputing it instead", rid, w.index, why)
-            self.counters.snapshots_refused += 1
+            if why.startswith(SNAPSHOT_LOST):  # its node died with it, or its retraction failed
+                log.warning("%s of %s on worker %d; recomputing it instead", why, rid, w.index)
+                self.counters.snapshots_lost += 1
+            else:
+                log.warning("snapshot of %s refused on worker %d (%s); recomputing it instead", rid, w.index, why)
+                self.counters.snapshots_refused += 1
             if req is not None and req.state is State.RUNNING:  # not aborted while in flight
                 req.snapshot_ref, req.recompute = None, True
                 self._unrun(w, req, front=True)
@@ -404,20 +443,22 @@ class Scheduler:
         queue = self.waiting if fresh else self.retracted
         queue.appendleft(req) if front else queue.append(req)
 
-    async def _on_snapshots(self, w: WorkerSlot, victims: list[Request], results: list[Any]) -> None:
-        for req, snap in zip(victims, results):
+    def _on_snapshots(self, w: WorkerSlot, victims: list[tuple[Request, Any]], sizes: list[Any]) -> None:
+        """The sizes of the snapshots `w` took (already queued with their refs), or the errors of
+        retractions that failed: those requests are recomputed instead."""
+        for (req, ref), size in zip(victims, sizes):
             self._inflight_snapshot_bytes -= self._estimate_bytes(w, req)
-            if isinstance(snap, BaseException):
+            current = req.snapshot_ref is ref  # not resumed (or retracted again) meanwhile
+            if isinstance(size, BaseException):
                 log.warning("retraction of %s on worker %d failed (%r); it will be recomputed",
-                            req.request_id, w.index, snap)
-                req.recompute = True
+                            req.request_id, w.index, size)
+                if current:
+                    req.snapshot_ref, req.recompute = None, True
                 self.counters.recovered += req.state is State.RETRACTED  # recovered by recompute
-            elif req.state is State.RETRACTED:  # re-own the bytes on our node: survives worker loss
-                snap = self._maybe_corrupt(w, snap)
-                req.snapshot_ref, req.snapshot_bytes = ray.put(snap), snap.nbytes
-                self.counters.snapshot_bytes += snap.nbytes
-            if req.state is State.RETRACTED:
-                self.retracted.append(req)
+                continue
+            self.counters.snapshot_bytes += size
+            if current:
+                req.snapshot_bytes = size
 
     def _on_worker_failure(self, w: WorkerSlot, err: BaseException) -> None:
         """A call failed: retire the worker and recover every request it held.
@@ -488,15 +529,6 @@ class Scheduler:
                         ray.kill(other.handle, no_restart=True)
             else:
                 self._corrupt_next.add(w.index)
-
-    def _maybe_corrupt(self, w: WorkerSlot, snap: Any) -> Any:
-        if w.index not in self._corrupt_next:
-            return snap
-        self._corrupt_next.discard(w.index)
-        payload = snap.payload.copy()
-        payload[len(payload) // 2] ^= 0x01
-        log.warning("fault injection: flipped one byte of the snapshot of %s", snap.request_id)
-        return dataclasses.replace(snap, payload=payload)
 
     # ================================================================== helpers
     def _finish(self, req: Request, state: State, reason: str) -> None:

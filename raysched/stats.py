@@ -29,6 +29,9 @@ class Counters:
     cross_node_migrations: int = 0
     snapshot_bytes: int = 0
     snapshots_refused: int = 0
+    snapshots_lost: int = 0  # unreadable at resume (node lost, retraction failed): recomputed
+    resume_bytes_moved: int = 0  # snapshot bytes sent between nodes by resumes
+    resume_bytes_via_scheduler: int = 0  # what the former flow (worker -> scheduler -> worker) moved
     worker_failures: int = 0
     workers_replaced: int = 0
     recovered: int = 0
@@ -50,6 +53,10 @@ class Counters:
         self.resumes_snapshot += not recompute
         self.migrations += migrated
         self.cross_node_migrations += cross_node
+
+    def on_resume_bytes(self, moved: int, via_scheduler: int) -> None:
+        self.resume_bytes_moved += moved
+        self.resume_bytes_via_scheduler += via_scheduler
 
     def on_finish(self, req: Request) -> None:
         if req.state is State.FINISHED:

@@ -193,8 +193,9 @@ class TestOnCluster:
 
         Long requests on small pools: decode overflows and victims wait, snapshotted, for room.
         Once one worker has produced at least two snapshots that still wait, its node is removed
-        (a crash, not a drain). The scheduler re-owned those snapshots on its own node, so they
-        resume elsewhere: a lost one would fail the call that resumes it (a second failure).
+        (a crash, not a drain). Those snapshots lay in the removed node's object store: a resume
+        that reads one reports it lost and the request is recomputed from its token history,
+        without blaming (retiring) the worker that tried, so there is exactly one failure.
         """
         specs = synthetic(18, requests=24, prompt_len=(16, 40), max_new_tokens=(60, 100))
         with serving(config(pool={"kv_tokens": 160, "mamba_slots": 4})) as client:
@@ -218,6 +219,7 @@ class TestOnCluster:
             assert_exactly_once(report, specs)
             s = report["summary"]
             assert s["worker_failures"] == 1 and s["snapshots_refused"] == 0, s
+            print(f"\nnode removed: {s['snapshots_lost']} waiting snapshot(s) lost and recomputed")
             wait_for_replacements(client, 1)  # on the spare node: the removed one is gone
             assert_idle(client.check_idle())
 
@@ -309,5 +311,31 @@ def test_snapshot_retraction_after_a_recompute_resumes_from_the_snapshot():
         assert (snap, drop) == ([req], [])
         assert req.recompute is False
         assert (sched.counters.retractions_snapshot, sched.counters.retractions_recompute) == (1, 0)
+
+    asyncio.run(scenario())
+
+
+def test_lost_snapshot_is_recomputed_without_blaming_the_worker():
+    """A resume whose snapshot object is gone (its node died) comes back in `resume_failed` with
+    the SNAPSHOT_LOST reason: the request is recomputed, counted lost (not refused), and the
+    worker that tried stays alive."""
+    from raysched.messages import SNAPSHOT_LOST
+
+    async def scenario() -> None:
+        sched, w = bare_scheduler()
+        rid = await sched.submit([1, 2, 3], {"max_new_tokens": 8})
+        req = sched.requests[rid]
+        sched.waiting.clear()
+        req.state, req.retractions, req.snapshot_ref = State.RETRACTED, 1, object()
+        sched.retracted.append(req)
+        plan = sched._plan(w)
+        assert plan.resume == [req]
+        sched._mark_running(w, plan.resume)
+        result = StepResult(resume_failed={rid: f"{SNAPSHOT_LOST}: ObjectLostError"},
+                            usage=Usage(256, 256, 4, 4, 1))
+        sched._on_result(w, plan, result, [req])
+        assert list(sched.retracted) == [req] and req.recompute and req.snapshot_ref is None
+        assert (sched.counters.snapshots_lost, sched.counters.snapshots_refused) == (1, 0)
+        assert w.alive and sched.counters.worker_failures == 0
 
     asyncio.run(scenario())

@@ -231,3 +231,17 @@ def test_overcommit_mode_does_overcommit_on_the_same_workloads() -> None:
     assert all(o["overflows"] == 0 for o in outs)  # retraction keeps the pool itself in bounds
     assert sum(o["victims"] for o in outs) > 0
     assert max(o["worst_reserved"] for o in outs) > 160
+
+
+# ------------------------------------------------------------------------------ cost model
+
+
+def test_cost_model_charges_a_cross_node_transfer_only_when_the_cluster_has_several_nodes() -> None:
+    from raysched.policy import choose_retract_mode, snapshot_cost_s
+
+    copy_bps, tokens_per_s = 1e9, 1000.0
+    assert snapshot_cost_s(3_000_000, copy_bps, cross_node=False) == pytest.approx(0.009)
+    assert snapshot_cost_s(3_000_000, copy_bps, cross_node=True) == pytest.approx(0.012)
+    # 10 tokens re-prefill in 10 ms: 3 copies of 3 MB (9 ms) win, 4 copies (12 ms) lose
+    assert choose_retract_mode(10, 3_000_000, copy_bps, tokens_per_s, cross_node=False) == "snapshot"
+    assert choose_retract_mode(10, 3_000_000, copy_bps, tokens_per_s, cross_node=True) == "recompute"
