@@ -90,13 +90,16 @@ class Client:
         self._owns_ray = owns_ray
 
     def submit(self, prompt_ids: list[int], sampling: SamplingParams | Mapping[str, Any] | None = None,
-               request_id: str | None = None) -> "RequestHandle":
+               request_id: str | None = None, priority: int = 0) -> "RequestHandle":
         """Queue a request. Invalid input raises `RequestError` here, before anything is allocated.
+        `priority`: lower is more urgent (default 0); a more urgent request that finds no room
+        preempts the least urgent running ones (see `scheduler.preemption`).
 
         >>> h = client.submit([1, 2, 3], {"max_new_tokens": 4, "temperature": 0.7, "seed": 1})
+        >>> urgent = client.submit([4, 5], {"max_new_tokens": 4}, priority=-1)
         """
         params = sampling.to_dict() if isinstance(sampling, SamplingParams) else dict(sampling or {})
-        rid = _get(self.scheduler.submit.remote(list(prompt_ids), params, request_id))
+        rid = _get(self.scheduler.submit.remote(list(prompt_ids), params, request_id, priority))
         return RequestHandle(self.scheduler, rid)
 
     def vocab_size(self) -> int:

@@ -334,6 +334,7 @@ class SchedulerConfig:
     snapshot_budget_bytes: int | None = None  # bytes of waiting snapshots the scheduler keeps in
     #   the object store; past it, victims are retracted by recompute. None = half the store
     replace_failed_workers: bool = True  # start a new worker when one dies (if resources allow)
+    preemption: bool = True  # a more urgent request that finds no room retracts less urgent ones
 
     CHECKS: ClassVar[dict[str, Check]] = {
         "retract": check_one_of(RETRACT_MODES),
@@ -346,6 +347,7 @@ class SchedulerConfig:
         "max_batch_size": check_optional(check_positive_int),
         "snapshot_budget_bytes": check_optional(check_non_negative_int),
         "replace_failed_workers": check_bool,
+        "preemption": check_bool,
     }
 
     def __post_init__(self) -> None:

@@ -6,7 +6,13 @@ Order of decisions, per call:
    step does not fit, retract victims (policy order, protected requests skipped) until it does;
 3. resume retracted requests (oldest retraction first) while they fit;
 4. admit waiting requests (FCFS) while they fit and this worker has the most room — only when
-   no retracted request is waiting, so retracted requests always go first.
+   no retracted request is waiting, so retracted requests always go first;
+5. preempt: when the head of the waiting queue is more urgent than some running request here
+   and fits on no worker, retract the least urgent running requests until it fits, and admit it.
+
+Priorities (lower is more urgent) order both queues (the scheduler keeps them sorted, see
+`request.enqueue`); a request only ever waits behind requests at least as urgent. With every
+priority equal (the default 0) steps 3-5 reduce to: resumes first, then FCFS admissions.
 """
 
 from __future__ import annotations
@@ -48,6 +54,7 @@ class Plan:
     resume: list[Request] = field(default_factory=list)
     admit: list[Request] = field(default_factory=list)
     decode_steps: int = 0
+    preempted: int = 0  # victims retracted to admit a more urgent request
 
     def is_empty(self) -> bool:
         return not (self.victims or self.resume or self.admit or self.decode_steps)
@@ -63,8 +70,10 @@ def decode_need(view: WorkerView, running: list[Request], steps: int) -> int:
 
 
 def plan_step(view: WorkerView, waiting: deque[Request], retracted: deque[Request],
-              cfg: SchedulerConfig, best_room_elsewhere: float, reserve: bool = False) -> Plan:
-    """Decide the next call of the worker described by `view` (mutates the queues it takes from)."""
+              cfg: SchedulerConfig, best_room_elsewhere: float, reserve: bool = False,
+              others: tuple[WorkerView, ...] = ()) -> Plan:
+    """Decide the next call of the worker described by `view` (mutates the queues it takes from).
+    `others`: the other live workers (preemption happens only when no worker has room)."""
     plan = Plan()
     running = list(view.running)
     free, slots = view.free_tokens, view.free_slots
@@ -79,9 +88,13 @@ def plan_step(view: WorkerView, waiting: deque[Request], retracted: deque[Reques
         if len(plan.victims) == before:
             break  # everyone left is protected: the worker decodes whom it can
     free -= decode_need(view, running, steps)
-    free, slots = _take_resumes(view, retracted, plan, steps, free, slots, cfg)
-    if not retracted:
-        _take_admissions(view, waiting, plan, steps, free, slots, cfg, best_room_elsewhere, reserve)
+    if not (waiting and retracted and waiting[0].priority < retracted[0].priority):
+        free, slots = _take_resumes(view, retracted, plan, steps, free, slots, cfg, waiting)
+    if not retracted or (waiting and waiting[0].priority < retracted[0].priority):
+        free, slots = _take_admissions(view, waiting, plan, steps, free, slots, cfg, best_room_elsewhere,
+                                       reserve, retracted)
+    if cfg.preemption and not reserve:
+        _preempt(view, waiting, retracted, running, plan, steps, free, slots, cfg, others)
     if running or plan.resume or plan.admit:
         plan.decode_steps = steps
     return plan
@@ -102,10 +115,12 @@ def _fits(tokens: int, view: WorkerView, free: int, slots: int) -> bool:
 
 
 def _take_resumes(view: WorkerView, retracted: deque[Request], plan: Plan, steps: int, free: int,
-                  slots: int, cfg: SchedulerConfig) -> tuple[int, int]:
+                  slots: int, cfg: SchedulerConfig, waiting: deque[Request]) -> tuple[int, int]:
     cap = cfg.max_batch_size or 1 << 30
     while retracted and len(view.running) - len(plan.victims) + len(plan.resume) < cap:
         r = retracted[0]
+        if waiting and waiting[0].priority < r.priority:
+            break  # a more urgent request waits: it goes first
         need = r.num_cached + 1 + min(steps, max(r.remaining, 0))
         if not _fits(need, view, free, slots):
             break
@@ -117,16 +132,19 @@ def _take_resumes(view: WorkerView, retracted: deque[Request], plan: Plan, steps
 
 
 def _take_admissions(view: WorkerView, waiting: deque[Request], plan: Plan, steps: int, free: int,
-                     slots: int, cfg: SchedulerConfig, best_room_elsewhere: float, reserve: bool) -> None:
+                     slots: int, cfg: SchedulerConfig, best_room_elsewhere: float, reserve: bool,
+                     retracted: deque[Request]) -> tuple[int, int]:
     cap = cfg.max_batch_size or 1 << 30
     if view.room() < best_room_elsewhere:
-        return  # another worker has more room: it takes the next admission
+        return free, slots  # another worker has more room: it takes the next admission
     if reserve:  # no-overcommit baseline: running requests keep room for their whole budget
         free -= sum(pages(len(r.prompt_ids) + r.sampling.max_new_tokens, view.page_size) * view.page_size
                     - view.held(r) for r in view.running)
     running = len(view.running) - len(plan.victims) + len(plan.resume)
     while waiting and running + len(plan.admit) < cap:
         r = waiting[0]
+        if retracted and r.priority >= retracted[0].priority:
+            break  # a retracted request at least as urgent goes first
         budget = r.sampling.max_new_tokens if reserve else min(steps, r.sampling.max_new_tokens)
         need = len(r.prompt_ids) + budget
         if not _fits(need, view, free, slots):
@@ -135,3 +153,44 @@ def _take_admissions(view: WorkerView, waiting: deque[Request], plan: Plan, step
         plan.admit.append(r)
         free -= pages(need, view.page_size) * view.page_size
         slots -= 1
+    return free, slots
+
+
+def _admit_need(r: Request, steps: int, page_size: int) -> int:
+    return pages(len(r.prompt_ids) + min(steps, r.sampling.max_new_tokens), page_size) * page_size
+
+
+def _fits_anywhere(need: int, views: tuple[WorkerView, ...], steps: int) -> bool:
+    return any(v.free_slots >= 1 and need <= v.free_tokens - decode_need(v, v.running, steps) for v in views)
+
+
+def _preempt(view: WorkerView, waiting: deque[Request], retracted: deque[Request], running: list[Request],
+             plan: Plan, steps: int, free: int, slots: int, cfg: SchedulerConfig,
+             others: tuple[WorkerView, ...]) -> None:
+    """Retract the least urgent running requests (strictly less urgent than the waiting head,
+    not protected) until the head fits here, then admit it; nothing if the head fits on some
+    worker already, a retracted request is at least as urgent, or even every such victim would
+    not make room."""
+    if not waiting or (retracted and retracted[0].priority <= waiting[0].priority):
+        return
+    head = waiting[0]
+    need = _admit_need(head, steps, view.page_size)
+    if _fits(need, view, free, slots) or _fits_anywhere(need, others, steps):
+        return
+    candidates = [r for r in order_victims(running, cfg.victim_order, cfg.max_retractions)
+                  if r.priority > head.priority]
+    candidates.sort(key=lambda r: -r.priority)  # stable: the victim order within a priority
+    chosen = []
+    for r in candidates:
+        if _fits(need, view, free, slots):
+            break
+        chosen.append(r)
+        free += view.held(r) + decode_need(view, [r], steps)
+        slots += 1
+    if not chosen or not _fits(need, view, free, slots):
+        return
+    for r in chosen:
+        running.remove(r)
+        plan.victims.append(r)
+    plan.preempted += len(chosen)
+    plan.admit.append(waiting.popleft())

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import enum
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,6 +37,7 @@ class Request:
     request_id: str
     prompt_ids: tuple[int, ...]
     sampling: SamplingParams
+    priority: int = 0  # lower is more urgent
     arrival_s: float = field(default_factory=time.monotonic)
     output_ids: list[int] = field(default_factory=list)
     state: State = State.WAITING
@@ -50,6 +52,8 @@ class Request:
     finish_s: float | None = None
     finish_reason: str | None = None
     error: str | None = None
+    cached_tokens: int = 0  # prompt tokens restored from the turn cache instead of prefilled
+    cache_kind: str | None = None  # which parked state it restored: "finished" | "prompt"
 
     @property
     def token_ids(self) -> tuple[int, ...]:
@@ -80,6 +84,18 @@ class Request:
             "token_ids": list(self.output_ids), "state": self.state.value,
             "finish_reason": self.finish_reason, "error": self.error,
             "workers": list(self.workers), "retractions": self.retractions,
+            "priority": self.priority, "cached_tokens": self.cached_tokens, "cache_kind": self.cache_kind,
             "ttft_s": None if self.first_token_s is None else self.first_token_s - self.arrival_s,
             "latency_s": None if self.finish_s is None else self.finish_s - self.arrival_s,
         }
+
+
+def enqueue(queue: deque[Request], req: Request, front: bool = False) -> None:
+    """Insert `req` in a queue kept in priority order (lower value first), first come first
+    served within a priority; `front` puts it before the others of its priority (a request
+    going back to where it was). With every priority equal this is append / appendleft."""
+    if front:
+        index = next((i for i, r in enumerate(queue) if r.priority >= req.priority), len(queue))
+    else:
+        index = next((i for i, r in enumerate(queue) if r.priority > req.priority), len(queue))
+    queue.insert(index, req)

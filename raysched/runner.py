@@ -43,7 +43,8 @@ def run_workload(client: Client, specs: list[RequestSpec], progress: bool = True
 
 def _submit(client: Client, spec: RequestSpec, pending: dict, records: list[dict]) -> None:
     try:
-        handle = client.submit(list(spec.prompt_ids), spec.sampling, spec.request_id)
+        handle = client.submit(list(spec.prompt_ids), spec.sampling, spec.request_id,
+                               priority=spec.priority)
     except RequestError as err:
         records.append({"request_id": spec.request_id, "prompt_ids": list(spec.prompt_ids),
                         "token_ids": [], "state": "rejected", "error": str(err), "workers": [],

@@ -144,3 +144,10 @@ def validate_prompt(prompt_ids: Sequence[int], vocab_size: int) -> tuple[int, ..
             raise RequestError(
                 f"prompt: token id at position {position} is {token}, outside [0, {vocab_size})")
     return tuple(int(token) for token in prompt_ids)
+
+
+def check_priority(priority: object) -> int:
+    """A request's priority: an int, lower is more urgent (vLLM's convention); default 0."""
+    if isinstance(priority, bool) or not isinstance(priority, int) or abs(priority) >= 2**31:
+        raise RequestError(f"priority must be an integer in (-2**31, 2**31), got {priority!r}")
+    return priority

@@ -32,8 +32,8 @@ from raysched.config import ConfigError, ServeConfig
 from raysched.messages import SNAPSHOT_LOST, PrefillItem, StepPlan, StepResult, Usage, WorkerInfo
 from raysched.planner import Plan, WorkerView, decode_need, plan_step
 from raysched.policy import choose_retract_mode
-from raysched.request import Request, State
-from raysched.sampling import RequestError, SamplingParams, validate_prompt
+from raysched.request import Request, State, enqueue
+from raysched.sampling import RequestError, SamplingParams, check_priority, validate_prompt
 from raysched.stats import Counters
 
 log = logging.getLogger("raysched.scheduler")
@@ -125,19 +125,21 @@ class Scheduler:
 
     # ================================================================== client API
     async def submit(self, prompt_ids: list[int], sampling: dict | None = None,
-                     request_id: str | None = None) -> str:
-        """Validate and queue a request; returns its id. Bad input raises RequestError at once."""
+                     request_id: str | None = None, priority: int = 0) -> str:
+        """Validate and queue a request; returns its id. Bad input raises RequestError at once.
+        `priority`: lower is more urgent; the waiting queue is kept in priority order."""
         self._raise_if_fatal()
+        priority = check_priority(priority)
         params = SamplingParams.from_dict(sampling or {})
         prompt = self._validate(prompt_ids, params)
         rid = request_id or f"req-{self._next_id}"
         self._next_id += 1
         if rid in self.requests:
             raise RequestError(f"request id {rid!r} is already in use")
-        req = Request(rid, prompt, params)
+        req = Request(rid, prompt, params, priority)
         self.requests[rid] = req
         self._progress[rid] = asyncio.Event()
-        self.waiting.append(req)
+        enqueue(self.waiting, req)
         self.counters.submitted += 1
         self._notify()
         return rid
@@ -262,7 +264,10 @@ class Scheduler:
     def _plan(self, w: WorkerSlot) -> Plan:
         best_elsewhere = max((o.view.room() for o in self.workers if o is not w and o.alive), default=-1.0)
         reserve = self.config.scheduler.admission == "reserve"
-        return plan_step(w.view, self.waiting, self.retracted, self.config.scheduler, best_elsewhere, reserve)
+        others = tuple(o.view for o in self.workers if o is not w and o.alive)
+        plan = plan_step(w.view, self.waiting, self.retracted, self.config.scheduler, best_elsewhere, reserve, others)
+        self.counters.preemptions += plan.preempted
+        return plan
 
     async def _execute(self, w: WorkerSlot, plan: Plan) -> None:
         self._fire_faults(w)
@@ -295,7 +300,7 @@ class Scheduler:
             log.warning("fault injection: flipped one byte of the snapshot of %s", r.request_id)
         snap_ref, size_ref = w.handle.retract_pending.options(num_returns=2).remote(r.request_id, corrupt)
         r.snapshot_ref, r.snapshot_bytes, r.snapshot_node = snap_ref, 0, w.info.node_id
-        self.retracted.append(r)
+        enqueue(self.retracted, r)
         self._notify()
         return snap_ref, size_ref
 
@@ -326,7 +331,7 @@ class Scheduler:
             else:
                 r.recompute, r.snapshot_ref = True, None
                 drop.append(r.request_id)
-                self.retracted.append(r)
+                enqueue(self.retracted, r)
             self.counters.on_retract(r.recompute)
         if plan.victims:
             log.info("Retract requests on worker %d: #retracted_reqs: %d, #new_tokens_gained: %d, "
@@ -441,7 +446,7 @@ class Scheduler:
         fresh = req.num_generated == 0 and not req.retractions
         req.state = State.WAITING if fresh else State.RETRACTED
         queue = self.waiting if fresh else self.retracted
-        queue.appendleft(req) if front else queue.append(req)
+        enqueue(queue, req, front)
 
     def _on_snapshots(self, w: WorkerSlot, victims: list[tuple[Request, Any]], sizes: list[Any]) -> None:
         """The sizes of the snapshots `w` took (already queued with their refs), or the errors of
@@ -481,7 +486,7 @@ class Scheduler:
                 continue  # aborted while the call was in flight: it stays ended
             req.recompute = req.snapshot_ref is None
             req.state = State.RETRACTED
-            self.retracted.appendleft(req)
+            enqueue(self.retracted, req, front=True)
             self.counters.recovered += 1
         w.view.running = []
         if self.config.scheduler.replace_failed_workers and not self._closing:

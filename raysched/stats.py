@@ -22,6 +22,7 @@ class Counters:
     retractions: int = 0
     retractions_snapshot: int = 0
     retractions_recompute: int = 0
+    preemptions: int = 0  # retractions made to admit a more urgent request
     resumes: int = 0
     resumes_snapshot: int = 0
     resumes_recompute: int = 0

@@ -47,7 +47,7 @@ from raysched.config import (
     parse_fields,
     read_config_source,
 )
-from raysched.sampling import RequestError, SamplingParams, validate_prompt
+from raysched.sampling import RequestError, SamplingParams, check_priority, validate_prompt
 
 _ROOT = KeyPath("workload")
 _SEED_BITS = 63  # per-request seeds fit a signed 64-bit integer too
@@ -61,6 +61,7 @@ class RequestSpec:
     prompt_ids: tuple[int, ...]
     sampling: SamplingParams
     arrival_s: float = 0.0
+    priority: int = 0  # lower is more urgent (as in vLLM)
 
     def __post_init__(self) -> None:
         if not isinstance(self.request_id, str) or not self.request_id:
@@ -71,6 +72,7 @@ class RequestSpec:
             raise RequestError(f"sampling must be a SamplingParams, got {type(self.sampling).__name__}")
         if not _is_number(self.arrival_s) or not 0 <= self.arrival_s < math.inf:
             raise RequestError(f"arrival_s must be a finite number >= 0, got {self.arrival_s!r}")
+        check_priority(self.priority)
 
     def validate(self, vocab_size: int) -> None:
         """Raise RequestError if a prompt id or stop id lies outside the vocabulary."""
@@ -309,7 +311,7 @@ def _sampling_params(config: WorkloadConfig, count: int, rng: random.Random) -> 
 # ---------------------------------------------------------------------------- trace
 
 _TRACE_KEYS = ("request_id", "prompt_ids", "max_new_tokens", "arrival_s",
-               "temperature", "top_p", "seed", "stop_token_ids")
+               "temperature", "top_p", "seed", "stop_token_ids", "priority")
 _SAMPLING_KEYS = ("max_new_tokens", "temperature", "top_p", "seed", "stop_token_ids")
 
 
@@ -354,6 +356,7 @@ def _parse_trace_line(line: str, key: KeyPath, vocab_size: int, default_id: str)
         prompt = validate_prompt(raw["prompt_ids"], vocab_size)
         sampling = SamplingParams.from_dict({k: raw[k] for k in _SAMPLING_KEYS if k in raw})
         sampling.validate(vocab_size)
+        priority = check_priority(raw.get("priority", 0))
     except RequestError as e:
         raise ConfigError(f"{key.source}: {e}") from None
-    return RequestSpec(request_id, prompt, sampling, arrival_s)
+    return RequestSpec(request_id, prompt, sampling, arrival_s, priority)

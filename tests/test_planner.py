@@ -245,3 +245,90 @@ def test_cost_model_charges_a_cross_node_transfer_only_when_the_cluster_has_seve
     # 10 tokens re-prefill in 10 ms: 3 copies of 3 MB (9 ms) win, 4 copies (12 ms) lose
     assert choose_retract_mode(10, 3_000_000, copy_bps, tokens_per_s, cross_node=False) == "snapshot"
     assert choose_retract_mode(10, 3_000_000, copy_bps, tokens_per_s, cross_node=True) == "recompute"
+
+
+# ------------------------------------------------------------------------------ priorities
+
+
+def urgent(rid: str, prompt_len: int, priority: int = -1, **kw) -> Request:
+    r = request(rid, prompt_len, **kw)
+    r.priority = priority
+    return r
+
+
+def full_view(priorities: list[int], retractions: int = 0) -> WorkerView:
+    """A worker with 100 of 256 tokens free: four running requests of 39 tokens each."""
+    running = []
+    for i, p in enumerate(priorities):
+        r = request(f"run-{i}", 30, generated=10, retractions=retractions, arrival_s=i)
+        r.priority = p
+        running.append(r)
+    return view(running, total_tokens=256)
+
+
+def test_an_urgent_request_with_no_room_anywhere_preempts_the_least_urgent_running_ones() -> None:
+    v = full_view([0, 5, 1, 5])
+    head = urgent("urgent", 150)
+    other = full_view([0, 0, 0, 0])
+    p = plan_step(v, deque([head]), deque(), SchedulerConfig(), -1.0, False, (other,))
+    assert p.admit == [head] and p.preempted == len(p.victims)
+    assert {r.priority for r in p.victims} == {5}  # the two least urgent, nobody else
+    assert len(p.victims) == 2
+
+
+def test_preemption_takes_the_next_priority_only_when_the_least_urgent_do_not_make_room() -> None:
+    v = full_view([0, 5, 1, 5])
+    head = urgent("urgent", 200)  # 100 free + 2 x 39 is not enough: the priority-1 one goes too
+    p = plan_step(v, deque([head]), deque(), SchedulerConfig(), -1.0, False, ())
+    assert [r.priority for r in p.victims] == [5, 5, 1] and p.admit == [head]
+
+
+def test_no_preemption_when_another_worker_has_room() -> None:
+    v = full_view([5, 5, 5, 5])
+    roomy = view([], total_tokens=256)
+    head = urgent("urgent", 150)
+    p = plan_step(v, deque([head]), deque(), SchedulerConfig(), 1.0, False, (roomy,))
+    assert p.victims == [] and p.admit == [] and p.preempted == 0
+
+
+def test_no_preemption_among_equal_priorities_or_when_switched_off() -> None:
+    head = urgent("urgent", 150, priority=0)
+    assert plan_step(full_view([0, 0, 0, 0]), deque([head]), deque(), SchedulerConfig(), -1.0).victims == []
+    head = urgent("urgent", 150)
+    p = plan_step(full_view([5, 5, 5, 5]), deque([head]), deque(), SchedulerConfig(preemption=False), -1.0)
+    assert p.victims == [] and p.admit == []
+
+
+def test_protected_requests_are_not_preempted() -> None:
+    head = urgent("urgent", 150)
+    p = plan_step(full_view([5, 5, 5, 5], retractions=2), deque([head]), deque(),
+                  SchedulerConfig(max_retractions=2), -1.0)
+    assert p.victims == [] and p.admit == []  # starvation protection holds for the preempted
+
+
+def test_no_preemption_when_every_eligible_victim_would_not_make_room() -> None:
+    head = urgent("urgent", 250, priority=0)  # only the priority-5 one may go: not enough
+    p = plan_step(full_view([0, 0, 0, 5]), deque([head]), deque(), SchedulerConfig(), -1.0)
+    assert p.victims == [] and p.admit == []
+
+
+def test_an_urgent_waiting_request_goes_before_less_urgent_retracted_ones() -> None:
+    v = view([], total_tokens=256)
+    back = urgent("back", 20, priority=3, generated=5, retractions=1)
+    head = urgent("urgent", 20, priority=0)
+    p = plan(v, waiting=[head], retracted=[back])
+    assert p.admit == [head] and p.resume == []
+    same = urgent("same", 20, priority=3)  # equally urgent: the retracted one goes first
+    p = plan(v, waiting=[same], retracted=[back])
+    assert p.resume == [back] and p.admit == [same]  # resumed first, then admitted
+
+
+def test_enqueue_keeps_priority_order_and_fcfs_within_a_priority() -> None:
+    from raysched.request import enqueue
+
+    q: deque[Request] = deque()
+    for rid, prio in [("a", 0), ("b", 2), ("c", 0), ("d", -1), ("e", 2)]:
+        enqueue(q, urgent(rid, 4, priority=prio))
+    assert [r.request_id for r in q] == ["d", "a", "c", "b", "e"]
+    enqueue(q, urgent("f", 4, priority=0), front=True)
+    assert [r.request_id for r in q] == ["d", "f", "a", "c", "b", "e"]
