@@ -14,8 +14,10 @@ Stages, in order (names from the Mamba2 / SSD paper):
 Head h reads the B/C of group h // (n_heads // n_groups). The SSM runs in fp32 whatever the
 model dtype; the conv runs in the model dtype.
 
-Prefill handles one whole sequence from zero state (`ssd_chunked`, with `ssd_sequential_ref` as
-its reference twin); decode handles one token per request and updates the pool's conv/SSM state at
+Prefill handles the next L tokens of one sequence, from zero state (a fresh sequence) or from the
+conv/SSM state its earlier tokens left in the pool (chunked prefill, a restored prefix):
+`causal_conv_prefill` takes the previous K-1 conv inputs as left context and `ssd_chunked`
+(with `ssd_sequential_ref` as its reference twin) an initial SSM state; decode handles one token per request and updates the pool's conv/SSM state at
 the request's slot (`causal_conv_step`, `ssd_step`). The decode functions use only elementwise
 products and reductions over the last dim, and apply their nonlinear functions through
 `Kernels.pointwise`, so a request's result never depends on which other requests share the batch.
@@ -206,18 +208,21 @@ def ssd_step(ssm_state: Tensor, slots: Tensor, x: Tensor, dt: Tensor, A: Tensor,
 
 
 # ---------------------------------------------------------------------------- causal conv
-def causal_conv_prefill(xBC: Tensor, weight: Tensor, bias: Tensor | None) -> tuple[Tensor, Tensor]:
-    """Causal depthwise conv + SiLU over one sequence, and the conv state it leaves.
+def causal_conv_prefill(xBC: Tensor, weight: Tensor, bias: Tensor | None,
+                        initial: Tensor | None = None,
+                        pointwise: Pointwise = whole) -> tuple[Tensor, Tensor]:
+    """Causal depthwise conv + SiLU over one sequence (or one chunk of it), and the state it leaves.
 
-    xBC (L, D) pre-activation conv inputs, weight (D, 1, K), bias (D,). Returns the activated
-    output (L, D) and the state (D, K-1): the last K-1 inputs, oldest first, zero-padded on the
-    left when L < K-1.
+    xBC (L, D) pre-activation conv inputs, weight (D, 1, K), bias (D,), initial (D, K-1) the
+    conv state before the first token (the previous K-1 inputs, oldest first; None = zeros, a
+    sequence's start). Returns the activated output (L, D) and the state (D, K-1): the last K-1
+    inputs of [initial | xBC], oldest first.
     """
-    L, K = xBC.shape[0], weight.shape[-1]
-    inp = xBC.t().unsqueeze(0)  # (1, D, L)
-    out = F.conv1d(inp, weight, bias, padding=K - 1, groups=inp.shape[1])[0, :, :L]  # (D, L)
-    state = F.pad(inp[0], (K - 1, 0))[:, L:]  # (D, K-1)
-    return F.silu(out).t(), state  # (L, D), (D, K-1)
+    L, D, K = xBC.shape[0], xBC.shape[1], weight.shape[-1]
+    left = initial if initial is not None else xBC.new_zeros(D, K - 1)  # (D, K-1)
+    window = torch.cat([left.to(xBC.dtype), xBC.t()], dim=1)  # (D, K-1+L)
+    out = F.conv1d(window.unsqueeze(0), weight, bias, groups=D)[0]  # (D, L)
+    return pointwise(F.silu, out.t()), window[:, L:].clone()  # (L, D), (D, K-1)
 
 
 def causal_conv_step(conv_state: Tensor, slots: Tensor, xBC: Tensor, weight: Tensor,
@@ -285,18 +290,22 @@ class MambaMixer(nn.Module):
                                   dtype=dtype)
 
     def prefill(self, h: Tensor, conv_state: Tensor, ssm_state: Tensor, slot: int,
-                kernels: Kernels = Kernels()) -> Tensor:
-        """One whole sequence from zero state; writes its final conv/SSM state to `slot`.
+                kernels: Kernels = Kernels(), start: int = 0) -> Tensor:
+        """One sequence's next L tokens; reads and writes the conv/SSM state at `slot`.
 
-        h (L, hidden) -> (L, hidden).
+        `start` tokens of the sequence came before (their state is at `slot`; 0 = a fresh
+        sequence, which starts from zero state whatever the slot holds). h (L, hidden) ->
+        (L, hidden).
         """
         c = self.config
+        conv0, ssm0 = (conv_state[slot], ssm_state[slot]) if start else (None, None)
         z, xBC, dt = self._project(h, kernels)  # (L, I), (L, conv_dim), (L, H)
-        xBC, conv_final = causal_conv_prefill(xBC, self.conv1d.weight, self.conv1d.bias)
-        conv_state[slot] = conv_final  # (conv_dim, d_conv-1)
+        xBC, conv_final = causal_conv_prefill(xBC, self.conv1d.weight, self.conv1d.bias, conv0,
+                                              kernels.pointwise)
         x, B, C = self._split_xBC(xBC)  # (L, H, P), (L, G, N), (L, G, N)
-        dt = discretize_dt(dt, self.dt_bias, c.time_step_limit)  # (L, H) fp32
-        y, ssm_final = ssd_chunked(x, dt, self._A(), B, C, c.mamba_chunk_size)  # (L,H,P), (H,P,N)
+        dt = discretize_dt(dt, self.dt_bias, c.time_step_limit, kernels.pointwise)  # (L, H) fp32
+        y, ssm_final = ssd_chunked(x, dt, self._A(), B, C, c.mamba_chunk_size, ssm0)  # (L,H,P), (H,P,N)
+        conv_state[slot] = conv_final  # (conv_dim, d_conv-1)
         ssm_state[slot] = ssm_final
         return self._output(y, x, z, kernels)
 

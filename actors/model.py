@@ -62,12 +62,20 @@ def tiled_linear(x: Tensor, weight: Tensor, bias: Tensor | None, tile: int) -> T
 
 @dataclass
 class _Sequence:
-    """One sequence of a prefill batch."""
+    """One sequence of a prefill batch: its next L tokens, after `start` earlier ones."""
 
     input_ids: Tensor  # (L,)
     positions: Tensor  # (L,)
     out_slots: Tensor  # (L,)
     mamba_slot: int
+    context_slots: Tensor | None = None  # (start + L,) token slots of the sequence so far
+
+    @property
+    def start(self) -> int:
+        """Tokens of the sequence whose state is already in the pool."""
+        if self.context_slots is None:
+            return 0
+        return self.context_slots.shape[0] - self.input_ids.shape[0]
 
 
 class RMSNorm(nn.Module):
@@ -124,14 +132,16 @@ class DecoderLayer(nn.Module):
         else:
             self.mamba = MambaMixer(config, dtype)
 
-    def prefill(self, h: Tensor, seq: _Sequence, pool: PoolTensors) -> Tensor:
-        """One whole sequence. h (L, hidden) -> (L, hidden)."""
+    def prefill(self, h: Tensor, seq: _Sequence, pool: PoolTensors, kernels: Kernels) -> Tensor:
+        """One sequence's next L tokens (on top of its `seq.start` earlier ones). h (L, hidden)."""
         x, i = self.input_layernorm(h), self.pool_index
         if self.is_attention:
-            mixed = self.self_attn.prefill(x, seq.positions, pool.k[i], pool.v[i], seq.out_slots)
+            mixed = self.self_attn.prefill(x, seq.positions, pool.k[i], pool.v[i], seq.out_slots,
+                                           kernels, seq.context_slots)
         else:
-            mixed = self.mamba.prefill(x, pool.conv[i], pool.ssm[i], seq.mamba_slot)
-        return self._feed_forward(h + mixed, Kernels())
+            mixed = self.mamba.prefill(x, pool.conv[i], pool.ssm[i], seq.mamba_slot, kernels,
+                                       seq.start)
+        return self._feed_forward(h + mixed, kernels)
 
     def decode(self, h: Tensor, batch: ForwardBatch, pool: PoolTensors, kernels: Kernels) -> Tensor:
         """One token per request. h (R, hidden) -> (R, hidden)."""
@@ -211,14 +221,17 @@ class HybridLM(nn.Module):
         ids, pos, slots = (t.split(batch.seq_lens) for t in
                            (batch.input_ids, batch.positions, batch.out_slots))
         mamba = batch.mamba_slots.tolist()
-        return [_Sequence(ids[i], pos[i], slots[i], mamba[i]) for i in range(batch.batch_size)]
+        context = batch.kv_slots or [None] * batch.batch_size
+        return [_Sequence(ids[i], pos[i], slots[i], mamba[i], context[i])
+                for i in range(batch.batch_size)]
 
     def _prefill_one(self, seq: _Sequence, pool: PoolTensors, last_only: bool) -> Tensor:
         """The whole stack over one sequence; logits (1 or L, vocab)."""
+        kernels = self.decode_kernels()
         h = F.embedding(seq.input_ids, self.embed_tokens.weight)  # (L, hidden)
         for layer in self.layers:
-            h = layer.prefill(h, seq, pool)  # (L, hidden)
-        return self._logits(h[-1:] if last_only else h, Kernels())
+            h = layer.prefill(h, seq, pool, kernels)  # (L, hidden)
+        return self._logits(h[-1:] if last_only else h, kernels)
 
     def _decode(self, batch: ForwardBatch, pool: PoolTensors) -> Tensor:
         """One token per request; logits (R, vocab)."""

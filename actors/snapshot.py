@@ -33,6 +33,11 @@ SNAPSHOT_VERSION = 1
 _ALIGN = 64
 
 
+def decode_cached(num_tokens: int) -> int:
+    """Tokens whose state a decoding request of `num_tokens` tokens holds: all but the last."""
+    return num_tokens - 1
+
+
 class SnapshotError(ValueError):
     """A snapshot cannot be restored here: other model, wrong shape/dtype, or corrupted bytes."""
 
@@ -60,7 +65,7 @@ class Snapshot:
 
     @property
     def num_cached_tokens(self) -> int:
-        return len(self.token_ids) - 1
+        return decode_cached(len(self.token_ids))
 
     @property
     def num_generated(self) -> int:
