@@ -81,6 +81,8 @@ class Engine:
         self.fingerprint = model_fingerprint(config, weights_fingerprint, self.dtype)
         self.running: dict[str, Sequence] = {}  # decoding
         self.prefilling: dict[str, Sequence] = {}  # admitted, prompt partly computed
+        self.hold_finished = False  # True: finished requests keep their slots (in `held`) until
+        self.held: dict[str, Sequence] = {}  # `release`, so their final state can be copied
         self.record_logits = record_logits
         self.logits: dict[str, list[torch.Tensor]] = {}  # filled only when record_logits
 
@@ -226,7 +228,10 @@ class Engine:
             if reason:
                 s.finish_reason = reason
                 out.finished[s.request_id] = reason
-                self.release(s.request_id)
+                if self.hold_finished:
+                    self.held[s.request_id] = self.running.pop(s.request_id)
+                else:
+                    self.release(s.request_id)
 
     @staticmethod
     def _finish_reason(s: Sequence, token: int) -> str | None:
@@ -240,7 +245,8 @@ class Engine:
     def release(self, request_id: str) -> Sequence:
         """Drop a request (running or prefilling) and free its slots (finish, abort, or
         retract-by-recompute)."""
-        seq = self.running.pop(request_id, None) or self.prefilling.pop(request_id, None)
+        seq = (self.running.pop(request_id, None) or self.prefilling.pop(request_id, None)
+               or self.held.pop(request_id, None))
         if seq is None:
             raise KeyError(f"request {request_id!r} is not running on this engine")
         self.pool.release(request_id)
@@ -256,15 +262,20 @@ class Engine:
             s = self.prefilling[request_id]
             raise SnapshotError(f"request {request_id!r} is mid-prefill ({s.num_computed} of "
                                 f"{len(s.token_ids)} tokens computed): cannot snapshot it")
-        seq = self.running.get(request_id)
+        snap = self.copy_state(request_id)
+        self.release(request_id)
+        return snap
+
+    def copy_state(self, request_id: str) -> Snapshot:
+        """A snapshot of a decoding (or held finished) request's state; the request keeps its
+        slots and goes on. The turn cache parks such copies (prompt end, finished turn)."""
+        seq = self.running.get(request_id) or self.held.get(request_id)
         if seq is None:
             raise KeyError(f"request {request_id!r} is not running on this engine")
         specs = part_specs(self.config, self.dtype, seq.num_cached)
         payload = gather_state(self.pool, request_id, seq.num_cached, specs).numpy()
-        snap = Snapshot(request_id, self.fingerprint, tuple(seq.token_ids), seq.prompt_len,
+        return Snapshot(request_id, self.fingerprint, tuple(seq.token_ids), seq.prompt_len,
                         seq.sampling.to_dict(), specs, checksum(payload), payload)
-        self.release(request_id)
-        return snap
 
     def check_snapshot(self, snap: Snapshot) -> None:
         """Raise SnapshotError if `snap` cannot be restored here (nothing changes)."""

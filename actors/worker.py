@@ -31,6 +31,7 @@ class Worker:
                                            seed=config.seed)
         self.drop_mamba_state = config.scheduler.debug_drop_mamba_state
         self._speeds: tuple[float, float] | None = None
+        self._parked: dict[tuple[str, str], Snapshot] = {}  # (id, kind) -> copy, until taken
 
     # ------------------------------------------------------------------ queries
     def info(self) -> WorkerInfo:
@@ -73,20 +74,82 @@ class Worker:
             snap = dataclasses.replace(snap, payload=payload)
         return snap, int(snap.nbytes)
 
-    def step(self, plan: StepPlan, *snapshots: Snapshot) -> StepResult:
-        """Execute one plan: drop, resume, prefill, then `decode_steps` decode steps."""
+    def step(self, plan: StepPlan, *snapshots: Snapshot | list) -> StepResult:
+        """Execute one plan: drop, resume, prefill, then `decode_steps` decode steps. The
+        snapshots: one per `plan.resume`, then one per `plan.prefix` (parked prompt prefixes)."""
         t0 = time.perf_counter()
         result = StepResult()
         for rid in plan.drop:
             if rid in self.engine.running:
                 self.engine.release(rid)
         out = StepOutput()
-        self._resume(plan.resume, snapshots, result, out)
+        self.engine.hold_finished = plan.park_min_tokens > 0
+        n = len(plan.resume)
+        self._resume(plan.resume, snapshots[:n], result, out)
         if plan.prefill:
-            out.merge(self.engine.prefill([_sequence(item) for item in plan.prefill]))
+            out.merge(self._prefill(plan, snapshots[n:], result))
+            self._park_prompts(plan, result)
         if plan.decode_steps:
             out.merge(self.engine.decode(plan.decode_steps))
+        self._park_finished(plan, result)
         return self._result(result, out, time.perf_counter() - t0)
+
+    def take_parked(self, keys: list[tuple[str, str]]) -> Snapshot | tuple[Snapshot, ...]:
+        """Hand over the copies listed in `StepResult.parked`, as this call's return values (so
+        the caller, the scheduler, owns them); call it with ``num_returns=len(keys)``."""
+        snaps = tuple(self._parked.pop(tuple(k)) for k in keys)
+        return snaps[0] if len(snaps) == 1 else snaps
+
+    # ------------------------------------------------------------------ turn cache
+    def _prefill(self, plan: StepPlan, prefixes: tuple, result: StepResult) -> StepOutput:
+        """Prefill the plan's items in one forward; those with a parked prefix restore it first
+        (`Engine.restore_prefix`) and feed only the rest of their prompt."""
+        if len(plan.prefix) != len(prefixes):
+            raise ValueError(f"step plan names {len(plan.prefix)} prefixes but {len(prefixes)} snapshots came")
+        by_id = dict(zip(plan.prefix, prefixes))
+        items: list[Sequence | str] = []
+        for item in plan.prefill:
+            seq = _sequence(item)
+            snap = by_id.get(item.request_id)
+            if snap is not None and self._restore_prefix(snap, seq, result):
+                items.append(seq.request_id)  # continues from the restored state
+            else:
+                items.append(seq)
+        return self.engine.prefill(items)
+
+    def _restore_prefix(self, snap: Snapshot | list, seq: Sequence, result: StepResult) -> bool:
+        try:
+            ok = self.engine.restore_prefix(_fetch(snap), seq)
+        except SnapshotError as err:
+            result.prefix_failed[seq.request_id] = str(err)
+            return False
+        except SnapshotLost as err:
+            result.prefix_failed[seq.request_id] = f"{SNAPSHOT_LOST}: {err}"
+            return False
+        if ok:
+            result.cached[seq.request_id] = seq.num_computed
+        return ok  # no room: the plain prefill reports it not admitted
+
+    def _park_prompts(self, plan: StepPlan, result: StepResult) -> None:
+        """Copy the state at the end of each new prompt whose prefill completed."""
+        for item in plan.prefill:
+            rid = item.request_id
+            seq = self.engine.running.get(rid) or self.engine.held.get(rid)
+            if plan.park_min_tokens and seq is not None and len(item.token_ids) == item.prompt_len \
+                    and item.prompt_len >= plan.park_min_tokens:
+                self._park(rid, "prompt", seq.prompt_len, result)
+
+    def _park_finished(self, plan: StepPlan, result: StepResult) -> None:
+        """Copy the final state of each finished request (all tokens but the last), then free it."""
+        for rid, seq in list(self.engine.held.items()):
+            if seq.num_cached >= plan.park_min_tokens:
+                self._park(rid, "finished", seq.num_cached, result)
+            self.engine.release(rid)
+
+    def _park(self, rid: str, kind: str, num_tokens: int, result: StepResult) -> None:
+        snap = self.engine.copy_state(rid)  # right after prefill it covers the prompt
+        self._parked[(rid, kind)] = snap
+        result.parked.append((rid, kind, num_tokens, int(snap.nbytes)))
 
     def _resume(self, ids: tuple[str, ...], snapshots: tuple, result: StepResult, out: StepOutput) -> None:
         if len(ids) != len(snapshots):

@@ -362,6 +362,33 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class StateCacheConfig:
+    """The turn cache (`raysched.state_cache`): finished turns' and prompts' states parked in the
+    object store, restored by a later request whose prompt starts with their tokens."""
+
+    enabled: bool = True
+    budget_bytes: int | None = None  # parked bytes kept; None = a quarter of the scheduler
+    #   node's object store
+    min_tokens: int = 64  # states covering fewer tokens are not parked
+
+    CHECKS: ClassVar[dict[str, Check]] = {
+        "enabled": check_bool,
+        "budget_bytes": check_optional(check_non_negative_int),
+        "min_tokens": check_positive_int,
+    }
+
+    def __post_init__(self) -> None:
+        check_fields(self, _ROOT.child("state_cache"))
+
+    @classmethod
+    def from_dict(cls, raw: Any, key: KeyPath = _ROOT.child("state_cache")) -> StateCacheConfig:
+        return cls(**parse_fields(cls, raw, key))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in self.CHECKS}
+
+
+@dataclass(frozen=True)
 class FaultSpec:
     """An injected fault, fired when worker `worker` has run `after_steps` calls.
 
@@ -437,6 +464,7 @@ class ServeConfig:
     seed: int = 0
     pool: PoolConfig = PoolConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
+    state_cache: StateCacheConfig = StateCacheConfig()
     faults: FaultConfig = ()
     object_store_memory: int | None = None  # bytes, for the embedded Ray cluster
     invariant_tile: int = 8  # tile size of the batch-invariant kernels
@@ -449,6 +477,7 @@ class ServeConfig:
         "seed": check_seed,
         "pool": _check_instance(PoolConfig),
         "scheduler": _check_instance(SchedulerConfig),
+        "state_cache": _check_instance(StateCacheConfig),
         "faults": _check_faults,
         "object_store_memory": check_optional(check_positive_int),
         "invariant_tile": check_positive_int,
@@ -456,6 +485,7 @@ class ServeConfig:
     PARSERS: ClassVar[dict[str, Check]] = {
         "pool": PoolConfig.from_dict,
         "scheduler": SchedulerConfig.from_dict,
+        "state_cache": StateCacheConfig.from_dict,
         "faults": _parse_faults,
     }
 
@@ -478,6 +508,7 @@ class ServeConfig:
         out = {name: getattr(self, name) for name in self.CHECKS}
         out["pool"] = self.pool.to_dict()
         out["scheduler"] = self.scheduler.to_dict()
+        out["state_cache"] = self.state_cache.to_dict()
         out["faults"] = [fault.to_dict() for fault in self.faults]
         return out
 

@@ -31,6 +31,10 @@ class StepPlan:
     resume: tuple[str, ...] = ()  # restore from the snapshots passed alongside, same order
     prefill: tuple[PrefillItem, ...] = ()
     decode_steps: int = 0
+    prefix: tuple[str, ...] = ()  # prefill items that start from a parked state (turn cache),
+    #   passed after the resume snapshots, same order; the worker prefills only the rest
+    park_min_tokens: int = 0  # > 0: copy the state of requests covering at least this many
+    #   tokens at the end of their prompt and when they finish (see `Worker.take_parked`)
 
     def is_empty(self) -> bool:
         return not (self.drop or self.resume or self.prefill or self.decode_steps)
@@ -55,6 +59,11 @@ class StepResult:
     allocated: dict[str, int] = field(default_factory=dict)  # id -> KV tokens held, running ones
     usage: Usage | None = None
     busy_s: float = 0.0  # time the worker spent computing this call
+    cached: dict[str, int] = field(default_factory=dict)  # id -> prompt tokens restored, not prefilled
+    prefix_failed: dict[str, str] = field(default_factory=dict)  # id -> why its parked state was not
+    #   used (lost, refused): it was prefilled in full instead
+    parked: list[tuple[str, str, int, int]] = field(default_factory=list)  # (id, kind, tokens
+    #   covered, bytes) of states copied this call, waiting for `Worker.take_parked`
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,7 @@ from raysched.planner import Plan, WorkerView, decode_need, plan_step
 from raysched.policy import choose_retract_mode
 from raysched.request import Request, State, enqueue
 from raysched.sampling import RequestError, SamplingParams, check_priority, validate_prompt
+from raysched.state_cache import Parked, StateCache
 from raysched.stats import Counters
 
 log = logging.getLogger("raysched.scheduler")
@@ -71,6 +72,9 @@ class Scheduler:
         self._inflight_snapshot_bytes = 0  # estimated bytes of retractions not yet fetched
         self._snapshot_budget = config.scheduler.snapshot_budget_bytes or 0
         self._node_id: str | None = None  # the scheduler's node (for bytes-moved accounting)
+        cache_cfg = config.state_cache
+        self.state_cache = StateCache(cache_cfg.budget_bytes or 0, cache_cfg.min_tokens) if cache_cfg.enabled else None
+        self._prefix_of: dict[str, Parked] = {}  # admitted request id -> parked state it restores
 
     # ================================================================== lifecycle
     async def start(self) -> list[dict]:
@@ -88,6 +92,8 @@ class Scheduler:
             self._add_worker(h, info)
         self._check_same_model()
         self._node_id = ray.get_runtime_context().get_node_id()
+        if self.state_cache is not None and self.config.state_cache.budget_bytes is None:
+            self.state_cache.budget_bytes = _local_object_store_bytes() // 4
         if self.config.scheduler.snapshot_budget_bytes is None:
             self._snapshot_budget = _local_object_store_bytes() // 2
         return [self._worker_line(w) for w in self.workers]
@@ -120,6 +126,8 @@ class Scheduler:
                 w.task.cancel()
         for r in self.requests.values():
             r.snapshot_ref = None
+        if self.state_cache is not None:
+            self.state_cache.clear()
         for w in self.workers:
             ray.kill(w.handle)
 
@@ -223,6 +231,11 @@ class Scheduler:
         d["snapshot_bytes_held"] = self._snapshot_bytes_held()
         d["snapshot_budget_bytes"] = self._snapshot_budget
         d["workers_alive"] = sum(w.alive for w in self.workers)
+        cache = self.state_cache
+        d["state_cache_bytes"] = cache.bytes if cache else 0
+        d["state_cache_entries"] = len(cache) if cache else 0
+        d["state_cache_evictions"] = cache.evictions if cache else 0
+        d["state_cache_budget_bytes"] = cache.budget_bytes if cache else 0
         if detail:
             d["scheduler_rss_bytes"] = _rss_bytes()
             d.update(_object_store_stats())
@@ -275,12 +288,16 @@ class Scheduler:
         resume_snap = [r for r in plan.resume if not r.recompute]
         prefill = [_prefill_item(r) for r in plan.resume if r.recompute] + [_prefill_item(r) for r in plan.admit]
         self._mark_running(w, plan.resume + plan.admit)
-        step = StepPlan(tuple(drop), tuple(r.request_id for r in resume_snap), tuple(prefill), plan.decode_steps)
+        prefixes = self._prefix_hits(plan.admit)
+        step = StepPlan(tuple(drop), tuple(r.request_id for r in resume_snap), tuple(prefill), plan.decode_steps,
+                        tuple(r.request_id for r, _ in prefixes), self._park_min_tokens())
         retract_refs = [self._retract_call(w, r) for r in snap_victims]  # queued: others may resume them
-        step_refs = [w.handle.step.remote(step, *[[r.snapshot_ref] for r in resume_snap])]
+        step_refs = [w.handle.step.remote(step, *[[r.snapshot_ref] for r in resume_snap],
+                                          *[[e.ref] for _, e in prefixes])]
         self._count_resume_bytes(w, resume_snap)
         if self._can_pipeline(w, plan):  # queue the next call now: the worker never waits for us
-            step_refs.append(w.handle.step.remote(StepPlan(decode_steps=plan.decode_steps)))
+            step_refs.append(w.handle.step.remote(StepPlan(decode_steps=plan.decode_steps,
+                                                           park_min_tokens=self._park_min_tokens())))
             self.counters.pipelined_calls += 1
         w.view.calls += len(step_refs)
         results = await asyncio.gather(*step_refs, *[size for _, size in retract_refs], return_exceptions=True)
@@ -405,6 +422,7 @@ class Scheduler:
                 req.add_tokens(toks, now)
                 self.counters.tokens += len(toks)
                 self._progress[rid].set()
+        self._on_cache_result(w, plan, result)
         for r in resumed:
             if r.request_id not in result.not_admitted and r.request_id not in result.resume_failed:
                 r.snapshot_ref = None  # restored: release the object
@@ -414,6 +432,54 @@ class Scheduler:
             if req is not None and req.state is State.RUNNING:
                 self._finish(req, State.FINISHED, reason)
         self.counters.on_step(w.index, result, now)
+
+    # ================================================================== turn cache
+    def _park_min_tokens(self) -> int:
+        return self.state_cache.min_tokens if self.state_cache is not None else 0
+
+    def _prefix_hits(self, admitted: list[Request]) -> list[tuple[Request, Parked]]:
+        """(request, parked state) for each new request whose prompt starts with a parked state."""
+        if self.state_cache is None:
+            return []
+        hits = []
+        for r in admitted:
+            entry = self.state_cache.lookup(r.prompt_ids) if not r.num_generated else None
+            if entry is not None:
+                hits.append((r, entry))
+                self._prefix_of[r.request_id] = entry
+        return hits
+
+    def _on_cache_result(self, w: WorkerSlot, plan: Plan, result: StepResult) -> None:
+        """Count hits and misses of the admitted requests, forget parked states that could not
+        be used, and take over the states this call parked."""
+        cache = self.state_cache
+        if cache is None:
+            return
+        for r in plan.admit:
+            entry = self._prefix_of.pop(r.request_id, None)
+            if r.request_id in result.not_admitted:
+                continue  # looked up again when it is admitted
+            r.cached_tokens = result.cached.get(r.request_id, 0)
+            r.cache_kind = entry.kind if entry is not None and r.cached_tokens else None
+            self.counters.on_cache_lookup(r.cached_tokens, r.cache_kind)
+            if r.request_id in result.prefix_failed and entry is not None:
+                log.warning("parked state for %s not used on worker %d (%s); prefilled in full",
+                            r.request_id, w.index, result.prefix_failed[r.request_id])
+                cache.drop(entry.tokens)
+                self.counters.state_cache_fallbacks += 1
+        if result.parked:
+            self._take_parked(w, result.parked)
+
+    def _take_parked(self, w: WorkerSlot, parked: list[tuple[str, str, int, int]]) -> None:
+        """`Worker.take_parked` hands the copies over as return values: the scheduler owns them,
+        they stay in the worker node's store, and outlive the worker process."""
+        keys = [(rid, kind) for rid, kind, _, _ in parked]
+        refs = w.handle.take_parked.options(num_returns=len(keys)).remote(keys)
+        refs = [refs] if len(keys) == 1 else refs
+        for (rid, kind, num_tokens, nbytes), ref in zip(parked, refs):
+            req = self.requests.get(rid)
+            if req is not None and req.state is State.RUNNING and len(req.token_ids) > num_tokens:
+                self.state_cache.park(req.token_ids[:num_tokens], ref, nbytes, kind, w.info.node_id)
 
     def _update_view(self, w: WorkerSlot, result: StepResult) -> None:
         u: Usage = result.usage

