@@ -547,13 +547,16 @@ class Scheduler:
         if not dead:
             ray.kill(w.handle, no_restart=True)  # its state is unknown after a failed call
         self.counters.worker_failures += 1
-        for req in reversed(w.view.running):
+        for req in reversed(list(w.view.running)):
             if req.state is not State.RUNNING:
                 continue  # aborted while the call was in flight: it stays ended
+            self.counters.recovered += 1
+            if not req.num_generated and not req.retractions:  # never ran: admit it afresh
+                self._unrun(w, req, front=True)  # (and look its prompt up in the turn cache)
+                continue
             req.recompute = req.snapshot_ref is None
             req.state = State.RETRACTED
             enqueue(self.retracted, req, front=True)
-            self.counters.recovered += 1
         w.view.running = []
         if self.config.scheduler.replace_failed_workers and not self._closing:
             self._pending_replacements += 1

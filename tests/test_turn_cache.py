@@ -149,3 +149,80 @@ def test_a_state_that_does_not_match_is_refused_and_prefilled_in_full(turn1) -> 
     assert "mismatch" in result.prefix_failed and "mismatch" not in result.cached
     full_toks, _, _ = run(make_worker(), "mismatch-ref", p2)
     assert result.new_tokens["mismatch"] == full_toks
+
+
+# ---------------------------------------------------------------------------- on a cluster
+
+
+def _worker_handle(client, index: int):
+    import ray
+
+    return ray.get(client.scheduler.__ray_call__.remote(lambda s: s.workers[index].handle))
+
+
+@pytest.mark.usefixtures("multinode_cluster")
+class TestOnCluster:
+    def test_next_turn_restores_on_the_other_node_after_the_parking_worker_is_killed(self) -> None:
+        """Turn 1 runs (and parks) on one worker; that worker is killed; turns 2 and 3 run on the
+        other node, restore the parked states from the dead worker's node store (the scheduler
+        owns them) and get exactly the tokens of a full prefill of their whole history."""
+        import ray
+
+        import raysched
+        from raysched.workload import RequestSpec
+        from tests.exactness import reference
+
+        cfg = ServeConfig(workers=2, pool=PoolConfig(kv_tokens=1024, mamba_slots=4),
+                          scheduler=SchedulerConfig(replace_failed_workers=False),
+                          state_cache=StateCacheConfig(min_tokens=16))
+        client = raysched.launch(cfg)
+        try:
+            p1 = prompt(70, seed=11)
+            r1 = client.submit(p1, GREEDY).result(timeout=120)
+            producer = r1["workers"][-1]
+            ray.kill(_worker_handle(client, producer), no_restart=True)
+            p2 = p1 + r1["token_ids"] + prompt(30, seed=12)
+            r2 = client.submit(p2, GREEDY).result(timeout=120)
+            p3 = p2 + r2["token_ids"] + prompt(20, seed=13)
+            r3 = client.submit(p3, GREEDY).result(timeout=120)
+            stats = client.stats()
+            nodes = {w["worker"]: w["node"] for w in client.workers}
+        finally:
+            client.shutdown()
+        specs = [RequestSpec(f"t{i}", tuple(p), GREEDY) for i, p in enumerate((p1, p2, p3))]
+        want = reference(specs)
+        assert [r1["token_ids"], r2["token_ids"], r3["token_ids"]] == [want["t0"], want["t1"], want["t2"]]
+        assert r1["cached_tokens"] == 0
+        assert r2["cached_tokens"] == len(p1) + len(r1["token_ids"]) - 1 and r2["cache_kind"] == "finished"
+        assert r3["cached_tokens"] == len(p2) + len(r2["token_ids"]) - 1
+        assert nodes[r2["workers"][-1]] != nodes[producer]  # restored on the other node
+        assert stats["state_cache_hits"] == 2 and stats["state_cache_hits_finished"] == 2, stats
+        assert stats["state_cache_tokens_reused"] == r2["cached_tokens"] + r3["cached_tokens"]
+        assert stats["state_cache_misses"] >= 1 and stats["worker_failures"] == 1, stats
+        print(f"\nturns 2, 3 restored {r2['cached_tokens']}, {r3['cached_tokens']} tokens after the kill; "
+              f"{stats['state_cache_entries']} parked, {stats['state_cache_bytes']} B")
+
+    def test_two_forks_of_one_turn_both_hit_and_the_cache_off_never_hits(self) -> None:
+        import raysched
+        from raysched.workload import RequestSpec
+        from tests.exactness import reference
+
+        records = {}
+        for enabled in (True, False):
+            cfg = ServeConfig(workers=2, pool=PoolConfig(kv_tokens=1024, mamba_slots=4),
+                              state_cache=StateCacheConfig(enabled=enabled, min_tokens=16))
+            client = raysched.launch(cfg)
+            try:
+                p1 = prompt(60, seed=21)
+                r1 = client.submit(p1, GREEDY).result(timeout=120)
+                forks = [p1 + r1["token_ids"] + prompt(10 + i, seed=30 + i) for i in range(2)]
+                handles = [client.submit(p, GREEDY) for p in forks]
+                records[enabled] = [h.result(timeout=120) for h in handles]
+                stats = client.stats()
+            finally:
+                client.shutdown()
+            assert stats["state_cache_hits"] == (2 if enabled else 0), stats
+        want = reference([RequestSpec(f"f{i}", tuple(p), GREEDY) for i, p in enumerate(forks)])
+        for enabled, recs in records.items():
+            assert [r["token_ids"] for r in recs] == [want["f0"], want["f1"]], enabled
+            assert all((r["cached_tokens"] > 0) == enabled for r in recs)
