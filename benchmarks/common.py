@@ -190,3 +190,37 @@ def pinned(node_id: str) -> Any:
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     return NodeAffinitySchedulingStrategy(node_id, soft=False)
+
+
+@contextlib.contextmanager
+def measured_client(config: Any) -> Iterator[tuple[Any, Callable[[], dict]]]:
+    """`raysched.launch(config)` on the connected Ray, yielding (client, costs): `costs()` gives
+    the CPU seconds the worker and scheduler processes used since the launch (from /proc) and
+    the workers' summed busy seconds as the scheduler counted them (compute inside step calls).
+    Shuts the client down and waits until its workers are gone (the next run gets the CPUs)."""
+    import raysched
+
+    client = raysched.launch(config)
+    try:
+        workers, scheduler = actor_pids("Worker"), actor_pids("Scheduler")
+        cpu0 = cpu_seconds(workers), cpu_seconds(scheduler)
+        busy0 = client.stats()["busy_s"]
+
+        def costs() -> dict:
+            return {"worker_cpu_s": cpu_seconds(workers) - cpu0[0] if len(workers) == config.workers else None,
+                    "scheduler_cpu_s": cpu_seconds(scheduler) - cpu0[1],
+                    "worker_busy_s": client.stats()["busy_s"] - busy0}
+
+        yield client, costs
+    finally:
+        client.shutdown()
+        deadline = time.monotonic() + 30
+        while actor_pids("Worker") and time.monotonic() < deadline:
+            time.sleep(0.2)  # polling the actor table, not a synchronisation guess
+
+
+def warm_up(client: Any, workers: int = 2) -> None:
+    """One short request per worker, so no mode pays the workers' first-call costs."""
+    handles = [client.submit([1 + i] * 8, {"max_new_tokens": 2}) for i in range(workers)]
+    for h in handles:
+        h.result(timeout=120)

@@ -17,8 +17,9 @@ t=0. All requests are greedy, so every mode must produce the same tokens per req
 
 Wall-clock throughput on a shared machine moves with other people's load by tens of percent
 from one minute to the next, more than the modes differ. So each mode also reports the CPU
-time its two worker processes used (from /proc) and tokens per worker CPU-second: the work a
-mode needed, which that load moves much less.
+time its two worker processes used (from /proc), the seconds they spent computing inside step
+calls as the scheduler summed them (`worker busy s`), and tokens per worker CPU-second: the work
+a mode needed, which that load moves much less.
 """
 
 from __future__ import annotations
@@ -94,8 +95,10 @@ def run_mode(setup: Setup, mode: str) -> dict:
         specs = build_requests(setup.workload, client.vocab_size())
         start_s = client.stats()["uptime_s"]  # the timeline counts from the scheduler's start
         cpu0 = cpu_seconds(workers), cpu_seconds(scheduler)
+        busy0 = client.stats()["busy_s"]
         report = run_workload(client, specs, progress=False)
         cpu = cpu_seconds(workers) - cpu0[0], cpu_seconds(scheduler) - cpu0[1]
+        busy = client.stats()["busy_s"] - busy0
         timeline = [(t - start_s, *rest) for t, *rest in client.timeline()]
     finally:
         client.shutdown()
@@ -105,7 +108,8 @@ def run_mode(setup: Setup, mode: str) -> dict:
           f"{s['retractions']} retractions, worker CPU {cpu[0]:.1f} s", flush=True)
     return {"summary": s, "outputs": {r["request_id"]: r["token_ids"] for r in report["requests"]},
             "timeline": timeline, "workload": _describe(specs),
-            "worker_cpu_s": cpu[0] if len(workers) == 2 else None, "scheduler_cpu_s": cpu[1]}
+            "worker_cpu_s": cpu[0] if len(workers) == 2 else None, "scheduler_cpu_s": cpu[1],
+            "worker_busy_s": busy}
 
 
 def _wait_for_no_workers(timeout_s: float = 30.0) -> None:
@@ -137,7 +141,8 @@ def _mismatches(outputs: dict[str, list[int]], reference: dict[str, list[int]]) 
     return bad
 
 
-MEAN_KEYS = ("tokens_per_s", "tokens_per_worker_cpu_s", "worker_cpu_s", "scheduler_cpu_s", "duration_s", "latency_p50_s", "latency_p99_s", "ttft_p50_s", "ttft_p99_s",
+MEAN_KEYS = ("tokens_per_s", "tokens_per_worker_cpu_s", "worker_cpu_s", "worker_busy_s", "scheduler_cpu_s",
+             "duration_s", "latency_p50_s", "latency_p99_s", "ttft_p50_s", "ttft_p99_s",
              "retractions", "retractions_snapshot", "retractions_recompute", "resumes", "migrations",
              "snapshot_mb")
 
@@ -146,7 +151,7 @@ def _run_row(run: dict, reference: dict) -> dict:
     s = run["summary"]
     cpu = run["worker_cpu_s"]
     return {"tokens_per_s": s["tokens_per_s"], "duration_s": s["duration_s"], "tokens": s["tokens"],
-            "worker_cpu_s": cpu, "scheduler_cpu_s": run["scheduler_cpu_s"],
+            "worker_cpu_s": cpu, "scheduler_cpu_s": run["scheduler_cpu_s"], "worker_busy_s": run["worker_busy_s"],
             "tokens_per_worker_cpu_s": s["tokens"] / cpu if cpu else None,
             "finished": s["finished"], "failed": s["failed"],
             "latency_p50_s": s["latency_p50_s"], "latency_p99_s": s["latency_p99_s"],
@@ -226,7 +231,8 @@ def _print(result: dict) -> None:
           f"{w['requests']} requests at t=0, prompts {w['prompt_len_range']}, "
           f"max_new_tokens {w['max_new_tokens_range']}; mean of {result['rounds']} round(s)")
     cols = [Column("mode", "mode"), Column("tokens/s", "tokens_per_s", ".1f"),
-            Column("time s", "duration_s", ".1f"), Column("worker CPU s", "worker_cpu_s", ".1f"),
+            Column("time s", "duration_s", ".1f"), Column("worker busy s", "worker_busy_s", ".1f"),
+            Column("worker CPU s", "worker_cpu_s", ".1f"),
             Column("tok/CPU-s", "tokens_per_worker_cpu_s", ".1f"),
             Column("p50 lat s", "latency_p50_s", ".2f"), Column("p99 lat s", "latency_p99_s", ".2f"),
             Column("p99 TTFT s", "ttft_p99_s", ".2f"), Column("retract", "retractions", "g"),

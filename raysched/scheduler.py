@@ -493,6 +493,7 @@ class Scheduler:
             if why.startswith(SNAPSHOT_LOST):  # its node died with it, or its retraction failed
                 log.warning("%s of %s on worker %d; recomputing it instead", why, rid, w.index)
                 self.counters.snapshots_lost += 1
+                self.counters.recovered += 1
             else:
                 log.warning("snapshot of %s refused on worker %d (%s); recomputing it instead", rid, w.index, why)
                 self.counters.snapshots_refused += 1
@@ -523,9 +524,10 @@ class Scheduler:
             if isinstance(size, BaseException):
                 log.warning("retraction of %s on worker %d failed (%r); it will be recomputed",
                             req.request_id, w.index, size)
-                if current:
+                waiting = current and req.state is State.RETRACTED
+                if waiting:  # (one already resuming elsewhere reports the snapshot lost instead)
                     req.snapshot_ref, req.recompute = None, True
-                self.counters.recovered += req.state is State.RETRACTED  # recovered by recompute
+                self.counters.recovered += waiting  # recovered by recompute
                 continue
             self.counters.snapshot_bytes += size
             if current:

@@ -21,11 +21,19 @@ EXPECTED = {
                "rows", {"resume.json", "resume.png"}),
     "e2e": ({"model", "workload", "modes", "targets", "mismatched_requests", "timelines"},
             {"mode", "tokens_per_s", "latency_p50_s", "latency_p99_s", "ttft_p99_s", "retractions",
-             "migrations", "mismatches", "worker_cpu_s", "tokens_per_worker_cpu_s"},
+             "migrations", "mismatches", "worker_cpu_s", "worker_busy_s", "tokens_per_worker_cpu_s"},
             "modes", {"e2e.json", "e2e.png"}),
     "overhead": ({"model", "rows", "ratio", "target", "bare_threads", "actor_threads",
                   "mismatched_requests"},
                  {"side", "tokens", "duration_s", "tokens_per_s"}, "rows", {"overhead.json"}),
+    "sessions": ({"model", "conversations", "turns", "modes", "targets", "mismatched_turns", "per_turn"},
+                 {"mode", "tokens_per_s", "ttft_turn2plus_p50_s", "worker_cpu_s", "worker_busy_s",
+                  "state_cache_hits", "state_cache_tokens_reused"},
+                 "modes", {"sessions.json", "sessions.png"}),
+    "priority": ({"model", "setup", "modes", "targets", "urgent_ttft"},
+                 {"mode", "tokens_per_s", "urgent_ttft_p99_s", "preemptions", "worker_cpu_s", "worker_busy_s",
+                  "mismatches"},
+                 "modes", {"priority.json", "priority.png"}),
     "engine": ({"model", "threads", "rows", "kernels_present"},
                {"batch", "ours_tokens_per_s", "hf_tokens_per_s", "ratio", "tokens_match_hf"},
                "rows", {"engine.json"}),
@@ -64,10 +72,29 @@ def _e2e_correct(result: dict) -> None:
     assert result["mismatched_requests"] == {m: [] for m in MODES}
 
 
+def _sessions_correct(result: dict) -> None:
+    """Same tokens with the turn cache on and off; with it on, every later turn hit."""
+    assert result["mismatched_turns"] == []
+    on = next(m for m in result["modes"] if m["mode"] == "cache_on")
+    off = next(m for m in result["modes"] if m["mode"] == "cache_off")
+    assert on["state_cache_hits"] == result["conversations"] * (result["turns"] - 1), on
+    assert off["state_cache_hits"] == 0 and on["prefilled_tokens"] < off["prefilled_tokens"]
+
+
+def _priority_correct(result: dict) -> None:
+    """Every mode finished everything with the same tokens; only the preempting modes preempt."""
+    rows = {m["mode"]: m for m in result["modes"]}
+    assert all(r["mismatches"] == 0 for r in rows.values()), rows
+    assert len({r["finished"] for r in rows.values()}) == 1
+    assert rows["none"]["preemptions"] == 0
+
+
 CORRECTNESS = {
     "snapshot": lambda r: None,
     "resume": lambda r: r["all_same_next_token"] or pytest.fail("snapshot and recompute disagree"),
     "e2e": _e2e_correct,
     "overhead": lambda r: r["mismatched_requests"] == [] or pytest.fail(f"{r['mismatched_requests']}"),
     "engine": lambda r: None,  # ours vs transformers tokens are reported, not required to match
+    "sessions": _sessions_correct,
+    "priority": _priority_correct,
 }

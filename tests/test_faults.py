@@ -336,7 +336,7 @@ def test_lost_snapshot_is_recomputed_without_blaming_the_worker():
                             usage=Usage(256, 256, 4, 4, 1))
         sched._on_result(w, plan, result, [req])
         assert list(sched.retracted) == [req] and req.recompute and req.snapshot_ref is None
-        assert (sched.counters.snapshots_lost, sched.counters.snapshots_refused) == (1, 0)
+        assert (sched.counters.snapshots_lost, sched.counters.snapshots_refused, sched.counters.recovered) == (1, 0, 1)
         assert w.alive and sched.counters.worker_failures == 0
 
     asyncio.run(scenario())
