@@ -5,10 +5,10 @@ Two worker actors (`actors.worker.Worker`, 1 CPU each) on the two nodes of a loc
 `ray.cluster_utils.Cluster`: A on the head node (where the driver, like the scheduler, lives),
 B on the second node. Per context length n, a request is prefilled and decoded on A, then:
 
-- by snapshot, the path the scheduler takes: `A.retract` (gather the state into a Snapshot, the
-  call's return value in A's object store) -> the driver fetches it and `ray.put`s it back
-  (the scheduler re-owns every snapshot so it outlives A) -> `B.step` resumes from it (the
-  object crosses to node 2, restore) and decodes one token. Repeated as a ping-pong A->B->A->B,
+- by snapshot, the path the scheduler takes: `A.retract_pending` (gather the state into a
+  Snapshot, the call's return value, owned by the driver as the scheduler owns it, lying in A's
+  object store; the driver waits for its size only) -> `B.step` resumes from the ref (B reads the
+  object straight from A's node: one transfer, restore) and decodes one token. Repeated as a ping-pong A->B->A->B,
   each round crossing nodes once; the best round counts.
 - by recompute: `B.step` re-prefills the whole history (prompt + generated tokens), which
   yields the same next token.
@@ -86,14 +86,15 @@ def _measure(a: Any, b: Any, n: int, rounds: int, vocab: int) -> dict:
     rid = f"resume-{n}"
     sampling = SamplingParams(max_new_tokens=GENERATED + rounds + 8).to_dict()
     prompt = random_prompt(n - GENERATED - rounds + 1, vocab, seed=n)
-    _step(a, StepPlan(prefill=(PrefillItem(rid, tuple(prompt), len(prompt), sampling),),
-                      decode_steps=GENERATED - 1))
+    first = _step(a, StepPlan(prefill=(PrefillItem(rid, tuple(prompt), len(prompt), sampling),),
+                              decode_steps=GENERATED - 1))
+    history = prompt + first.new_tokens[rid]
     snapshot_rounds, src, dst = [], a, b
     for _ in range(rounds):
         snapshot_rounds.append(_snapshot_round(src, dst, rid))
+        history.append(snapshot_rounds[-1]["token"])
         src, dst = dst, src
     last = snapshot_rounds[-1]
-    history = last.pop("history")
     _step(src, StepPlan(drop=(rid,)))  # src now holds the request (the last destination)
     recompute_s, result = timed(lambda: _step(b, StepPlan(prefill=(
         PrefillItem(rid, tuple(history), len(prompt), sampling),))))
@@ -101,7 +102,7 @@ def _measure(a: Any, b: Any, n: int, rounds: int, vocab: int) -> dict:
     best = min(snapshot_rounds, key=lambda r: r["total_s"])
     recompute_token = result.new_tokens[rid][0]
     return {"tokens": len(history), "snapshot_bytes": best["bytes"],
-            "snapshot_s": best["total_s"], "retract_s": best["retract_s"], "reown_s": best["reown_s"],
+            "snapshot_s": best["total_s"], "retract_s": best["retract_s"],
             "restore_decode_s": best["restore_decode_s"], "restore_busy_s": best["restore_busy_s"],
             "snapshot_rounds_s": [r["total_s"] for r in snapshot_rounds],
             "recompute_s": recompute_s, "recompute_busy_s": result.busy_s,
@@ -110,16 +111,14 @@ def _measure(a: Any, b: Any, n: int, rounds: int, vocab: int) -> dict:
 
 
 def _snapshot_round(src: Any, dst: Any, rid: str) -> dict:
-    """Retract on src, re-own at the driver, resume on dst and decode one token."""
-    retract_s, snap = timed(lambda: ray.get(src.retract.remote(rid)))
-    reown_s, ref = timed(lambda: ray.put(snap))
-    history, nbytes = list(snap.token_ids), snap.nbytes
-    del snap  # the driver keeps only the object-store copy, as the scheduler does
-    restore_s, result = timed(lambda: _step(dst, StepPlan(resume=(rid,), decode_steps=1), ref))
+    """Retract on src (the driver waits for the size only), resume on dst from the ref (dst
+    reads the bytes from src's node) and decode one token."""
+    snap_ref, size_ref = src.retract_pending.options(num_returns=2).remote(rid)
+    retract_s, nbytes = timed(lambda: ray.get(size_ref))
+    restore_s, result = timed(lambda: _step(dst, StepPlan(resume=(rid,), decode_steps=1), [snap_ref]))
     token = result.new_tokens[rid][0]
-    return {"bytes": nbytes, "retract_s": retract_s, "reown_s": reown_s,
-            "restore_decode_s": restore_s, "restore_busy_s": result.busy_s,
-            "total_s": retract_s + reown_s + restore_s, "token": token, "history": history}
+    return {"bytes": nbytes, "retract_s": retract_s, "restore_decode_s": restore_s,
+            "restore_busy_s": result.busy_s, "total_s": retract_s + restore_s, "token": token}
 
 
 def _result(model: str, threads: list[int], rounds: int, rows: list[dict]) -> dict:
@@ -137,7 +136,7 @@ def _result(model: str, threads: list[int], rounds: int, rows: list[dict]) -> di
 
 def _print(result: dict) -> None:
     cols = [Column("tokens", "tokens"), Column("MB", "snapshot_bytes", ".1f", 1e-6),
-            Column("retract ms", "retract_s", ".1f", 1e3), Column("re-own ms", "reown_s", ".1f", 1e3),
+            Column("retract ms", "retract_s", ".1f", 1e3),
             Column("restore+1 ms", "restore_decode_s", ".1f", 1e3),
             Column("snapshot ms", "snapshot_s", ".1f", 1e3),
             Column("recompute ms", "recompute_s", ".0f", 1e3), Column("speedup", "speedup", ".1f"),
