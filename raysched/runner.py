@@ -85,7 +85,8 @@ def build_report(records: list[dict], stats: dict, duration_s: float, idle: dict
     }
     for key in ("retractions", "retractions_snapshot", "retractions_recompute", "resumes", "migrations",
                 "cross_node_migrations", "snapshot_bytes", "snapshots_refused", "worker_failures",
-                "workers_replaced", "recovered", "calls"):
+                "workers_replaced", "recovered", "calls", "snapshots_lost", "preemptions",
+                "state_cache_hits", "state_cache_tokens_reused", "resume_bytes_moved"):
         summary[key] = stats.get(key)
     summary["idle_after"] = idle
     summary.update({k: v for k, v in stats.items() if k.startswith("object_store")})

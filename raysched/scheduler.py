@@ -300,17 +300,19 @@ class Scheduler:
                                                            park_min_tokens=self._park_min_tokens())))
             self.counters.pipelined_calls += 1
         w.view.calls += len(step_refs)
-        results = await asyncio.gather(*step_refs, *[size for _, size in retract_refs], return_exceptions=True)
+        results = await asyncio.gather(*step_refs, *[call[1] for call in retract_refs], return_exceptions=True)
         self._on_result(w, plan, results[0], resume_snap)
         if len(step_refs) == 2:
             self._on_result(w, Plan(decode_steps=plan.decode_steps), results[1], [])
-        self._on_snapshots(w, [(r, ref) for r, (ref, _) in zip(snap_victims, retract_refs)],
-                           results[len(step_refs):])
+        self._on_snapshots(w, snap_victims, retract_refs, results[len(step_refs):])
         self._notify()
 
-    def _retract_call(self, w: WorkerSlot, r: Request) -> tuple[Any, Any]:
+    def _retract_call(self, w: WorkerSlot, r: Request) -> tuple[Any, Any, int]:
         """Send `Worker.retract_pending` and queue `r` with the pending snapshot ref now; returns
-        (snapshot ref, size ref): only the small size is awaited, never the bytes."""
+        (snapshot ref, size ref, estimated bytes): only the small size is awaited, never the
+        bytes. (The request may resume elsewhere and grow before the size arrives: the estimate
+        counted in flight is the one taken now.)"""
+        estimate = self._estimate_bytes(w, r)
         corrupt = w.index in self._corrupt_next
         if corrupt:
             self._corrupt_next.discard(w.index)
@@ -319,7 +321,7 @@ class Scheduler:
         r.snapshot_ref, r.snapshot_bytes, r.snapshot_node = snap_ref, 0, w.info.node_id
         enqueue(self.retracted, r)
         self._notify()
-        return snap_ref, size_ref
+        return snap_ref, size_ref, estimate
 
     def _can_pipeline(self, w: WorkerSlot, plan: Plan) -> bool:
         """A pure-decode call with nothing waiting and room for twice the steps: the call after
@@ -515,11 +517,12 @@ class Scheduler:
         queue = self.waiting if fresh else self.retracted
         enqueue(queue, req, front)
 
-    def _on_snapshots(self, w: WorkerSlot, victims: list[tuple[Request, Any]], sizes: list[Any]) -> None:
+    def _on_snapshots(self, w: WorkerSlot, victims: list[Request], calls: list[tuple[Any, Any, int]],
+                      sizes: list[Any]) -> None:
         """The sizes of the snapshots `w` took (already queued with their refs), or the errors of
         retractions that failed: those requests are recomputed instead."""
-        for (req, ref), size in zip(victims, sizes):
-            self._inflight_snapshot_bytes -= self._estimate_bytes(w, req)
+        for req, (ref, _, estimate), size in zip(victims, calls, sizes):
+            self._inflight_snapshot_bytes -= estimate
             current = req.snapshot_ref is ref  # not resumed (or retracted again) meanwhile
             if isinstance(size, BaseException):
                 log.warning("retraction of %s on worker %d failed (%r); it will be recomputed",

@@ -56,6 +56,16 @@ def test_urgent_requests_preempt_low_priority_ones_and_every_token_stays_exact(r
     mode = "retractions_snapshot" if retract == "snapshot" else "retractions_recompute"
     assert stats[mode] >= stats["preemptions"], stats
     print(f"\n{retract}: {stats['preemptions']} preemptions, {stats['retractions']} retractions")
+    if retract == "snapshot":
+        # workers sit on two nodes, the scheduler on a third: a resume reads its snapshot from the
+        # producer's node once (nothing on the same node); the former flow relayed every snapshot
+        # through the scheduler's node (two transfers)
+        resumes = stats["resumes_snapshot"]
+        assert resumes >= 1 and stats["resume_bytes_via_scheduler"] > 0, stats
+        assert stats["resume_bytes_moved"] <= stats["resume_bytes_via_scheduler"] / 2, stats
+        print(f"bytes moved per snapshot resume: {stats['resume_bytes_moved'] / resumes / 1e3:.1f} kB "
+              f"(via the scheduler's node: {stats['resume_bytes_via_scheduler'] / resumes / 1e3:.1f} kB), "
+              f"{stats['cross_node_migrations']} of {resumes} resumes crossed nodes")
 
 
 @pytest.mark.usefixtures("cluster")
