@@ -414,6 +414,8 @@ class Scheduler:
             self._on_worker_failure(w, result)
             for r in resumed:  # their snapshots were not consumed: resume from them elsewhere
                 r.recompute = r.snapshot_ref is None
+            for r in plan.admit:  # looked up again when admitted again
+                self._prefix_of.pop(r.request_id, None)
             return
         now = time.monotonic()
         assert isinstance(result, StepResult)
