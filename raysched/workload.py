@@ -14,7 +14,8 @@ A workload YAML is either *synthetic*::
 
 or a *trace*: ``trace: requests.jsonl`` (relative to the YAML file's folder), one JSON object per
 line with ``prompt_ids`` and ``max_new_tokens`` and optionally ``arrival_s``, ``temperature``,
-``top_p``, ``seed``, ``stop_token_ids`` and ``request_id``; blank lines are skipped.
+``top_p``, ``seed``, ``stop_token_ids``, ``priority`` (int, lower is more urgent) and
+``request_id``; blank lines are skipped.
 `RequestSpec.to_dict` writes exactly such a line.
 
 Problems raise `ConfigError` naming the key path, or the trace file and line. Never imports torch.
@@ -82,7 +83,7 @@ class RequestSpec:
     def to_dict(self) -> dict[str, Any]:
         """One trace line's worth of plain data (see the module docstring)."""
         return {"request_id": self.request_id, "prompt_ids": list(self.prompt_ids),
-                "arrival_s": self.arrival_s, **self.sampling.to_dict()}
+                "arrival_s": self.arrival_s, "priority": self.priority, **self.sampling.to_dict()}
 
 
 def _is_number(value: Any) -> bool:

@@ -291,3 +291,15 @@ def test_request_spec_validate_checks_the_vocab() -> None:
 def test_docstring_examples_run() -> None:
     result = doctest.testmod(raysched.workload)
     assert result.attempted > 0 and result.failed == 0
+
+
+def test_trace_priority_is_read_and_defaults_to_zero(tmp_path: Path) -> None:
+    specs = trace_workload(tmp_path, ['{"prompt_ids": [1], "max_new_tokens": 1, "priority": -3}',
+                                      '{"prompt_ids": [2], "max_new_tokens": 1}'])
+    assert [s.priority for s in specs] == [-3, 0]
+
+
+@pytest.mark.parametrize("bad", ['"high"', "1.5", "true"])
+def test_trace_priority_must_be_an_integer(tmp_path: Path, bad: str) -> None:
+    with pytest.raises(ConfigError, match=r"trace.jsonl:1: priority must be an integer"):
+        trace_workload(tmp_path, ['{"prompt_ids": [1], "max_new_tokens": 1, "priority": %s}' % bad])
