@@ -26,10 +26,12 @@ def victim_key(order: str):
 
 
 def order_victims(running: Iterable[Request], order: str, max_retractions: int) -> list[Request]:
-    """Retraction candidates, best victim first; requests retracted `max_retractions` times are
-    protected (they can no longer be picked), which guarantees progress."""
+    """Retraction candidates, best victim first: the least urgent priority first, then `order`
+    within a priority. Requests retracted `max_retractions` times are protected (they can no
+    longer be picked), which guarantees progress."""
     candidates = [r for r in running if r.retractions < max_retractions]
-    return sorted(candidates, key=victim_key(order))
+    key = victim_key(order)
+    return sorted(candidates, key=lambda r: (-r.priority, key(r)))
 
 
 def pages(tokens: int, page_size: int) -> int:

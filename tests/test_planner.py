@@ -332,3 +332,11 @@ def test_enqueue_keeps_priority_order_and_fcfs_within_a_priority() -> None:
     assert [r.request_id for r in q] == ["d", "a", "c", "b", "e"]
     enqueue(q, urgent("f", 4, priority=0), front=True)
     assert [r.request_id for r in q] == ["d", "f", "a", "c", "b", "e"]
+
+
+def test_overflow_victims_are_the_least_urgent_first() -> None:
+    a, b, c = (request(x, 30, generated=10, arrival_s=i) for i, x in enumerate("abc"))
+    a.priority, b.priority, c.priority = 0, 7, 3
+    v = view([a, b, c], total_tokens=256, free_tokens=0)
+    p = plan(v, decode_steps_per_call=1)
+    assert p.victims[0] is b
