@@ -24,7 +24,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("generate", help="run prompts through the engine in this process (no Ray, no retraction)")
     g.add_argument("--model", default="tiny", help="preset name (tiny, small) or checkpoint directory")
-    g.add_argument("--prompt-ids", type=_ids, action="append", required=True, help="e.g. 5,17,42; repeatable")
+    prompts = g.add_mutually_exclusive_group(required=True)
+    prompts.add_argument("--prompt-ids", type=_ids, action="append", help="e.g. 5,17,42; repeatable")
+    prompts.add_argument("--prompt", action="append", help="text, encoded with the model's tokenizer; repeatable")
+    g.add_argument("--stop", action="append", default=[], help="stop string; repeatable")
+    g.add_argument("--ignore-eos", action="store_true", help="text prompts: do not stop at the eos token")
     g.add_argument("--max-new-tokens", type=int, default=16)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=1.0)
@@ -40,6 +44,13 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--address", default=None, help="Ray cluster address (default: $RAY_ADDRESS or embedded)")
     r.add_argument("--report", default=None, help="write the JSON report here")
     r.add_argument("--quiet", action="store_true", help="no progress line")
+
+    sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (Ray Serve) in front of the named scheduler")
+    sv.add_argument("--config", required=True, help="serve config YAML")
+    sv.add_argument("--host", default="127.0.0.1")
+    sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (default: $RAYSCHED_API_KEY)")
+    _deployment_args(sv)
 
     st = sub.add_parser("start", help="start a named, detached scheduler on a running Ray cluster")
     st.add_argument("--config", required=True, help="serve config YAML")
@@ -82,6 +93,19 @@ def cmd_start(args: argparse.Namespace) -> int:
     finally:
         if owns_ray:
             ray.shutdown()
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import os
+
+    from raysched.config import load_serve_config
+    from raysched.deployment import DEFAULT_NAME
+    from raysched.serve import API_KEY_ENV, run_server
+
+    config = load_serve_config(args.config)
+    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    run_server(config, args.host, args.port, args.address, api_key, args.name or DEFAULT_NAME)
     return 0
 
 
@@ -129,23 +153,46 @@ def cmd_stop(args: argparse.Namespace) -> int:
 def cmd_generate(args: argparse.Namespace) -> int:
     from actors.engine import build_engine
     from raysched.sampling import SamplingParams, validate_prompt
+    from raysched.tokenizer import load_tokenizer, output_text, require_tokenizer, with_eos_stop
 
-    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                            top_p=args.top_p, seed=args.seed)
-    need = sum(len(p) + args.max_new_tokens for p in args.prompt_ids)
+    tok = load_tokenizer(args.model)
+    params = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
+              "seed": args.seed, "stop": args.stop}
+    if args.prompt is not None:
+        prompt_ids = [require_tokenizer(args.model).encode(text) for text in args.prompt]
+        params = params if args.ignore_eos else with_eos_stop(params, tok)
+    else:
+        prompt_ids = args.prompt_ids
+    sampling = SamplingParams.from_dict(params)
+    if sampling.stop and tok is None:
+        require_tokenizer(args.model)  # raises: stop strings need the text
+    need = sum(len(p) + args.max_new_tokens for p in prompt_ids)
     engine = build_engine(args.model, args.dtype, args.device, kv_tokens=args.kv_tokens or need,
-                          mamba_slots=len(args.prompt_ids))
-    for prompt in args.prompt_ids:
+                          mamba_slots=len(prompt_ids))
+    for prompt in prompt_ids:
         validate_prompt(prompt, engine.config.vocab_size)
-    params.validate(engine.config.vocab_size)
-    outputs = engine.generate(args.prompt_ids, [params] * len(args.prompt_ids))
-    rows = [{"prompt_ids": p, "token_ids": o} for p, o in zip(args.prompt_ids, outputs)]
+    sampling.validate(engine.config.vocab_size)
+    outputs = engine.generate(prompt_ids, [sampling] * len(prompt_ids))
+    rows = [_generate_row(p, o, tok, sampling.stop) for p, o in zip(prompt_ids, outputs)]
     if args.json:
         print(json.dumps({"outputs": rows}))
     else:
         for i, row in enumerate(rows):
             print(f"[{i}] prompt {row['prompt_ids']}\n    -> {row['token_ids']}")
+            if "text" in row:
+                print(f"    text {row['text']!r}")
     return 0
+
+
+def _generate_row(prompt_ids: list[int], token_ids: list[int], tok, stop: tuple[str, ...]) -> dict:
+    """One output: token ids (cut after the token that completes a stop string) and its text."""
+    row: dict = {"prompt_ids": list(prompt_ids), "token_ids": list(token_ids)}
+    if tok is not None:
+        stream = tok.text_stream(stop)
+        stream.add(token_ids)
+        stream.finish()
+        row["token_ids"], row["text"] = stream.token_ids, stream.text
+    return row
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -161,7 +208,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         _print_workers(client.workers)
         from raysched.workload import build_requests
 
-        specs = build_requests(workload, client.vocab_size())
+        specs = build_requests(workload, client.vocab_size(), client.tokenizer)
         report = run_workload(client, specs, progress=not args.quiet)
     finally:
         client.shutdown()
@@ -196,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from raysched.deployment import SchedulerExistsError, SchedulerNotFoundError
 
-    handlers = {"generate": cmd_generate, "run": cmd_run, "bench": cmd_bench, "start": cmd_start,
+    handlers = {"generate": cmd_generate, "run": cmd_run, "bench": cmd_bench, "start": cmd_start, "serve": cmd_serve,
                 "status": cmd_status, "stop": cmd_stop}
     try:
         return handlers[args.command](args)

@@ -10,13 +10,14 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import ray
 
 from raysched.config import ServeConfig, load_serve_config
 from raysched.sampling import RequestError, SamplingParams
+from raysched.tokenizer import TextTokenizer, load_tokenizer, output_text, require_tokenizer, with_eos_stop
 
 DEFAULT_OBJECT_STORE_BYTES = 512 << 20
 
@@ -120,15 +121,29 @@ class Client:
         self._owns_ray = owns_ray
         self.owns_scheduler = owns_scheduler
 
-    def submit(self, prompt_ids: list[int], sampling: SamplingParams | Mapping[str, Any] | None = None,
+    def submit(self, prompt: str | Sequence[int], sampling: SamplingParams | Mapping[str, Any] | None = None,
                request_id: str | None = None) -> "RequestHandle":
-        """Queue a request. Invalid input raises `RequestError` here, before anything is allocated.
+        """Queue a request: a text prompt (encoded with the model's tokenizer; it also stops at the
+        eos token) or token ids. Invalid input raises `RequestError` here, before anything is allocated.
 
         >>> h = client.submit([1, 2, 3], {"max_new_tokens": 4, "temperature": 0.7, "seed": 1})
+        >>> h = client.submit("Once upon a time", {"max_new_tokens": 16, "stop": ["\n"]})
         """
         params = sampling.to_dict() if isinstance(sampling, SamplingParams) else dict(sampling or {})
-        rid = _get(self.scheduler.submit.remote(list(prompt_ids), params, request_id))
-        return RequestHandle(self.scheduler, rid)
+        prompt_ids = list(prompt)
+        if isinstance(prompt, str):  # text in: stop at the tokenizer's eos token too
+            prompt_ids, params = self.encode(prompt), with_eos_stop(params, self.tokenizer)
+        rid = _get(self.scheduler.submit.remote(prompt_ids, params, request_id))
+        stop = SamplingParams.from_dict(params).stop
+        return RequestHandle(self.scheduler, rid, self.tokenizer, stop)
+
+    @property
+    def tokenizer(self) -> TextTokenizer | None:
+        """The model's tokenizer (None for a checkpoint without tokenizer.json)."""
+        return load_tokenizer(self.config.model)
+
+    def encode(self, text: str) -> list[int]:
+        return require_tokenizer(self.config.model).encode(text)
 
     def vocab_size(self) -> int:
         return self.workers[0]["vocab_size"]
@@ -167,13 +182,20 @@ class Client:
 
 
 class RequestHandle:
-    def __init__(self, scheduler: Any, request_id: str) -> None:
+    def __init__(self, scheduler: Any, request_id: str, tokenizer: TextTokenizer | None = None,
+                 stop: Sequence[str] = ()) -> None:
         self.scheduler = scheduler
         self.request_id = request_id
+        self.tokenizer = tokenizer
+        self.stop = tuple(stop)
 
     def result(self, timeout: float | None = None) -> dict:
-        """Block until the request ends; its record (token_ids, workers, retractions, timings)."""
-        return _get(self.scheduler.wait.remote(self.request_id), timeout)
+        """Block until the request ends; its record (token_ids, text when the model has a
+        tokenizer, workers, retractions, timings). A stop string ends the text before it."""
+        record = _get(self.scheduler.wait.remote(self.request_id), timeout)
+        if self.tokenizer is not None:
+            record["text"] = output_text(self.tokenizer, record["token_ids"], self.stop)
+        return record
 
     def stream(self) -> Iterator[int]:
         """Yield tokens as they are generated."""
@@ -182,6 +204,20 @@ class RequestHandle:
             tokens, done = _get(self.scheduler.next_tokens.remote(self.request_id, cursor))
             cursor += len(tokens)
             yield from tokens
+
+    def stream_text(self) -> Iterator[tuple[str, list[int]]]:
+        """Yield (text, token_ids) as tokens arrive: the text is whole characters only and stops
+        before a stop string (see `raysched.tokenizer.TextStream`)."""
+        if self.tokenizer is None:
+            raise RequestError("stream_text: the model has no tokenizer; use stream() for token ids")
+        text = self.tokenizer.text_stream(self.stop)
+        cursor, done = 0, False
+        while not done:
+            tokens, done = _get(self.scheduler.next_tokens.remote(self.request_id, cursor))
+            cursor += len(tokens)
+            delta = text.add(tokens) + (text.finish() if done else "")
+            if delta or tokens:
+                yield delta, tokens
 
     def abort(self) -> bool:
         return _get(self.scheduler.abort.remote(self.request_id))

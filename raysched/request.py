@@ -49,6 +49,7 @@ class Request:
     finish_s: float | None = None
     finish_reason: str | None = None
     error: str | None = None
+    text_stream: Any = None  # raysched.tokenizer.TextStream when the request has stop strings
 
     @property
     def token_ids(self) -> tuple[int, ...]:
