@@ -14,7 +14,6 @@ POST /v1/chat/completions (both may stream SSE, ending with ``data: [DONE]``), G
 GET /metrics (Prometheus text). Errors are OpenAI's error JSON.
 """
 
-from __future__ import annotations
 
 import asyncio
 import hmac
@@ -63,6 +62,26 @@ async def _http_error(request: Request, err: StarletteHTTPException) -> JSONResp
 def served_model_name(model: str) -> str:
     """The `model` id clients send: the preset name, or the checkpoint directory's name."""
     return Path(model).name if os.sep in model else model
+
+
+# helpers the deployment uses are defined above it: Serve pickles the class when it is declared
+async def _json_body(request: Request) -> Any:
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
+        raise APIError(413, f"request body of {length} bytes is larger than {MAX_BODY_BYTES}")
+    body = b""
+    async for part in request.stream():
+        body += part
+        if len(body) > MAX_BODY_BYTES:
+            raise APIError(413, f"request body is larger than {MAX_BODY_BYTES} bytes")
+    try:
+        return json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise APIError(400, f"request body is not valid JSON: {err}") from None
+
+
+def _sse(data: dict) -> str:
+    return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
 
 
 @serve.deployment(max_ongoing_requests=MAX_ONGOING_REQUESTS, ray_actor_options={"num_cpus": 0})
@@ -196,25 +215,6 @@ class OpenAIServer:
             self.scheduler = handle
 
 
-async def _json_body(request: Request) -> Any:
-    length = request.headers.get("content-length")
-    if length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
-        raise APIError(413, f"request body of {length} bytes is larger than {MAX_BODY_BYTES}")
-    body = b""
-    async for part in request.stream():
-        body += part
-        if len(body) > MAX_BODY_BYTES:
-            raise APIError(413, f"request body is larger than {MAX_BODY_BYTES} bytes")
-    try:
-        return json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise APIError(400, f"request body is not valid JSON: {err}") from None
-
-
-def _sse(data: dict) -> str:
-    return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
-
-
 # ---------------------------------------------------------------------------- running it
 
 
@@ -249,17 +249,17 @@ def start_server(config: ServeConfig, host: str = "127.0.0.1", port: int = 8000,
     from raysched.client import _init_ray
 
     owns_ray = _init_ray(config, address, num_cpus)
-    detached = not owns_ray
     try:
         existed = find_scheduler(name) is not None
-        start_scheduler(config, name, detached=detached, exist_ok=True)
+        # detached in any case: a job's own named actors are invisible to the Serve replicas' job
+        start_scheduler(config, name, detached=True, exist_ok=True)
         serve.start(http_options={"host": host, "port": port})
         deploy_app(name, api_key)
     except BaseException:
         if owns_ray:
             ray.shutdown()
         raise
-    return Server(f"http://{host}:{port}", name, owns_ray, owns_scheduler=not existed and not detached)
+    return Server(f"http://{host}:{port}", name, owns_ray, owns_scheduler=not existed and owns_ray)
 
 
 def deploy_app(scheduler_name: str = DEFAULT_NAME, api_key: str | None = None, app_name: str = "raysched",
