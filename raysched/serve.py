@@ -184,7 +184,10 @@ class OpenAIServer:
 
     def _abort(self, rid: str) -> None:
         self.metrics.disconnects += 1
-        self.scheduler.abort.remote(rid)  # fire and forget: the handler may be cancelled already
+        # fire and forget (the handler may be cancelled already): abort, then read the ended record
+        # once, so the scheduler forgets it (the cancelled reader never will)
+        self.scheduler.abort.remote(rid)
+        self.scheduler.wait.remote(rid)
 
     def _authorize(self, request: Request) -> None:
         if self.api_key is None:
