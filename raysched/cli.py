@@ -8,7 +8,7 @@ import json
 import sys
 from pathlib import Path
 
-BENCHES = ("snapshot", "resume", "e2e", "overhead", "engine")
+BENCHES = ("snapshot", "resume", "e2e", "overhead", "engine", "serve")
 
 
 def _ids(text: str) -> list[int]:

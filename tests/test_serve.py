@@ -225,6 +225,22 @@ def test_client_disconnect_aborts_and_frees_slots(running: Running) -> None:
     _wait_idle(running.client)
 
 
+def test_bench_serve_measures_both_sides_with_equal_tokens(running: Running) -> None:
+    """`raysched bench serve`'s measuring functions, on this module's server (its own smoke run,
+    which starts another Serve, is behind the serve_bench marker)."""
+    from benchmarks.serve import QUICK, _result, run_driver, run_http
+    from raysched.workload import build_requests
+
+    specs = build_requests(QUICK.workload, running.client.vocab_size())[:8]
+    http = asyncio.run(run_http(running.open_url, "tiny", specs))
+    driver = run_driver(running.client, specs, 0)
+    result = _result(QUICK, specs, [http], [driver])
+    assert result["mismatched_requests"] == [] and result["rows"][0]["tokens"] == result["rows"][1]["tokens"]
+    assert len(http["ttft_s"]) == len(specs) and all(t > 0 for t in http["ttft_s"])
+    assert result["itl"]["p50_ms"] is not None and result["ratio"] > 0
+    _wait_idle(running.client)
+
+
 # ---------------------------------------------------------------------------- bad input
 
 BAD = [  # (path, body, status, fragment of the message)
