@@ -23,6 +23,7 @@ from raysched import cli
 from raysched.deployment import (NAMESPACE, SchedulerExistsError, SchedulerNotFoundError, find_scheduler,
                                  start_scheduler)
 from raysched.sampling import SamplingParams
+from raysched.tokenizer import load_tokenizer
 from tests.conftest import NODE_OBJECT_STORE_BYTES, alive_actors, reference_tokens, wait_for_no_workers, wait_until
 
 CONFIG = {"model": "tiny", "workers": 1, "pool": {"kv_tokens": 256, "mamba_slots": 4}}
@@ -62,10 +63,15 @@ def test_connected_client_shares_the_named_scheduler(cluster: str, reference: li
         assert not driver.owns_scheduler and driver.workers == owner.workers
         assert driver.config == owner.config
         assert _tokens(driver) == reference
+        tok = load_tokenizer("tiny")  # a text prompt: encoded by the client, stops at eos too
+        text_ref = reference_tokens("tiny", [tok.encode("Hello world")],
+                                    [SamplingParams(max_new_tokens=6, stop_token_ids=(tok.eos_token_id,))])[0]
+        record = driver.submit("Hello world", {"max_new_tokens": 6}).result(timeout=120)
+        assert record["token_ids"] == text_ref and record["text"] == tok.decode(text_ref)
         driver.shutdown()  # disconnects only
         assert find_scheduler("t-shared") is not None
         assert _tokens(owner) == reference  # still serving
-        assert owner.stats()["finished"] == 2 * len(PROMPTS)
+        assert owner.stats()["finished"] == 2 * len(PROMPTS) + 1
     finally:
         owner.shutdown()
     wait_until(lambda: _gone("t-shared"), 30, "the named scheduler to go away")

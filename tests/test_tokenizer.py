@@ -9,6 +9,8 @@ characters, and that a missed holdback would leak a stop string's first characte
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -118,3 +120,9 @@ def test_openai_parsing(tok) -> None:
     with pytest.raises(APIError, match="model 'x' has no tokenizer"):
         parse_completion({"prompt": "Hi"}, None, "x")
     assert with_eos_stop({"stop_token_ids": [7]}, tok)["stop_token_ids"] == [7, tok.eos_token_id]
+
+
+def test_text_and_serving_modules_do_not_import_torch() -> None:
+    code = ("import sys; import raysched.serve, raysched.client, raysched.deployment, raysched.tokenizer, "
+            "raysched.openai_api, raysched.metrics, raysched.scheduler; assert 'torch' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
