@@ -22,6 +22,7 @@ import os
 import signal
 import threading
 import time
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -131,15 +132,21 @@ class OpenAIServer:
 
     # ------------------------------------------------------------------ one request
     async def _serve(self, req: ParsedRequest) -> Any:
-        rid = await self._call(self.scheduler.submit.remote(req.prompt_ids, req.sampling))
-        if req.stream:
-            return StreamingResponse(self._events(req, rid), media_type="text/event-stream")
-        ended = False
+        rid = f"http-{uuid.uuid4().hex}"  # ours, so that a cancellation at any await can abort it
+        owned = True  # this handler must abort the request unless it ends or a stream takes it over
         try:
+            try:
+                await self._call(self.scheduler.submit.remote(req.prompt_ids, req.sampling, rid))
+            except APIError:
+                owned = False  # refused: nothing to abort
+                raise
+            if req.stream:
+                owned = False
+                return StreamingResponse(self._events(req, rid), media_type="text/event-stream")
             record = await self._call(self.scheduler.wait.remote(rid))
-            ended = True
+            owned = False
         finally:
-            if not ended:  # the client went away (Serve cancels the handler): free the slots
+            if owned:  # the client went away (Serve cancels the handler): free the slots
                 self._abort(rid)
         text, token_ids = self._text(req, record["token_ids"])
         self.metrics.observe(record)

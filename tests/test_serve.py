@@ -84,11 +84,17 @@ def _sse_events(response: httpx.Response) -> list[dict | str]:
 
 
 def _wait_idle(client: raysched.Client) -> None:
-    def idle() -> bool:
-        state = client.check_idle()
-        return state["workers_idle"] and not any(state["tables"].values())
+    last: list[dict] = []
 
-    wait_until(idle, 60, "every pool and scheduler table to be empty")
+    def idle() -> bool:
+        last[:] = [client.check_idle()]
+        return last[0]["workers_idle"] and not any(last[0]["tables"].values())
+
+    try:
+        wait_until(idle, 60, "every pool and scheduler table to be empty")
+    except BaseException:
+        print("last check_idle:", last)
+        raise
 
 
 # ---------------------------------------------------------------------------- happy paths
