@@ -39,9 +39,9 @@ def test_every_cli_benchmark_has_a_smoke_test():
 
 
 # `serve` starts Ray Serve (~15-60 s on a busy machine): its smoke run is behind a marker
-# (pytest -m serve_bench tests/test_bench_smoke.py); tests/test_serve.py runs its measuring
+# (pytest -m serve_slow tests/test_bench_smoke.py); tests/test_serve.py runs its measuring
 # functions against the server that module starts anyway.
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.serve_bench) if n == "serve" else n
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.serve_slow) if n == "serve" else n
                                   for n in BENCHES])
 def test_quick_benchmark_writes_its_json(name, tmp_path):
     if ray.is_initialized():  # a fixture of another test left Ray connected: benchmarks start their own

@@ -233,7 +233,7 @@ def test_client_disconnect_aborts_and_frees_slots(running: Running) -> None:
 
 def test_bench_serve_measures_both_sides_with_equal_tokens(running: Running) -> None:
     """`raysched bench serve`'s measuring functions, on this module's server (its own smoke run,
-    which starts another Serve, is behind the serve_bench marker)."""
+    which starts another Serve, is behind the serve_slow marker)."""
     from benchmarks.serve import QUICK, _result, run_driver, run_http
     from raysched.workload import build_requests
 
@@ -308,3 +308,43 @@ def test_scheduler_gone_is_a_503(running: Running) -> None:
         r = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
         assert r.status_code == 503 and "is gone" in r.json()["error"]["message"]
         assert http.get(f"{running.server.url}/health").status_code == 503
+
+
+@pytest.mark.serve_slow
+def test_raysched_serve_exits_cleanly_on_sigterm(tmp_path) -> None:
+    """The CLI in its own process (own embedded Ray and Serve): answers with the key, then a
+    SIGTERM shuts down Serve, the scheduler and Ray, and the process exits with status 0."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    port = _free_port()
+    config = tmp_path / "serve.yaml"
+    config.write_text("model: tiny\nworkers: 1\npool: {kv_tokens: 256, mamba_slots: 4}\n")
+    env = {**os.environ, "RAYSCHED_API_KEY": KEY}
+    env.pop("RAY_ADDRESS", None)
+    proc = subprocess.Popen([sys.executable, "-m", "raysched.cli", "serve", "--config", str(config),
+                             "--port", str(port)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+
+        def up() -> bool:
+            try:
+                return httpx.get(f"{url}/health", timeout=5).status_code == 200
+            except httpx.HTTPError:
+                return proc.poll() is not None  # it died: stop polling, the asserts below say so
+        wait_until(up, 240, "raysched serve to answer /health")
+        assert proc.poll() is None
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": "Hi", "max_tokens": 3},
+                       headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+        assert httpx.post(f"{url}/v1/completions", json={"prompt": "Hi"}, timeout=60).status_code == 401
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=120)
+        assert proc.returncode == 0, out
+        assert "raysched serve: shutting down" in out
+    finally:
+        if proc.poll() is None:
+            proc.kill()
