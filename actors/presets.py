@@ -6,19 +6,23 @@
 Random weights are drawn so that a greedy decode is well defined: unit-scale projections, an LM
 head scaled for logits of std ~3 (wide top-1/top-2 gaps), and norms, D, dt_bias, A_log and
 biases moved away from their 1/0 defaults so that a mistake in any of them changes the output.
-Saving a preset with `actors.loader.save_checkpoint` and loading it back gives the same model.
+Saving a preset with `save_preset` (HF layout, with the preset's tokenizer files) and loading it
+back gives the same model. Each preset ships a small byte-level BPE tokenizer with a ChatML chat
+template (`actors/tokenizers/<preset>/`, trained by `actors/tokenizers/train.py`); the weights are
+random, so text output is gibberish, but every text path runs end to end.
 """
 
 from __future__ import annotations
 
 import math
+import shutil
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
 from actors.config import ModelConfig
-from actors.loader import CheckpointError, hf_state_dict, load_checkpoint, load_hf_state_dict
+from actors.loader import CheckpointError, hf_state_dict, load_checkpoint, load_hf_state_dict, save_checkpoint
 from actors.model import HybridLM
 
 PRESETS: dict[str, ModelConfig] = {
@@ -88,6 +92,20 @@ def load_preset(name: str, dtype: torch.dtype, device: torch.device | str = "cpu
     model = HybridLM(config, dtype, device)
     load_hf_state_dict(model, init_state_dict(config, seed))
     return model, config
+
+
+TOKENIZERS = Path(__file__).resolve().parent / "tokenizers"  # <preset>/tokenizer.json, tokenizer_config.json
+
+
+def save_preset(name: str, path: str | Path, seed: int = 0) -> Path:
+    """Write a preset as a Hugging Face checkpoint directory: config.json, model.safetensors and
+    the preset's tokenizer files (tokenizer.json, tokenizer_config.json). Returns the directory."""
+    if name not in PRESETS:
+        raise CheckpointError(f"unknown preset {name!r}; presets: {', '.join(PRESETS)}")
+    root = save_checkpoint(path, PRESETS[name], init_state_dict(PRESETS[name], seed))
+    for file in sorted((TOKENIZERS / name).glob("*.json")):
+        shutil.copyfile(file, root / file.name)
+    return root
 
 
 def resolve_model(spec: str, dtype: torch.dtype,

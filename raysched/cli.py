@@ -1,4 +1,5 @@
-"""`raysched` command line: generate (in-process reference), run (a workload on Ray), bench."""
+"""`raysched` command line: generate (in-process reference), run (a workload on Ray), bench,
+and one long-lived deployment: start / status / stop (a named scheduler), serve (OpenAI-compatible HTTP)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import json
 import sys
 from pathlib import Path
 
-BENCHES = ("snapshot", "resume", "e2e", "overhead", "engine", "sessions", "priority")
+BENCHES = ("snapshot", "resume", "e2e", "overhead", "engine", "sessions", "priority", "serve")
 
 
 def _ids(text: str) -> list[int]:
@@ -23,7 +24,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("generate", help="run prompts through the engine in this process (no Ray, no retraction)")
     g.add_argument("--model", default="tiny", help="preset name (tiny, small) or checkpoint directory")
-    g.add_argument("--prompt-ids", type=_ids, action="append", required=True, help="e.g. 5,17,42; repeatable")
+    prompts = g.add_mutually_exclusive_group(required=True)
+    prompts.add_argument("--prompt-ids", type=_ids, action="append", help="e.g. 5,17,42; repeatable")
+    prompts.add_argument("--prompt", action="append", help="text, encoded with the model's tokenizer; repeatable")
+    g.add_argument("--stop", action="append", default=[], help="stop string; repeatable")
+    g.add_argument("--ignore-eos", action="store_true", help="text prompts: do not stop at the eos token")
     g.add_argument("--max-new-tokens", type=int, default=16)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=1.0)
@@ -40,6 +45,21 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--report", default=None, help="write the JSON report here")
     r.add_argument("--quiet", action="store_true", help="no progress line")
 
+    sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (Ray Serve) in front of the named scheduler")
+    sv.add_argument("--config", required=True, help="serve config YAML")
+    sv.add_argument("--host", default="127.0.0.1")
+    sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (default: $RAYSCHED_API_KEY)")
+    _deployment_args(sv)
+
+    st = sub.add_parser("start", help="start a named, detached scheduler on a running Ray cluster")
+    st.add_argument("--config", required=True, help="serve config YAML")
+    _deployment_args(st)
+    for cmd, text in (("status", "workers, pools, queues and counters of the named scheduler"),
+                      ("stop", "end the named scheduler and its workers")):
+        _deployment_args(sub.add_parser(cmd, help=text))
+    sub.choices["status"].add_argument("--json", action="store_true", help="print the stats as JSON")
+
     b = sub.add_parser("bench", help="benchmarks; each prints a table and writes JSON")
     b.add_argument("name", choices=BENCHES)
     b.add_argument("--json", action="store_true", help="print the JSON result to stdout")
@@ -48,26 +68,131 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _deployment_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--address", default=None, help="Ray cluster address (default: $RAY_ADDRESS, else auto)")
+    p.add_argument("--name", default=None, help="scheduler name in namespace 'raysched' (default: raysched)")
+
+
+def cmd_start(args: argparse.Namespace) -> int:
+    import os
+
+    import ray
+
+    from raysched.config import load_serve_config
+    from raysched.deployment import DEFAULT_NAME, start_scheduler
+
+    config = load_serve_config(args.config)
+    owns_ray = not ray.is_initialized()
+    if owns_ray:
+        ray.init(address=args.address or os.environ.get("RAY_ADDRESS") or "auto", logging_level="WARNING")
+    try:
+        name = args.name or DEFAULT_NAME
+        _, workers = start_scheduler(config, name, detached=True)
+        _print_workers(workers)
+        print(f"scheduler {name!r} started (namespace 'raysched'); `raysched stop` ends it")
+    finally:
+        if owns_ray:
+            ray.shutdown()
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import os
+
+    from raysched.config import load_serve_config
+    from raysched.deployment import DEFAULT_NAME
+    from raysched.serve import API_KEY_ENV, run_server
+
+    config = load_serve_config(args.config)
+    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    run_server(config, args.host, args.port, args.address, api_key, args.name or DEFAULT_NAME)
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    import raysched
+
+    client = raysched.connect(args.address, args.name)
+    try:
+        stats = client.stats()
+    finally:
+        client.shutdown()  # a connected client only disconnects
+    if args.json:
+        print(json.dumps(stats, indent=1, default=str))
+        return 0
+    format_status(client.workers, stats)
+    return 0
+
+
+def format_status(workers: list[dict], stats: dict) -> None:
+    """Workers (device, pool room), queues and counters, as `raysched status` prints them."""
+    views = {v["worker"]: v for v in stats["workers"]}
+    for w in workers:
+        v = views.get(w["worker"], {})
+        print(f"worker {w['worker']}: node {w['node'][:12]} device {w['device']}  "
+              f"kv free {v.get('free_tokens')}/{w['kv_tokens']}  "
+              f"mamba free {v.get('free_slots')}/{w['mamba_slots']}  running {v.get('running')}")
+    t = stats["tables"]
+    print(f"queues: waiting {t['waiting']}  running {t['running']}  retracted {t['retracted']}  "
+          f"snapshots held {t['snapshots_held']}")
+    keys = ("submitted", "finished", "aborted", "failed", "tokens", "retractions", "resumes", "migrations",
+            "snapshot_bytes", "worker_failures", "workers_replaced")
+    print("counters: " + "  ".join(f"{k} {stats.get(k)}" for k in keys))
+    print(f"uptime {stats['uptime_s']:.0f} s, workers alive {stats['workers_alive']}")
+
+
+def cmd_stop(args: argparse.Namespace) -> int:
+    import raysched
+
+    client = raysched.connect(args.address, args.name)
+    client.stop()
+    print(f"scheduler {args.name or 'raysched'!r} stopped")
+    return 0
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from actors.engine import build_engine
     from raysched.sampling import SamplingParams, validate_prompt
+    from raysched.tokenizer import load_tokenizer, output_text, require_tokenizer, with_eos_stop
 
-    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                            top_p=args.top_p, seed=args.seed)
-    need = sum(len(p) + args.max_new_tokens for p in args.prompt_ids)
+    tok = load_tokenizer(args.model)
+    params = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
+              "seed": args.seed, "stop": args.stop}
+    if args.prompt is not None:
+        prompt_ids = [require_tokenizer(args.model).encode(text) for text in args.prompt]
+        params = params if args.ignore_eos else with_eos_stop(params, tok)
+    else:
+        prompt_ids = args.prompt_ids
+    sampling = SamplingParams.from_dict(params)
+    if sampling.stop and tok is None:
+        require_tokenizer(args.model)  # raises: stop strings need the text
+    need = sum(len(p) + args.max_new_tokens for p in prompt_ids)
     engine = build_engine(args.model, args.dtype, args.device, kv_tokens=args.kv_tokens or need,
-                          mamba_slots=len(args.prompt_ids))
-    for prompt in args.prompt_ids:
+                          mamba_slots=len(prompt_ids))
+    for prompt in prompt_ids:
         validate_prompt(prompt, engine.config.vocab_size)
-    params.validate(engine.config.vocab_size)
-    outputs = engine.generate(args.prompt_ids, [params] * len(args.prompt_ids))
-    rows = [{"prompt_ids": p, "token_ids": o} for p, o in zip(args.prompt_ids, outputs)]
+    sampling.validate(engine.config.vocab_size)
+    outputs = engine.generate(prompt_ids, [sampling] * len(prompt_ids))
+    rows = [_generate_row(p, o, tok, sampling.stop) for p, o in zip(prompt_ids, outputs)]
     if args.json:
         print(json.dumps({"outputs": rows}))
     else:
         for i, row in enumerate(rows):
             print(f"[{i}] prompt {row['prompt_ids']}\n    -> {row['token_ids']}")
+            if "text" in row:
+                print(f"    text {row['text']!r}")
     return 0
+
+
+def _generate_row(prompt_ids: list[int], token_ids: list[int], tok, stop: tuple[str, ...]) -> dict:
+    """One output: token ids (cut after the token that completes a stop string) and its text."""
+    row: dict = {"prompt_ids": list(prompt_ids), "token_ids": list(token_ids)}
+    if tok is not None:
+        stream = tok.text_stream(stop)
+        stream.add(token_ids)
+        stream.finish()
+        row["token_ids"], row["text"] = stream.token_ids, stream.text
+    return row
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -83,7 +208,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         _print_workers(client.workers)
         from raysched.workload import build_requests
 
-        specs = build_requests(workload, client.vocab_size())
+        specs = build_requests(workload, client.vocab_size(), client.tokenizer)
         report = run_workload(client, specs, progress=not args.quiet)
     finally:
         client.shutdown()
@@ -116,10 +241,14 @@ def main(argv: list[str] | None = None) -> int:
     from raysched.config import ConfigError
     from raysched.sampling import RequestError
 
-    handlers = {"generate": cmd_generate, "run": cmd_run, "bench": cmd_bench}
+    from raysched.deployment import SchedulerExistsError, SchedulerNotFoundError
+
+    handlers = {"generate": cmd_generate, "run": cmd_run, "bench": cmd_bench, "start": cmd_start, "serve": cmd_serve,
+                "status": cmd_status, "stop": cmd_stop}
     try:
         return handlers[args.command](args)
-    except (ConfigError, RequestError, FileNotFoundError) as err:
+    except (ConfigError, RequestError, FileNotFoundError, SchedulerExistsError,
+            SchedulerNotFoundError) as err:
         print(f"raysched {args.command}: error: {err}", file=sys.stderr)
         return 2
     except ValueError as err:  # CheckpointError, SnapshotError, ...

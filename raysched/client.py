@@ -10,14 +10,14 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import ray
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from raysched.config import ConfigError, ServeConfig, load_serve_config
+from raysched.config import ServeConfig, load_serve_config
 from raysched.sampling import RequestError, SamplingParams
+from raysched.tokenizer import TextTokenizer, load_tokenizer, output_text, require_tokenizer, with_eos_stop
 
 DEFAULT_OBJECT_STORE_BYTES = 512 << 20
 
@@ -40,33 +40,58 @@ def _get(ref: Any, timeout: float | None = None) -> Any:
 
 
 def launch(config: ServeConfig | str | Mapping[str, Any] | None = None, address: str | None = None,
-           num_cpus: int | None = None) -> "Client":
-    """Start the scheduler and its workers; returns a `Client`.
+           num_cpus: int | None = None, name: str | None = None, detached: bool = False,
+           max_restarts: int = 0) -> "Client":
+    """Start the scheduler and its workers; returns a `Client` that owns them.
 
     With `address` (or RAY_ADDRESS) it attaches to that cluster; otherwise it starts an embedded
     local Ray instance (no dashboard, bounded object store) that `Client.shutdown` stops again.
-    If Ray is already initialised in this process, that instance is used as is.
+    If Ray is already initialised in this process, that instance is used as is. By default the
+    scheduler is unnamed (several launches may share a cluster); with `name` it is registered in
+    namespace `raysched` so that `raysched.connect(name=...)` finds it (see `raysched.deployment`).
     """
+    from raysched.deployment import start_scheduler
+
     cfg = config if isinstance(config, ServeConfig) else load_serve_config(config or {})
     owns_ray = _init_ray(cfg, address, num_cpus)
-    sched = None
     try:
-        here = ray.get_runtime_context().get_node_id()
-        from raysched.scheduler import Scheduler
-
-        sched = ray.remote(Scheduler).options(
-            num_cpus=0, max_concurrency=10000,
-            scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False)).remote(cfg)
-        workers = ray.get(sched.start.remote())
-    except BaseException as err:
-        if sched is not None:
-            ray.kill(sched)  # on a shared cluster it (and its workers) would otherwise linger
+        sched, workers = start_scheduler(cfg, name, detached, max_restarts)
+    except BaseException:
         if owns_ray:
             ray.shutdown()
-        if isinstance(err, ray.exceptions.RayTaskError) and isinstance(err.cause, ConfigError):
-            raise err.cause from None  # e.g. a missing checkpoint: one line, not Ray's traceback
         raise
-    return Client(sched, cfg, workers, owns_ray)
+    return Client(sched, cfg, workers, owns_ray, owns_scheduler=True)
+
+
+def connect(address: str | None = None, name: str | None = None) -> "Client":
+    """Attach to a running named scheduler (one long-lived deployment); returns a `Client`.
+
+    `address` defaults to RAY_ADDRESS, else the newest cluster on this machine ("auto"); if Ray
+    is already initialised in this process that connection is used. `shutdown()` on the client
+    only disconnects; `stop()` ends the scheduler and its workers.
+
+    >>> client = raysched.connect("127.0.0.1:6379")      # the scheduler `raysched serve` started
+    """
+    from raysched.deployment import DEFAULT_NAME, SchedulerNotFoundError, describe, find_scheduler
+
+    name = name or DEFAULT_NAME
+    owns_ray = False
+    if not ray.is_initialized():
+        ray.init(address=address or os.environ.get("RAY_ADDRESS") or "auto", logging_level="WARNING")
+        owns_ray = True
+    handle = find_scheduler(name)
+    if handle is None:
+        if owns_ray:
+            ray.shutdown()
+        raise SchedulerNotFoundError(f"no raysched scheduler named {name!r} runs in this cluster "
+                                     f"(start one with `raysched start` or `raysched serve`)")
+    try:
+        info = _get(handle.describe.remote())
+    except BaseException:
+        if owns_ray:
+            ray.shutdown()
+        raise
+    return Client(handle, info["config"], info["workers"], owns_ray, owns_scheduler=False)
 
 
 def _init_ray(cfg: ServeConfig, address: str | None, num_cpus: int | None) -> bool:
@@ -83,24 +108,45 @@ def _init_ray(cfg: ServeConfig, address: str | None, num_cpus: int | None) -> bo
 
 
 class Client:
-    def __init__(self, scheduler: Any, config: ServeConfig, workers: list[dict], owns_ray: bool) -> None:
+    """A driver's view of one scheduler: submit requests, read stats, end it.
+
+    `owns_scheduler`: made by `launch` (shutdown ends the scheduler) or by `connect` (shutdown
+    only disconnects; the shared scheduler keeps serving others)."""
+
+    def __init__(self, scheduler: Any, config: ServeConfig, workers: list[dict], owns_ray: bool,
+                 owns_scheduler: bool = True) -> None:
         self.scheduler = scheduler
         self.config = config
         self.workers = workers  # one dict per worker: node, device, pool sizes
         self._owns_ray = owns_ray
+        self.owns_scheduler = owns_scheduler
 
-    def submit(self, prompt_ids: list[int], sampling: SamplingParams | Mapping[str, Any] | None = None,
+    def submit(self, prompt: str | Sequence[int], sampling: SamplingParams | Mapping[str, Any] | None = None,
                request_id: str | None = None, priority: int = 0) -> "RequestHandle":
-        """Queue a request. Invalid input raises `RequestError` here, before anything is allocated.
+        """Queue a request: a text prompt (encoded with the model's tokenizer; it also stops at the
+        eos token) or token ids. Invalid input raises `RequestError` here, before anything is allocated.
         `priority`: lower is more urgent (default 0); a more urgent request that finds no room
         preempts the least urgent running ones (see `scheduler.preemption`).
 
         >>> h = client.submit([1, 2, 3], {"max_new_tokens": 4, "temperature": 0.7, "seed": 1})
+        >>> h = client.submit("Once upon a time", {"max_new_tokens": 16, "stop": ["\n"]})
         >>> urgent = client.submit([4, 5], {"max_new_tokens": 4}, priority=-1)
         """
         params = sampling.to_dict() if isinstance(sampling, SamplingParams) else dict(sampling or {})
-        rid = _get(self.scheduler.submit.remote(list(prompt_ids), params, request_id, priority))
-        return RequestHandle(self.scheduler, rid)
+        prompt_ids = list(prompt)
+        if isinstance(prompt, str):  # text in: stop at the tokenizer's eos token too
+            prompt_ids, params = self.encode(prompt), with_eos_stop(params, self.tokenizer)
+        rid = _get(self.scheduler.submit.remote(prompt_ids, params, request_id, priority))
+        stop = SamplingParams.from_dict(params).stop
+        return RequestHandle(self.scheduler, rid, self.tokenizer, stop)
+
+    @property
+    def tokenizer(self) -> TextTokenizer | None:
+        """The model's tokenizer (None for a checkpoint without tokenizer.json)."""
+        return load_tokenizer(self.config.model)
+
+    def encode(self, text: str) -> list[int]:
+        return require_tokenizer(self.config.model).encode(text)
 
     def vocab_size(self) -> int:
         return self.workers[0]["vocab_size"]
@@ -116,12 +162,18 @@ class Client:
         return _get(self.scheduler.check_idle.remote())
 
     def shutdown(self) -> None:
-        """Stop the scheduler and workers; stop Ray too if `launch` started it."""
-        try:
-            ray.get(self.scheduler.shutdown.remote(), timeout=30)
-        except Exception:
-            pass
-        ray.kill(self.scheduler)
+        """Stop the scheduler and workers if this client launched them (a connected client only
+        disconnects); stop Ray too if this client started or attached it."""
+        if self.owns_scheduler:
+            self.stop()
+        elif self._owns_ray:
+            ray.shutdown()
+
+    def stop(self) -> None:
+        """End the scheduler and its workers, whoever started them; then disconnect."""
+        from raysched.deployment import stop_scheduler
+
+        stop_scheduler(self.scheduler)
         if self._owns_ray:
             ray.shutdown()
 
@@ -133,13 +185,20 @@ class Client:
 
 
 class RequestHandle:
-    def __init__(self, scheduler: Any, request_id: str) -> None:
+    def __init__(self, scheduler: Any, request_id: str, tokenizer: TextTokenizer | None = None,
+                 stop: Sequence[str] = ()) -> None:
         self.scheduler = scheduler
         self.request_id = request_id
+        self.tokenizer = tokenizer
+        self.stop = tuple(stop)
 
     def result(self, timeout: float | None = None) -> dict:
-        """Block until the request ends; its record (token_ids, workers, retractions, timings)."""
-        return _get(self.scheduler.wait.remote(self.request_id), timeout)
+        """Block until the request ends; its record (token_ids, text when the model has a
+        tokenizer, workers, retractions, timings). A stop string ends the text before it."""
+        record = _get(self.scheduler.wait.remote(self.request_id), timeout)
+        if self.tokenizer is not None:
+            record["text"] = output_text(self.tokenizer, record["token_ids"], self.stop)
+        return record
 
     def stream(self) -> Iterator[int]:
         """Yield tokens as they are generated."""
@@ -148,6 +207,20 @@ class RequestHandle:
             tokens, done = _get(self.scheduler.next_tokens.remote(self.request_id, cursor))
             cursor += len(tokens)
             yield from tokens
+
+    def stream_text(self) -> Iterator[tuple[str, list[int]]]:
+        """Yield (text, token_ids) as tokens arrive: the text is whole characters only and stops
+        before a stop string (see `raysched.tokenizer.TextStream`)."""
+        if self.tokenizer is None:
+            raise RequestError("stream_text: the model has no tokenizer; use stream() for token ids")
+        text = self.tokenizer.text_stream(self.stop)
+        cursor, done = 0, False
+        while not done:
+            tokens, done = _get(self.scheduler.next_tokens.remote(self.request_id, cursor))
+            cursor += len(tokens)
+            delta = text.add(tokens) + (text.finish() if done else "")
+            if delta or tokens:
+                yield delta, tokens
 
     def abort(self) -> bool:
         return _get(self.scheduler.abort.remote(self.request_id))

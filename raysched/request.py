@@ -54,6 +54,7 @@ class Request:
     error: str | None = None
     cached_tokens: int = 0  # prompt tokens restored from the turn cache instead of prefilled
     cache_kind: str | None = None  # which parked state it restored: "finished" | "prompt"
+    text_stream: Any = None  # raysched.tokenizer.TextStream when the request has stop strings
 
     @property
     def token_ids(self) -> tuple[int, ...]:

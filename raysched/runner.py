@@ -11,6 +11,7 @@ import ray
 
 from raysched.client import Client, _get
 from raysched.sampling import RequestError
+from raysched.tokenizer import output_text
 from raysched.workload import RequestSpec
 
 
@@ -30,8 +31,7 @@ def run_workload(client: Client, specs: list[RequestSpec], progress: bool = True
         if pending:
             done, _ = ray.wait(list(pending), num_returns=len(pending), timeout=wait_s)
             for ref in done:
-                pending.pop(ref)
-                records.append(_get(ref))
+                records.append(_with_text(client, pending.pop(ref), _get(ref)))
         else:
             time.sleep(wait_s)
         if progress and time.monotonic() - last_print > 1.0:
@@ -51,6 +51,14 @@ def _submit(client: Client, spec: RequestSpec, pending: dict, records: list[dict
                         "retractions": 0, "ttft_s": None, "latency_s": None, "finish_reason": None})
         return
     pending[client.scheduler.wait.remote(handle.request_id)] = spec
+
+
+def _with_text(client: Client, spec: RequestSpec, record: dict) -> dict:
+    """The record, plus its output text (cut at a stop string) when the model has a tokenizer."""
+    tok = client.tokenizer
+    if tok is not None:
+        record["text"] = output_text(tok, record["token_ids"], spec.sampling.stop)
+    return record
 
 
 def _print_progress(client: Client, done: int, total: int, elapsed: float) -> None:

@@ -53,6 +53,7 @@ class SamplingParams:
     top_p: float = 1.0  # nucleus mass, in (0, 1]
     seed: int = 0  # per-request randomness, in [0, 2**64)
     stop_token_ids: tuple[int, ...] = ()  # generation ends after emitting any of these
+    stop: tuple[str, ...] = ()  # generation ends when the output text contains any of these
 
     def __post_init__(self) -> None:
         self.validate()
@@ -72,6 +73,14 @@ class SamplingParams:
         if not _is_int(self.seed) or not 0 <= self.seed < MAX_SEED:
             raise _error("seed must be an integer in [0, 2**64)", self.seed)
         self._validate_stop_ids(vocab_size)
+        self._validate_stop_strings()
+
+    def _validate_stop_strings(self) -> None:
+        if not isinstance(self.stop, tuple) or len(self.stop) > MAX_STOP_STRINGS:
+            raise _error(f"stop must be a list of at most {MAX_STOP_STRINGS} strings", self.stop)
+        for i, text in enumerate(self.stop):
+            if not isinstance(text, str) or not 0 < len(text) <= MAX_STOP_CHARS:
+                raise _error(f"stop[{i}] must be a non-empty string of at most {MAX_STOP_CHARS} characters", text)
 
     def _validate_stop_ids(self, vocab_size: int | None) -> None:
         if not isinstance(self.stop_token_ids, tuple):
@@ -85,14 +94,15 @@ class SamplingParams:
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON data; ``SamplingParams.from_dict(p.to_dict()) == p``."""
         return {"max_new_tokens": self.max_new_tokens, "temperature": self.temperature,
-                "top_p": self.top_p, "seed": self.seed, "stop_token_ids": list(self.stop_token_ids)}
+                "top_p": self.top_p, "seed": self.seed, "stop_token_ids": list(self.stop_token_ids),
+                "stop": list(self.stop)}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> SamplingParams:
         """Build from plain data; absent keys take defaults, unknown keys raise RequestError.
 
         >>> SamplingParams.from_dict({"max_new_tokens": 4, "stop_token_ids": [2]})
-        SamplingParams(max_new_tokens=4, temperature=0.0, top_p=1.0, seed=0, stop_token_ids=(2,))
+        SamplingParams(max_new_tokens=4, temperature=0.0, top_p=1.0, seed=0, stop_token_ids=(2,), stop=())
         """
         if not isinstance(data, Mapping):
             raise _error("sampling params must be a mapping", data)
@@ -100,15 +110,20 @@ class SamplingParams:
         if unknown:
             raise RequestError(f"sampling: unknown key {unknown[0]!r} (known: {', '.join(_FIELDS)})")
         values = dict(data)
-        if "stop_token_ids" in values:
-            values["stop_token_ids"] = _as_tuple(values["stop_token_ids"])
+        for name in ("stop_token_ids", "stop"):
+            if name in values:
+                values[name] = _as_tuple(values[name])
+        if isinstance(values.get("stop"), str):  # OpenAI allows one string
+            values["stop"] = (values["stop"],)
         for name in ("temperature", "top_p"):
             if name in values and _is_finite_number(values[name]):
                 values[name] = float(values[name])
         return cls(**values)
 
 
-_FIELDS = ("max_new_tokens", "temperature", "top_p", "seed", "stop_token_ids")
+_FIELDS = ("max_new_tokens", "temperature", "top_p", "seed", "stop_token_ids", "stop")
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
 
 
 def _error(what: str, value: Any) -> RequestError:

@@ -36,6 +36,7 @@ from raysched.request import Request, State, enqueue
 from raysched.sampling import RequestError, SamplingParams, check_priority, validate_prompt
 from raysched.state_cache import Parked, StateCache
 from raysched.stats import Counters
+from raysched.tokenizer import require_tokenizer
 
 log = logging.getLogger("raysched.scheduler")
 
@@ -112,6 +113,10 @@ class Scheduler:
         if len(prints) > 1:
             raise RuntimeError(f"workers loaded different models: {sorted(prints)}")
 
+    async def describe(self) -> dict:
+        """The config this scheduler serves and its live workers (for `raysched.connect`)."""
+        return {"config": self.config, "workers": [self._worker_line(w) for w in self.workers if w.alive]}
+
     @staticmethod
     def _worker_line(w: WorkerSlot) -> dict:
         return {"worker": w.index, "node": w.info.node_id, "device": w.info.device,
@@ -145,6 +150,8 @@ class Scheduler:
         if rid in self.requests:
             raise RequestError(f"request id {rid!r} is already in use")
         req = Request(rid, prompt, params, priority)
+        if params.stop:  # stop strings are matched here, on the text, as tokens arrive
+            req.text_stream = require_tokenizer(self.config.model).text_stream(params.stop)
         self.requests[rid] = req
         self._progress[rid] = asyncio.Event()
         enqueue(self.waiting, req)
@@ -335,7 +342,7 @@ class Scheduler:
 
     def _apply_victims(self, w: WorkerSlot, plan: Plan) -> tuple[list[Request], list[str]]:
         """Move victims out of RUNNING; returns (victims to snapshot, ids to drop)."""
-        snap, drop = [], [r.request_id for r in w.view.running if r.state is State.ABORTED]
+        snap, drop = [], [r.request_id for r in w.view.running if r.state.is_done]  # aborted, stop string
         w.view.running = [r for r in w.view.running if r.state is State.RUNNING]
         tokens_gained = 0
         for r in plan.victims:
@@ -423,9 +430,12 @@ class Scheduler:
         for rid, toks in result.new_tokens.items():
             req = self.requests.get(rid)
             if req is not None and req.state is State.RUNNING:
+                toks = _cut_at_stop_string(req, toks)
                 req.add_tokens(toks, now)
                 self.counters.tokens += len(toks)
                 self._progress[rid].set()
+                if req.text_stream is not None and req.text_stream.stopped is not None:
+                    self._finish(req, State.FINISHED, "stop", worker_holds=True)
         self._on_cache_result(w, plan, result)
         for r in resumed:
             if r.request_id not in result.not_admitted and r.request_id not in result.resume_failed:
@@ -612,11 +622,13 @@ class Scheduler:
                 self._corrupt_next.add(w.index)
 
     # ================================================================== helpers
-    def _finish(self, req: Request, state: State, reason: str) -> None:
+    def _finish(self, req: Request, state: State, reason: str, worker_holds: bool = False) -> None:
+        """End a request. One the worker still holds (aborted, or stopped by a stop string) stays
+        in the worker's view until the next call drops it."""
         req.state, req.finish_reason, req.finish_s = state, reason, time.monotonic()
         if req.worker is not None:
             view = self.workers[req.worker].view
-            if req in view.running and state is not State.ABORTED:
+            if req in view.running and state is not State.ABORTED and not worker_holds:
                 view.running.remove(req)
         self.counters.on_finish(req)
         self._progress[req.request_id].set()
@@ -673,6 +685,16 @@ def _local_object_store_bytes() -> int:
         if node.get("NodeID") == here:
             return int(node.get("Resources", {}).get("object_store_memory", 0))
     return int(ray.cluster_resources().get("object_store_memory", 0))
+
+
+def _cut_at_stop_string(req: Request, tokens: list[int]) -> list[int]:
+    """The new tokens up to the one that completes a stop string (all of them if none does)."""
+    if req.text_stream is None:
+        return tokens
+    req.text_stream.add(tokens)
+    if req.text_stream.stopped is None:
+        return tokens
+    return tokens[:req.text_stream.num_tokens - req.num_generated]
 
 
 def _prefill_item(r: Request) -> PrefillItem:

@@ -13,9 +13,10 @@ A workload YAML is either *synthetic*::
       top_p: 0.9
 
 or a *trace*: ``trace: requests.jsonl`` (relative to the YAML file's folder), one JSON object per
-line with ``prompt_ids`` and ``max_new_tokens`` and optionally ``arrival_s``, ``temperature``,
-``top_p``, ``seed``, ``stop_token_ids``, ``priority`` (int, lower is more urgent) and
-``request_id``; blank lines are skipped.
+line with ``prompt_ids`` (or ``prompt``: text, encoded with the model's tokenizer; a text prompt
+also stops at the tokenizer's eos token) and ``max_new_tokens``, and optionally ``arrival_s``,
+``temperature``, ``top_p``, ``seed``, ``stop_token_ids``, ``stop`` (stop strings), ``priority``
+(int, lower is more urgent) and ``request_id``; blank lines are skipped.
 `RequestSpec.to_dict` writes exactly such a line.
 
 Problems raise `ConfigError` naming the key path, or the trace file and line. Never imports torch.
@@ -49,6 +50,7 @@ from raysched.config import (
     read_config_source,
 )
 from raysched.sampling import RequestError, SamplingParams, check_priority, validate_prompt
+from raysched.tokenizer import TextTokenizer, with_eos_stop
 
 _ROOT = KeyPath("workload")
 _SEED_BITS = 63  # per-request seeds fit a signed 64-bit integer too
@@ -63,6 +65,7 @@ class RequestSpec:
     sampling: SamplingParams
     arrival_s: float = 0.0
     priority: int = 0  # lower is more urgent (as in vLLM)
+    prompt: str | None = None  # the text `prompt_ids` were encoded from, if any
 
     def __post_init__(self) -> None:
         if not isinstance(self.request_id, str) or not self.request_id:
@@ -82,8 +85,9 @@ class RequestSpec:
 
     def to_dict(self) -> dict[str, Any]:
         """One trace line's worth of plain data (see the module docstring)."""
-        return {"request_id": self.request_id, "prompt_ids": list(self.prompt_ids),
-                "arrival_s": self.arrival_s, "priority": self.priority, **self.sampling.to_dict()}
+        prompt = {"prompt_ids": list(self.prompt_ids)} if self.prompt is None else {"prompt": self.prompt}
+        return {"request_id": self.request_id, **prompt, "arrival_s": self.arrival_s,
+                "priority": self.priority, **self.sampling.to_dict()}
 
 
 def _is_number(value: Any) -> bool:
@@ -256,11 +260,13 @@ def load_workload(path_or_dict: PathOrDict, vocab_size: int,
     return build_requests(load_workload_config(path_or_dict, base_dir), vocab_size)
 
 
-def build_requests(config: WorkloadConfig, vocab_size: int) -> list[RequestSpec]:
-    """The requests of a parsed workload, in order of arrival (ties keep file order)."""
+def build_requests(config: WorkloadConfig, vocab_size: int,
+                   tokenizer: TextTokenizer | None = None) -> list[RequestSpec]:
+    """The requests of a parsed workload, in order of arrival (ties keep file order).
+    `tokenizer` encodes the text prompts of a trace (without one, they are an error)."""
     check_positive_int(vocab_size, KeyPath("workload", ("vocab_size",)))
     if config.trace is not None:
-        return read_trace(config.trace, vocab_size)
+        return read_trace(config.trace, vocab_size, tokenizer)
     return synthesize(config, vocab_size)
 
 
@@ -311,12 +317,13 @@ def _sampling_params(config: WorkloadConfig, count: int, rng: random.Random) -> 
 
 # ---------------------------------------------------------------------------- trace
 
-_TRACE_KEYS = ("request_id", "prompt_ids", "max_new_tokens", "arrival_s",
-               "temperature", "top_p", "seed", "stop_token_ids", "priority")
-_SAMPLING_KEYS = ("max_new_tokens", "temperature", "top_p", "seed", "stop_token_ids")
+_TRACE_KEYS = ("request_id", "prompt_ids", "prompt", "max_new_tokens", "arrival_s",
+               "temperature", "top_p", "seed", "stop_token_ids", "stop", "priority")
+_SAMPLING_KEYS = ("max_new_tokens", "temperature", "top_p", "seed", "stop_token_ids", "stop")
 
 
-def read_trace(path: str | os.PathLike[str], vocab_size: int) -> list[RequestSpec]:
+def read_trace(path: str | os.PathLike[str], vocab_size: int,
+               tokenizer: TextTokenizer | None = None) -> list[RequestSpec]:
     """Requests from a JSONL trace, in order of arrival; a bad line raises ConfigError."""
     try:
         lines = Path(path).read_text(encoding="utf-8").splitlines()
@@ -328,7 +335,7 @@ def read_trace(path: str | os.PathLike[str], vocab_size: int) -> list[RequestSpe
         if not line.strip():
             continue
         key = KeyPath(f"workload: {os.fspath(path)}:{number}")
-        spec = _parse_trace_line(line, key, vocab_size, default_id=f"req-{len(specs):04d}")
+        spec = _parse_trace_line(line, key, vocab_size, f"req-{len(specs):04d}", tokenizer)
         if spec.request_id in seen:
             raise key.error(f"duplicate request_id {spec.request_id!r} (first on line {seen[spec.request_id]})")
         seen[spec.request_id] = number
@@ -338,7 +345,8 @@ def read_trace(path: str | os.PathLike[str], vocab_size: int) -> list[RequestSpe
     return sorted(specs, key=lambda spec: spec.arrival_s)
 
 
-def _parse_trace_line(line: str, key: KeyPath, vocab_size: int, default_id: str) -> RequestSpec:
+def _parse_trace_line(line: str, key: KeyPath, vocab_size: int, default_id: str,
+                      tokenizer: TextTokenizer | None) -> RequestSpec:
     try:
         raw = json.loads(line)
     except json.JSONDecodeError as e:
@@ -346,18 +354,33 @@ def _parse_trace_line(line: str, key: KeyPath, vocab_size: int, default_id: str)
     if not isinstance(raw, dict):
         raise key.error(f"expected a JSON object, got {type(raw).__name__}")
     check_mapping(raw, key, _TRACE_KEYS)
-    for name in ("prompt_ids", "max_new_tokens"):
-        if name not in raw:
-            raise key.error(f"missing required key {name!r}")
+    if "max_new_tokens" not in raw:
+        raise key.error("missing required key 'max_new_tokens'")
+    if ("prompt_ids" in raw) == ("prompt" in raw):
+        raise key.error("needs exactly one of 'prompt_ids' (token ids) and 'prompt' (text)")
     request_id = check_nonempty_str(raw.get("request_id", default_id), key.child("request_id"))
     arrival_s = check_finite_number(raw.get("arrival_s", 0.0), key.child("arrival_s"))
     if arrival_s < 0:
         raise key.child("arrival_s").error(f"must be >= 0, got {raw['arrival_s']!r}")
     try:
-        prompt = validate_prompt(raw["prompt_ids"], vocab_size)
-        sampling = SamplingParams.from_dict({k: raw[k] for k in _SAMPLING_KEYS if k in raw})
-        sampling.validate(vocab_size)
+        sampling = {k: raw[k] for k in _SAMPLING_KEYS if k in raw}
+        text = raw.get("prompt")
+        if text is not None:
+            prompt = validate_prompt(_encode(text, tokenizer), vocab_size)
+            sampling = with_eos_stop(sampling, tokenizer)
+        else:
+            prompt = validate_prompt(raw["prompt_ids"], vocab_size)
+        params = SamplingParams.from_dict(sampling)
+        params.validate(vocab_size)
         priority = check_priority(raw.get("priority", 0))
     except RequestError as e:
         raise ConfigError(f"{key.source}: {e}") from None
-    return RequestSpec(request_id, prompt, sampling, arrival_s, priority)
+    return RequestSpec(request_id, prompt, params, arrival_s, priority, text)
+
+
+def _encode(text: Any, tokenizer: TextTokenizer | None) -> list[int]:
+    if not isinstance(text, str) or not text:
+        raise RequestError(f"prompt: must be a non-empty string, got {text!r}")
+    if tokenizer is None:
+        raise RequestError("prompt: a text prompt needs the model's tokenizer, and none was given")
+    return tokenizer.encode(text)

@@ -105,7 +105,7 @@ def test_top_p_outside_zero_one(client, value):
 
 def test_mistyped_sampling_key(client):
     rejects(client, VALID_PROMPT, {"max_tokens": 4},
-            "sampling: unknown key 'max_tokens' (known: max_new_tokens, temperature, top_p, seed, stop_token_ids)")
+            "sampling: unknown key 'max_tokens' (known: max_new_tokens, temperature, top_p, seed, stop_token_ids, stop)")
 
 
 def test_stop_token_outside_the_vocabulary(client):

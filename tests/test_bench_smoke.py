@@ -37,6 +37,8 @@ EXPECTED = {
     "engine": ({"model", "threads", "rows", "kernels_present"},
                {"batch", "ours_tokens_per_s", "hf_tokens_per_s", "ratio", "tokens_match_hf"},
                "rows", {"engine.json"}),
+    "serve": ({"model", "rows", "ttft", "itl", "ratio", "target", "mismatched_requests"},
+              {"side", "tokens", "duration_s", "tokens_per_s"}, "rows", {"serve.json"}),
 }
 
 
@@ -44,7 +46,11 @@ def test_every_cli_benchmark_has_a_smoke_test():
     assert set(EXPECTED) == set(BENCHES)
 
 
-@pytest.mark.parametrize("name", BENCHES)
+# `serve` starts Ray Serve (~15-60 s on a busy machine): its smoke run is behind a marker
+# (pytest -m serve_slow tests/test_bench_smoke.py); tests/test_serve.py runs its measuring
+# functions against the server that module starts anyway.
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.serve_slow) if n == "serve" else n
+                                  for n in BENCHES])
 def test_quick_benchmark_writes_its_json(name, tmp_path):
     if ray.is_initialized():  # a fixture of another test left Ray connected: benchmarks start their own
         ray.shutdown()
@@ -97,4 +103,5 @@ CORRECTNESS = {
     "engine": lambda r: None,  # ours vs transformers tokens are reported, not required to match
     "sessions": _sessions_correct,
     "priority": _priority_correct,
+    "serve": lambda r: r["mismatched_requests"] == [] or pytest.fail(f"{r['mismatched_requests']}"),
 }

@@ -1,0 +1,295 @@
+"""`raysched serve`: an OpenAI-compatible HTTP server on Ray Serve, in front of the named scheduler.
+
+    server = start_server(config, host="127.0.0.1", port=8000, api_key=None)   # returns at once
+    ...                                                                         # curl / openai client
+    server.stop()
+
+One Serve deployment (`OpenAIServer`, a FastAPI ingress, one replica) finds the scheduler actor by
+name in namespace `raysched` and talks to it with plain actor calls: `submit`, then `next_tokens`
+(long-polls; the scheduler is async, so thousands of open streams cost it nothing) or `wait`, and
+`abort` when the HTTP client goes away. Text is encoded and decoded here, in the replica, with
+the model's tokenizer; stop strings are matched by the scheduler (it ends the request at once) and
+the text is cut before them here. Routes: GET /v1/models, POST /v1/completions,
+POST /v1/chat/completions (both may stream SSE, ending with ``data: [DONE]``), GET /health,
+GET /metrics (Prometheus text). Errors are OpenAI's error JSON.
+"""
+
+
+import asyncio
+import hmac
+import json
+import os
+import signal
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import ray
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from ray import serve
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from raysched.config import ServeConfig
+from raysched.deployment import DEFAULT_NAME, NAMESPACE, find_scheduler, start_scheduler, stop_scheduler
+from raysched.metrics import ServeMetrics
+from raysched.openai_api import (APIError, ParsedRequest, chunk, error_body, models_list, new_id, parse_chat,
+                                 parse_completion, response, usage, usage_chunk)
+from raysched.sampling import RequestError
+from raysched.tokenizer import load_tokenizer
+
+MAX_BODY_BYTES = 1 << 20  # larger request bodies get 413
+MAX_ONGOING_REQUESTS = 4096  # per replica; the scheduler's pools, not Serve, bound the work
+API_KEY_ENV = "RAYSCHED_API_KEY"
+
+app = FastAPI(title="raysched", docs_url=None, redoc_url=None, openapi_url=None)
+
+
+@app.exception_handler(APIError)
+async def _api_error(_: Request, err: APIError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status)
+
+
+@app.exception_handler(StarletteHTTPException)
+async def _http_error(request: Request, err: StarletteHTTPException) -> JSONResponse:
+    message = f"no route {request.method} {request.url.path}" if err.status_code in (404, 405) else str(err.detail)
+    return JSONResponse(error_body(err.status_code, message), status_code=err.status_code)
+
+
+def served_model_name(model: str) -> str:
+    """The `model` id clients send: the preset name, or the checkpoint directory's name."""
+    return Path(model).name if os.sep in model else model
+
+
+# helpers the deployment uses are defined above it: Serve pickles the class when it is declared
+async def _json_body(request: Request) -> Any:
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
+        raise APIError(413, f"request body of {length} bytes is larger than {MAX_BODY_BYTES}")
+    body = b""
+    async for part in request.stream():
+        body += part
+        if len(body) > MAX_BODY_BYTES:
+            raise APIError(413, f"request body is larger than {MAX_BODY_BYTES} bytes")
+    try:
+        return json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise APIError(400, f"request body is not valid JSON: {err}") from None
+
+
+def _sse(data: dict) -> str:
+    return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
+
+
+@serve.deployment(max_ongoing_requests=MAX_ONGOING_REQUESTS, ray_actor_options={"num_cpus": 0})
+@serve.ingress(app)
+class OpenAIServer:
+    """The HTTP face of one scheduler. Per request: parse (400/404 on bad input), submit, stream
+    or wait, shape the OpenAI response; abort the request if the client disconnects first."""
+
+    def __init__(self, scheduler_name: str, api_key: str | None = None) -> None:
+        self.scheduler_name = scheduler_name
+        self.api_key = api_key or None
+        self.scheduler = find_scheduler(scheduler_name)
+        if self.scheduler is None:
+            raise RuntimeError(f"no raysched scheduler named {scheduler_name!r} in namespace {NAMESPACE!r}")
+        described = ray.get(self.scheduler.describe.remote())
+        config: ServeConfig = described["config"]
+        self.model = served_model_name(config.model)
+        self.tokenizer = load_tokenizer(config.model)
+        self.metrics = ServeMetrics(described["workers"])
+        self.created = int(time.time())
+
+    # ------------------------------------------------------------------ routes
+    @app.get("/health")
+    async def health(self) -> dict:
+        await self._call(self.scheduler.stats.remote(), timeout=10)
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics(self) -> Response:
+        stats = await self._call(self.scheduler.stats.remote(), timeout=10)
+        return Response(self.metrics.render(stats), media_type=ServeMetrics.CONTENT_TYPE)
+
+    @app.get("/v1/models")
+    async def models(self, request: Request) -> dict:
+        self._authorize(request)
+        return models_list(self.model, self.created)
+
+    @app.post("/v1/completions")
+    async def completions(self, request: Request) -> Any:
+        self._authorize(request)
+        return await self._serve(parse_completion(await _json_body(request), self.tokenizer, self.model))
+
+    @app.post("/v1/chat/completions")
+    async def chat(self, request: Request) -> Any:
+        self._authorize(request)
+        return await self._serve(parse_chat(await _json_body(request), self.tokenizer, self.model))
+
+    # ------------------------------------------------------------------ one request
+    async def _serve(self, req: ParsedRequest) -> Any:
+        rid = f"http-{uuid.uuid4().hex}"  # ours, so that a cancellation at any await can abort it
+        owned = True  # this handler must abort the request unless it ends or a stream takes it over
+        try:
+            try:
+                await self._call(self.scheduler.submit.remote(req.prompt_ids, req.sampling, rid))
+            except APIError:
+                owned = False  # refused: nothing to abort
+                raise
+            if req.stream:
+                owned = False
+                return StreamingResponse(self._events(req, rid), media_type="text/event-stream")
+            record = await self._call(self.scheduler.wait.remote(rid))
+            owned = False
+        finally:
+            if owned:  # the client went away (Serve cancels the handler): free the slots
+                self._abort(rid)
+        text, token_ids = self._text(req, record["token_ids"])
+        self.metrics.observe(record)
+        return response(req, new_id(req.kind), self.model, text, token_ids, record["finish_reason"],
+                        self._usage(req, record))
+
+    async def _events(self, req: ParsedRequest, rid: str) -> AsyncIterator[str]:
+        """SSE chunks as tokens arrive; the last one carries finish_reason, then [DONE]."""
+        stream = self.tokenizer.text_stream(req.sampling["stop"]) if self.tokenizer else None
+        resp_id, cursor, done, ended = new_id(req.kind), 0, False, False
+        try:
+            while not done:
+                tokens, done = await self._call(self.scheduler.next_tokens.remote(rid, cursor))
+                text = "" if stream is None else stream.add(tokens) + (stream.finish() if done else "")
+                if tokens or text:
+                    yield _sse(chunk(req, resp_id, self.model, text, tokens, None, first=cursor == 0))
+                cursor += len(tokens)
+            record = await self._call(self.scheduler.wait.remote(rid))
+            ended = True
+            self.metrics.observe(record)
+            yield _sse(chunk(req, resp_id, self.model, "", [], record["finish_reason"], first=cursor == 0))
+            if req.include_usage:
+                yield _sse(usage_chunk(req, resp_id, self.model, self._usage(req, record)))
+            yield "data: [DONE]\n\n"
+        except APIError as err:  # the scheduler died mid-stream: say so in the stream
+            yield _sse(err.body())
+        finally:
+            if not ended:  # client disconnected (or the stream failed): free the request's slots
+                self._abort(rid)
+
+    def _text(self, req: ParsedRequest, token_ids: list[int]) -> tuple[str, list[int]]:
+        if self.tokenizer is None:
+            return "", token_ids
+        stream = self.tokenizer.text_stream(req.sampling["stop"])
+        stream.add(token_ids)
+        stream.finish()
+        return stream.text, token_ids
+
+    @staticmethod
+    def _usage(req: ParsedRequest, record: dict) -> dict:
+        return usage(len(req.prompt_ids), len(record["token_ids"]), record.get("cached_tokens") or 0)
+
+    def _abort(self, rid: str) -> None:
+        self.metrics.disconnects += 1
+        # fire and forget (the handler may be cancelled already): abort, then read the ended record
+        # once, so the scheduler forgets it (the cancelled reader never will)
+        self.scheduler.abort.remote(rid)
+        self.scheduler.wait.remote(rid)
+
+    def _authorize(self, request: Request) -> None:
+        if self.api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, key = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(), self.api_key.encode()):
+            raise APIError(401, "missing or wrong API key (send 'Authorization: Bearer <key>')")
+
+    async def _call(self, ref: Any, timeout: float | None = None) -> Any:
+        """Await a scheduler call: a rejected request is a 400, a dead scheduler a 503."""
+        try:
+            return await asyncio.wait_for(ref, timeout) if timeout else await ref
+        except ray.exceptions.RayActorError:
+            self._refresh()
+            raise APIError(503, f"the raysched scheduler {self.scheduler_name!r} is gone") from None
+        except asyncio.TimeoutError:
+            raise APIError(503, f"the raysched scheduler {self.scheduler_name!r} does not answer") from None
+        except ray.exceptions.RayTaskError as err:
+            if isinstance(err.cause, RequestError):
+                raise APIError(400, str(err.cause)) from None
+            raise
+
+    def _refresh(self) -> None:
+        """After the scheduler died, pick up a new one started under the same name, if any."""
+        handle = find_scheduler(self.scheduler_name)
+        if handle is not None:
+            self.scheduler = handle
+
+
+# ---------------------------------------------------------------------------- running it
+
+
+@dataclass
+class Server:
+    """A running `raysched serve`: its URL, and what `stop` must undo."""
+
+    url: str
+    scheduler_name: str
+    owns_ray: bool
+    owns_scheduler: bool
+
+    def stop(self) -> None:
+        """Shut Serve down, then the scheduler if this server started it (and it is not detached),
+        then Ray if this server started it."""
+        serve.shutdown()
+        handle = find_scheduler(self.scheduler_name)
+        if self.owns_scheduler and handle is not None:
+            stop_scheduler(handle)
+        if self.owns_ray:
+            ray.shutdown()
+
+
+def start_server(config: ServeConfig, host: str = "127.0.0.1", port: int = 8000, address: str | None = None,
+                 api_key: str | None = None, name: str = DEFAULT_NAME, num_cpus: int | None = None) -> Server:
+    """Start (or reuse) the named scheduler and the HTTP server; returns once both answer.
+
+    With `address` (or RAY_ADDRESS) it joins that cluster and the scheduler it starts is detached
+    (it outlives this server; `raysched stop` ends it); an existing scheduler of that name is
+    used as is. Without, an embedded local Ray instance holds everything, and `stop` ends it.
+    """
+    from raysched.client import _init_ray
+
+    owns_ray = _init_ray(config, address, num_cpus)
+    try:
+        existed = find_scheduler(name) is not None
+        # detached in any case: a job's own named actors are invisible to the Serve replicas' job
+        start_scheduler(config, name, detached=True, exist_ok=True)
+        serve.start(http_options={"host": host, "port": port})
+        deploy_app(name, api_key)
+    except BaseException:
+        if owns_ray:
+            ray.shutdown()
+        raise
+    return Server(f"http://{host}:{port}", name, owns_ray, owns_scheduler=not existed and owns_ray)
+
+
+def deploy_app(scheduler_name: str = DEFAULT_NAME, api_key: str | None = None, app_name: str = "raysched",
+               route_prefix: str = "/") -> None:
+    """Deploy one OpenAI app on the running Serve instance (several may share it, on other
+    prefixes, e.g. one with and one without an API key)."""
+    serve.run(OpenAIServer.bind(scheduler_name, api_key), name=app_name, route_prefix=route_prefix)
+
+
+def run_server(config: ServeConfig, host: str, port: int, address: str | None, api_key: str | None,
+               name: str = DEFAULT_NAME) -> None:
+    """`raysched serve`: start, print where, serve until SIGTERM or Ctrl-C, then shut down cleanly."""
+    server = start_server(config, host, port, address, api_key, name)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    print(f"raysched serve: {server.url}/v1 (model {served_model_name(config.model)!r}, "
+          f"scheduler {name!r}, API key {'required' if api_key else 'off'})", flush=True)
+    try:
+        stop.wait()
+    finally:
+        print("raysched serve: shutting down", flush=True)
+        server.stop()

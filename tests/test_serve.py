@@ -1,0 +1,350 @@
+"""The OpenAI-compatible server on a real local Ray Serve instance, on the loopback.
+
+One server for the module (Serve takes ~15 s to start): app `raysched` at / requires an API key,
+app `open` at /open (same scheduler) does not. Token ids are compared with independent in-process
+references (`raysched generate`, `Engine.generate`); a different seed must change them (negative
+control). A client that disconnects must leave every pool and table empty and be counted as an
+abort; every bad input gets a 4xx with OpenAI's error JSON and the server keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import socket
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import httpx
+import openai
+import pytest
+import ray
+
+import raysched
+from raysched import cli
+from raysched.config import load_serve_config
+from raysched.sampling import SamplingParams
+from raysched.serve import Server, deploy_app, start_server
+from raysched.tokenizer import load_tokenizer
+from tests.conftest import reference_tokens, wait_until
+
+KEY = "sk-raysched-test"
+NAME = "test-serve"
+CONFIG = {"model": "tiny", "workers": 2, "pool": {"kv_tokens": 4096, "mamba_slots": 16}}
+
+
+@dataclass
+class Running:
+    server: Server
+    client: raysched.Client  # connected to the same named scheduler
+
+    @property
+    def open_url(self) -> str:
+        return f"{self.server.url}/open"
+
+    def openai(self, keyed: bool = False, key: str = KEY) -> openai.OpenAI:
+        base = self.server.url if keyed else self.open_url
+        return openai.OpenAI(base_url=f"{base}/v1", api_key=key, max_retries=0, timeout=120)
+
+    def http(self) -> httpx.Client:
+        return httpx.Client(base_url=self.open_url, timeout=120)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def running() -> Iterator[Running]:
+    server = start_server(load_serve_config(CONFIG), port=_free_port(), api_key=KEY, name=NAME, num_cpus=3)
+    try:
+        deploy_app(NAME, api_key=None, app_name="open", route_prefix="/open")
+        yield Running(server, raysched.connect(name=NAME))
+    finally:
+        server.stop()
+    assert not ray.is_initialized()
+
+
+def _generate(capsys: pytest.CaptureFixture, *args: str) -> dict:
+    capsys.readouterr()
+    assert cli.main(["generate", "--model", "tiny", "--json", *args]) == 0
+    return json.loads(capsys.readouterr().out)["outputs"][0]
+
+
+def _sse_events(response: httpx.Response) -> list[dict | str]:
+    events = []
+    for line in response.iter_lines():
+        if line.startswith("data: "):
+            data = line[len("data: "):]
+            events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+def _wait_idle(client: raysched.Client) -> None:
+    last: list[dict] = []
+
+    def idle() -> bool:
+        last[:] = [client.check_idle()]
+        return last[0]["workers_idle"] and not any(last[0]["tables"].values())
+
+    try:
+        wait_until(idle, 60, "every pool and scheduler table to be empty")
+    except BaseException:
+        print("last check_idle:", last)
+        raise
+
+
+# ---------------------------------------------------------------------------- happy paths
+
+
+def test_health_models_and_auth(running: Running) -> None:
+    with httpx.Client(base_url=running.server.url, timeout=60) as http:
+        assert http.get("/health").json() == {"status": "ok"}  # health needs no key
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+            r = http.get("/v1/models", headers=headers)
+            assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+        r = http.get("/v1/models", headers={"Authorization": f"Bearer {KEY}"})
+        assert r.status_code == 200 and [m["id"] for m in r.json()["data"]] == ["tiny"]
+    assert [m.id for m in running.openai(keyed=True).models.list().data] == ["tiny"]
+    with pytest.raises(openai.AuthenticationError):
+        running.openai(keyed=True, key="wrong").completions.create(model="tiny", prompt="Hi", max_tokens=2)
+    assert [m.id for m in running.openai().models.list().data] == ["tiny"]  # the open app: no key
+
+
+def test_text_completion_equals_raysched_generate(running: Running, capsys: pytest.CaptureFixture) -> None:
+    api = running.openai(keyed=True)
+    for temperature, seed in ((0.0, 0), (0.9, 5)):
+        out = api.completions.create(model="tiny", prompt="Hello world", max_tokens=20, temperature=temperature,
+                                     seed=seed, extra_body={"return_token_ids": True})
+        ref = _generate(capsys, "--prompt", "Hello world", "--max-new-tokens", "20",
+                        "--temperature", str(temperature), "--seed", str(seed))
+        choice = out.choices[0]
+        assert choice.token_ids == ref["token_ids"] and choice.text == ref["text"]
+        assert choice.prompt_token_ids == ref["prompt_ids"] == load_tokenizer("tiny").encode("Hello world")
+        assert out.usage.prompt_tokens == len(ref["prompt_ids"])
+        assert out.usage.completion_tokens == len(ref["token_ids"])
+        assert out.usage.prompt_tokens_details.cached_tokens == 0
+    other = api.completions.create(model="tiny", prompt="Hello world", max_tokens=20, temperature=0.9, seed=6,
+                                   extra_body={"return_token_ids": True})
+    assert other.choices[0].token_ids != ref["token_ids"]  # negative control: the seed matters
+
+
+def test_token_id_prompt_streamed_and_not(running: Running, capsys: pytest.CaptureFixture) -> None:
+    body = {"model": "tiny", "prompt": [5, 17, 42], "max_tokens": 18, "temperature": 0.7, "seed": 3,
+            "ignore_eos": True, "return_token_ids": True}
+    ref = _generate(capsys, "--prompt-ids", "5,17,42", "--max-new-tokens", "18", "--temperature", "0.7",
+                    "--seed", "3")
+    with running.http() as http:
+        whole = http.post("/v1/completions", json=body).json()
+        with http.stream("POST", "/v1/completions",
+                         json={**body, "stream": True, "stream_options": {"include_usage": True}}) as r:
+            assert r.headers["content-type"].startswith("text/event-stream")
+            events = _sse_events(r)
+    assert whole["choices"][0]["token_ids"] == ref["token_ids"]
+    assert whole["choices"][0]["finish_reason"] == "length"
+    assert events[-1] == "[DONE]" and events[-2]["usage"]["completion_tokens"] == 18
+    chunks = [e for e in events[:-2]]
+    assert [t for c in chunks for t in c["choices"][0]["token_ids"]] == ref["token_ids"]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == whole["choices"][0]["text"] == ref["text"]
+    assert chunks[0]["choices"][0]["prompt_token_ids"] == [5, 17, 42]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_chat_streams_with_role_first_and_matches_the_template(running: Running,
+                                                                capsys: pytest.CaptureFixture) -> None:
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
+    api = running.openai()
+    whole = api.chat.completions.create(model="tiny", messages=messages, max_tokens=16, temperature=0,
+                                        extra_body={"return_token_ids": True})
+    stream = api.chat.completions.create(model="tiny", messages=messages, max_tokens=16, temperature=0,
+                                         stream=True)
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == whole.choices[0].message.content
+    rendered = load_tokenizer("tiny").chat_prompt(messages)
+    assert rendered.startswith("<|im_start|>system\nBe brief.<|im_end|>\n") and rendered.endswith("assistant\n")
+    ref = _generate(capsys, "--prompt", rendered, "--max-new-tokens", "16")
+    assert whole.choices[0].token_ids == ref["token_ids"]  # type: ignore[attr-defined]
+    assert whole.choices[0].message.content == ref["text"]
+
+
+def test_stop_string_cuts_text_and_ends_early(running: Running) -> None:
+    api = running.openai()
+    full = api.completions.create(model="tiny", prompt="The", max_tokens=40, temperature=0,
+                                  extra_body={"return_token_ids": True, "ignore_eos": True}).choices[0]
+    text = full.text
+    stop = next(text[i:i + 2] for i in range(len(text) // 2, len(text) - 1)
+                if "\ufffd" not in text[i:i + 2] and text.find(text[i:i + 2]) == i)
+    cut = text.index(stop)
+    out = api.completions.create(model="tiny", prompt="The", max_tokens=40, temperature=0, stop=[stop],
+                                 extra_body={"return_token_ids": True, "ignore_eos": True}).choices[0]
+    assert out.text == text[:cut] and out.finish_reason == "stop"
+    assert out.token_ids == full.token_ids[:len(out.token_ids)] and len(out.token_ids) < len(full.token_ids)
+    streamed = api.completions.create(model="tiny", prompt="The", max_tokens=40, temperature=0, stop=[stop],
+                                      stream=True, extra_body={"ignore_eos": True})
+    assert "".join(c.choices[0].text for c in streamed) == text[:cut]
+    # the driver API stops at the same place, through the same scheduler
+    handle = running.client.submit(full.prompt_token_ids, {"max_new_tokens": 40, "stop": [stop]})
+    pieces = list(handle.stream_text())
+    assert "".join(t for t, _ in pieces) == text[:cut]
+    assert [i for _, ids in pieces for i in ids] == out.token_ids
+
+
+def test_32_concurrent_streams(running: Running) -> None:
+    rng = random.Random(11)
+    prompts = [[rng.randrange(512) for _ in range(rng.randint(4, 20))] for _ in range(32)]
+    params = [SamplingParams(max_new_tokens=rng.randint(8, 24), temperature=0.8 * (i % 2), seed=i)
+              for i in range(32)]
+    expected = reference_tokens("tiny", prompts, params)
+
+    async def one(api: openai.AsyncOpenAI, prompt: list[int], sp: SamplingParams) -> list[int]:
+        stream = await api.completions.create(
+            model="tiny", prompt=prompt, max_tokens=sp.max_new_tokens, temperature=sp.temperature, seed=sp.seed,
+            stream=True, extra_body={"return_token_ids": True, "ignore_eos": True})
+        return [t async for c in stream for t in c.choices[0].token_ids]  # type: ignore[attr-defined]
+
+    async def all_of_them() -> list[list[int]]:
+        async with openai.AsyncOpenAI(base_url=f"{running.open_url}/v1", api_key="x", max_retries=0,
+                                      timeout=300) as api:
+            return await asyncio.gather(*[one(api, p, sp) for p, sp in zip(prompts, params)])
+
+    assert asyncio.run(all_of_them()) == expected
+    _wait_idle(running.client)
+
+
+def test_client_disconnect_aborts_and_frees_slots(running: Running) -> None:
+    aborted = running.client.stats()["aborted"]
+    body = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 4000, "ignore_eos": True, "stream": True}
+    with running.http() as http:
+        with http.stream("POST", "/v1/completions", json=body) as r:
+            first = next(r.iter_lines())
+            assert first.startswith("data: ")
+        # the connection is closed with ~4000 tokens to go
+    wait_until(lambda: running.client.stats()["aborted"] == aborted + 1, 60, "the streamed request's abort")
+    _wait_idle(running.client)
+    with pytest.raises(httpx.ReadTimeout), httpx.Client(base_url=running.open_url, timeout=1.0) as http:
+        http.post("/v1/completions", json={**body, "stream": False})  # the client gives up waiting
+    wait_until(lambda: running.client.stats()["aborted"] == aborted + 2, 60, "the waiting request's abort")
+    _wait_idle(running.client)
+
+
+def test_bench_serve_measures_both_sides_with_equal_tokens(running: Running) -> None:
+    """`raysched bench serve`'s measuring functions, on this module's server (its own smoke run,
+    which starts another Serve, is behind the serve_slow marker)."""
+    from benchmarks.serve import QUICK, _result, run_driver, run_http
+    from raysched.workload import build_requests
+
+    specs = build_requests(QUICK.workload, running.client.vocab_size())[:8]
+    http = asyncio.run(run_http(running.open_url, "tiny", specs))
+    driver = run_driver(running.client, specs, 0)
+    result = _result(QUICK, specs, [http], [driver])
+    assert result["mismatched_requests"] == [] and result["rows"][0]["tokens"] == result["rows"][1]["tokens"]
+    assert len(http["ttft_s"]) == len(specs) and all(t > 0 for t in http["ttft_s"])
+    assert result["itl"]["p50_ms"] is not None and result["ratio"] > 0
+    _wait_idle(running.client)
+
+
+# ---------------------------------------------------------------------------- bad input
+
+BAD = [  # (path, body, status, fragment of the message)
+    ("/v1/completions", b"{not json", 400, "not valid JSON"),
+    ("/v1/completions", b"[1, 2]", 400, "must be a JSON object"),
+    ("/v1/completions", {"max_tokens": 4}, 400, "prompt: must be a string or a list of token ids"),
+    ("/v1/completions", {"prompt": ""}, 400, "prompt: must not be empty"),
+    ("/v1/completions", {"prompt": [1, 99999]}, 400, "outside [0, 512)"),
+    ("/v1/completions", {"prompt": [1.5]}, 400, "prompt: must be a string or a list of token ids"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 9000}, 400, "exceeds the model context"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens must be a positive integer"),
+    ("/v1/completions", {"prompt": "hi", "temperature": -1}, 400, "temperature must be"),
+    ("/v1/completions", {"prompt": "hi", "top_p": 0}, 400, "top_p must be in (0, 1]"),
+    ("/v1/completions", {"prompt": "hi", "seed": -3}, 400, "seed must be"),
+    ("/v1/completions", {"prompt": "hi", "stop": 7}, 400, "stop must be a list"),
+    ("/v1/completions", {"prompt": "hi", "stop": [""]}, 400, "stop[0] must be a non-empty string"),
+    ("/v1/completions", {"prompt": "hi", "n": 2}, 400, "n: only 1 is supported"),
+    ("/v1/completions", {"prompt": "hi", "stream": "yes"}, 400, "stream: must be true or false"),
+    ("/v1/completions", {"prompt": "hi", "frobnicate": 1}, 400, "unsupported parameter 'frobnicate'"),
+    ("/v1/completions", {"prompt": "hi", "model": "gpt-4"}, 404, "model 'gpt-4' does not exist"),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages: must be a non-empty list"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages[0].role"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 3}]}, 400, "messages[0].content"),
+    ("/v1/nothing", {}, 404, "v1/nothing"),
+    ("/v1/completions", b"{" + b" " * (2 << 20) + b"}", 413, "larger than"),
+]
+
+
+@pytest.mark.parametrize("path,body,status,fragment", BAD, ids=[f"{b[0]}:{b[3][:24]}" for b in BAD])
+def test_bad_input_is_a_4xx_and_the_server_keeps_serving(running: Running, path: str, body: object,
+                                                         status: int, fragment: str) -> None:
+    with running.http() as http:
+        content = body if isinstance(body, bytes) else json.dumps(body).encode()
+        r = http.post(path, content=content, headers={"Content-Type": "application/json"})
+        assert r.status_code == status, r.text
+        error = r.json()["error"]
+        assert fragment in error["message"] and error["code"] == status
+        ok = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+        assert ok.status_code == 200
+
+
+def test_metrics_in_prometheus_format(running: Running) -> None:
+    with running.http() as http:
+        http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3}).raise_for_status()
+        text = httpx.get(f"{running.server.url}/metrics", timeout=60).text
+    for series in ('raysched_pool_kv_used_ratio{worker="0"}', 'raysched_pool_mamba_slots_used{worker="1"}',
+                   'raysched_requests{state="running"}', 'raysched_requests{state="retracted"}',
+                   "raysched_retractions_total", "raysched_migrations_total", "raysched_snapshot_bytes_total",
+                   'raysched_ttft_seconds_bucket{le="+Inf"}', "raysched_request_latency_seconds_count"):
+        assert series in text, series
+    finished = next(ln for ln in text.splitlines() if ln.startswith("raysched_requests_finished_total"))
+    assert float(finished.split()[-1]) >= 1
+
+
+def test_scheduler_gone_is_a_503(running: Running) -> None:
+    """Last in the module: it ends the scheduler."""
+    running.client.stop()
+    with running.http() as http:
+        r = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 503 and "is gone" in r.json()["error"]["message"]
+        assert http.get(f"{running.server.url}/health").status_code == 503
+
+
+@pytest.mark.serve_slow
+def test_raysched_serve_exits_cleanly_on_sigterm(tmp_path) -> None:
+    """The CLI in its own process (own embedded Ray and Serve): answers with the key, then a
+    SIGTERM shuts down Serve, the scheduler and Ray, and the process exits with status 0."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    port = _free_port()
+    config = tmp_path / "serve.yaml"
+    config.write_text("model: tiny\nworkers: 1\npool: {kv_tokens: 256, mamba_slots: 4}\n")
+    env = {**os.environ, "RAYSCHED_API_KEY": KEY}
+    env.pop("RAY_ADDRESS", None)
+    proc = subprocess.Popen([sys.executable, "-m", "raysched.cli", "serve", "--config", str(config),
+                             "--port", str(port)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+
+        def up() -> bool:
+            try:
+                return httpx.get(f"{url}/health", timeout=5).status_code == 200
+            except httpx.HTTPError:
+                return proc.poll() is not None  # it died: stop polling, the asserts below say so
+        wait_until(up, 240, "raysched serve to answer /health")
+        assert proc.poll() is None
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": "Hi", "max_tokens": 3},
+                       headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+        assert httpx.post(f"{url}/v1/completions", json={"prompt": "Hi"}, timeout=60).status_code == 401
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=120)
+        assert proc.returncode == 0, out
+        assert "raysched serve: shutting down" in out
+    finally:
+        if proc.poll() is None:
+            proc.kill()
