@@ -1,23 +1,31 @@
 """The worker actor: one per GPU (or CPU), owning one engine and its hybrid pool.
 
 It follows step plans from the scheduler and never decides anything itself. Snapshots it takes
-are the *return values* of `retract`, so the caller (the scheduler) owns them in the object store.
+are the *return values* of `retract` (as torch-free `SnapshotMessage`s), so the caller (the
+scheduler) owns them in the object store. Fault injection is data too: a `FaultPoint` in a step
+plan or a retract call says where this process dies (`os._exit`) inside that call.
 
     worker = ray.remote(num_gpus=1)(Worker).remote(config, index=0)
     info = ray.get(worker.info.remote())
+
+The scheduler starts it through `raysched.workers.Worker`, a shell that imports this module only
+in the worker's own process.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import os
+import sys
 import time
 
 import ray
 import torch
 
 from actors.engine import Engine, Sequence, StepOutput, build_engine
-from actors.snapshot import Snapshot, SnapshotError
+from actors.snapshot import PartSpec, Snapshot, SnapshotError
 from raysched.config import ServeConfig
-from raysched.messages import PrefillItem, StepPlan, StepResult, Usage, WorkerInfo
+from raysched.messages import FaultPoint, PrefillItem, SnapshotMessage, StepPlan, StepResult, Usage, WorkerInfo
 from raysched.sampling import SamplingParams
 
 
@@ -42,9 +50,7 @@ class Worker:
                           copy_bps, prefill_tps)
 
     def usage(self) -> Usage:
-        u = self.engine.usage()
-        return Usage(u.kv_free_tokens, u.kv_total_tokens, u.mamba_free_slots, u.mamba_total_slots,
-                     u.page_size)
+        return self.engine.usage()
 
     def running_ids(self) -> list[str]:
         return sorted(self.engine.running)
@@ -54,11 +60,13 @@ class Worker:
         return not self.engine.running and self.engine.pool.is_empty()
 
     # ------------------------------------------------------------------ commands
-    def retract(self, request_id: str) -> Snapshot:
+    def retract(self, request_id: str, fault: FaultPoint | None = None) -> SnapshotMessage:
         """Snapshot the request and free its slots; the snapshot is this call's return value."""
-        return self.engine.snapshot(request_id)
+        message = pack_snapshot(self.engine.snapshot(request_id))
+        _die_at(fault, "kill_in_retract")
+        return message
 
-    def step(self, plan: StepPlan, *snapshots: Snapshot) -> StepResult:
+    def step(self, plan: StepPlan, *snapshots: SnapshotMessage) -> StepResult:
         """Execute one plan: drop, resume, prefill, then `decode_steps` decode steps."""
         t0 = time.perf_counter()
         result = StepResult()
@@ -66,22 +74,30 @@ class Worker:
             if rid in self.engine.running:
                 self.engine.release(rid)
         out = StepOutput()
-        self._resume(plan.resume, snapshots, result, out)
+        self._resume(plan, snapshots, result, out)
         if plan.prefill:
             out.merge(self.engine.prefill([_sequence(item) for item in plan.prefill]))
         if plan.decode_steps:
-            out.merge(self.engine.decode(plan.decode_steps))
+            out.merge(self._decode(plan))
         return self._result(result, out, time.perf_counter() - t0)
 
-    def _resume(self, ids: tuple[str, ...], snapshots: tuple, result: StepResult, out: StepOutput) -> None:
-        if len(ids) != len(snapshots):
-            raise ValueError(f"step plan names {len(ids)} resumes but {len(snapshots)} snapshots came")
-        for rid, snap in zip(ids, snapshots):
+    def _decode(self, plan: StepPlan) -> StepOutput:
+        fault = plan.fault
+        if fault is not None and fault.kind == "kill_in_step":
+            self.engine.decode(min(fault.after_decode_steps, plan.decode_steps))  # tokens never leave
+            _die_at(fault, "kill_in_step")
+        return self.engine.decode(plan.decode_steps)
+
+    def _resume(self, plan: StepPlan, snapshots: tuple, result: StepResult, out: StepOutput) -> None:
+        if len(plan.resume) != len(snapshots):
+            raise ValueError(f"step plan names {len(plan.resume)} resumes but {len(snapshots)} snapshots came")
+        for rid, message in zip(plan.resume, snapshots):
             try:
-                ok = self.engine.restore(snap, rid)
+                ok = self.engine.restore(unpack_snapshot(message), rid)
             except SnapshotError as err:
                 result.resume_failed[rid] = str(err)
                 continue
+            _die_at(plan.fault, "kill_in_restore")
             if not ok:
                 out.not_admitted.append(rid)
             elif self.drop_mamba_state:  # deliberately broken mode: the negative control
@@ -103,6 +119,26 @@ class Worker:
         if self._speeds is None:
             self._speeds = (_copy_speed(self.engine.device), _prefill_speed(self.engine))
         return self._speeds
+
+
+def pack_snapshot(snap: Snapshot) -> SnapshotMessage:
+    """The control plane's form of a snapshot: plain values and the payload (no copy)."""
+    header = {f.name: getattr(snap, f.name) for f in dataclasses.fields(snap) if f.name != "payload"}
+    header["parts"] = tuple(dataclasses.astuple(p) for p in snap.parts)
+    return SnapshotMessage(snap.request_id, header, snap.payload)
+
+
+def unpack_snapshot(message: SnapshotMessage) -> Snapshot:
+    """Inverse of `pack_snapshot` (the payload is not copied; checks happen at restore)."""
+    parts = tuple(PartSpec(*p) for p in message.header["parts"])
+    return Snapshot(**{**message.header, "parts": parts}, payload=message.payload)
+
+
+def _die_at(fault: FaultPoint | None, kind: str) -> None:
+    """Fault injection: end this process on the spot, as a crash would (no reply, no clean-up)."""
+    if fault is not None and fault.kind == kind:
+        print(f"fault injection: {kind}: worker process {os.getpid()} exits", file=sys.stderr, flush=True)
+        os._exit(1)
 
 
 def _sequence(item: PrefillItem) -> Sequence:

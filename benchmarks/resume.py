@@ -113,7 +113,7 @@ def _snapshot_round(src: Any, dst: Any, rid: str) -> dict:
     """Retract on src, re-own at the driver, resume on dst and decode one token."""
     retract_s, snap = timed(lambda: ray.get(src.retract.remote(rid)))
     reown_s, ref = timed(lambda: ray.put(snap))
-    history, nbytes = list(snap.token_ids), snap.nbytes
+    history, nbytes = list(snap.header["token_ids"]), snap.nbytes
     del snap  # the driver keeps only the object-store copy, as the scheduler does
     restore_s, result = timed(lambda: _step(dst, StepPlan(resume=(rid,), decode_steps=1), ref))
     token = result.new_tokens[rid][0]

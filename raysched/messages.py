@@ -8,6 +8,7 @@ order of `StepPlan.resume`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -28,13 +29,48 @@ class StepPlan:
     resume: tuple[str, ...] = ()  # restore from the snapshots passed alongside, same order
     prefill: tuple[PrefillItem, ...] = ()
     decode_steps: int = 0
+    fault: FaultPoint | None = None  # fault injection only: die inside this call
 
     def is_empty(self) -> bool:
         return not (self.drop or self.resume or self.prefill or self.decode_steps)
 
 
 @dataclass(frozen=True)
+class FaultPoint:
+    """Fault injection (the `faults:` config): where the worker process dies inside the call that
+    carries it, as if it crashed there (`os._exit`, no clean-up, no reply).
+
+    kill_in_step: after `after_decode_steps` decode steps of the step call (or after all of
+    them, if the call runs fewer); kill_in_restore: in the step call, right after restoring its
+    first snapshot into the pools; kill_in_retract: in the retract call, after the gather (the
+    slots are freed, the snapshot built), before the snapshot is returned.
+    """
+
+    kind: str  # kill_in_step | kill_in_restore | kill_in_retract
+    after_decode_steps: int = 0
+
+
+@dataclass(frozen=True)
+class SnapshotMessage:
+    """A retracted request's snapshot as the control plane holds it: the value `Worker.retract`
+    returns and `Worker.step` takes back for a resume (`actors.worker` converts to and from
+    `actors.snapshot.Snapshot`). The scheduler only owns, re-puts and drops it, so it never loads
+    the data plane to unpickle one."""
+
+    request_id: str
+    header: dict  # the Snapshot's other fields as plain values (parts as tuples)
+    payload: Any  # (nbytes,) uint8 numpy array: Ray moves it zero-copy
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.payload.nbytes)
+
+
+@dataclass(frozen=True)
 class Usage:
+    """A worker's pool: free/total KV tokens and Mamba slots; what the scheduler plans with
+    (`actors.pools.HybridPool.usage` fills it)."""
+
     kv_free_tokens: int
     kv_total_tokens: int
     mamba_free_slots: int

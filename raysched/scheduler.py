@@ -18,6 +18,7 @@ import dataclasses
 import logging
 import os
 import re
+import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -26,7 +27,8 @@ from typing import Any
 import ray
 
 from raysched.config import ConfigError, ServeConfig
-from raysched.messages import PrefillItem, StepPlan, StepResult, Usage, WorkerInfo
+from raysched.faults import FaultInjector
+from raysched.messages import FaultPoint, PrefillItem, StepPlan, StepResult, Usage, WorkerInfo
 from raysched.planner import Plan, WorkerView, decode_need, plan_step
 from raysched.policy import choose_retract_mode
 from raysched.request import Request, State
@@ -63,7 +65,7 @@ class Scheduler:
         self._closing = False
         self._fatal: str | None = None
         self._pending_replacements = 0
-        self._fired: set[int] = set()  # indices of config.faults already fired
+        self._faults = FaultInjector(config.faults)
         self._corrupt_next: set[int] = set()  # workers whose next snapshot gets a flipped byte
         self._inflight_snapshot_bytes = 0  # estimated bytes of retractions not yet fetched
         self._snapshot_budget = config.scheduler.snapshot_budget_bytes or 0
@@ -210,14 +212,16 @@ class Scheduler:
             del self._ended[next(iter(self._ended))]
 
     async def stats(self, detail: bool = False) -> dict:
-        """Counters, table sizes, per-worker room; with `detail`, the scheduler's RSS and the
-        object store's spill counters too."""
+        """Counters, table sizes, per-worker room, faults fired; with `detail`, the scheduler's RSS,
+        whether its process has loaded torch, and the object store's spill counters too."""
         d = self.counters.summary(self._table_sizes(), [w.view for w in self.workers])
         d["snapshot_bytes_held"] = self._snapshot_bytes_held()
         d["snapshot_budget_bytes"] = self._snapshot_budget
         d["workers_alive"] = sum(w.alive for w in self.workers)
+        d["faults_fired"] = list(self._faults.fired)
         if detail:
             d["scheduler_rss_bytes"] = _rss_bytes()
+            d["scheduler_torch_loaded"] = "torch" in sys.modules  # the control plane must stay torch-free
             d.update(_object_store_stats())
         return d
 
@@ -264,12 +268,15 @@ class Scheduler:
         snap_victims, drop = self._apply_victims(w, plan)
         resume_snap = [r for r in plan.resume if not r.recompute]
         prefill = [_prefill_item(r) for r in plan.resume if r.recompute] + [_prefill_item(r) for r in plan.admit]
+        cross_node = self._cross_node(resume_snap[0], w) if resume_snap else None
         self._mark_running(w, plan.resume + plan.admit)
-        step = StepPlan(tuple(drop), tuple(r.request_id for r in resume_snap), tuple(prefill), plan.decode_steps)
-        retract_refs = [w.handle.retract.remote(r.request_id) for r in snap_victims]
+        step = StepPlan(tuple(drop), tuple(r.request_id for r in resume_snap), tuple(prefill), plan.decode_steps,
+                        fault=self._step_fault(w, w.view.calls, plan.decode_steps, cross_node))
+        retract_refs = [self._retract_call(w, r) for r in snap_victims]
         step_refs = [w.handle.step.remote(step, *[r.snapshot_ref for r in resume_snap])]
         if self._can_pipeline(w, plan):  # queue the next call now: the worker never waits for us
-            step_refs.append(w.handle.step.remote(StepPlan(decode_steps=plan.decode_steps)))
+            fault = self._step_fault(w, w.view.calls + 1, plan.decode_steps, None, pipelined=True)
+            step_refs.append(w.handle.step.remote(StepPlan(decode_steps=plan.decode_steps, fault=fault)))
             self.counters.pipelined_calls += 1
         w.view.calls += len(step_refs)
         results = await asyncio.gather(*step_refs, *retract_refs, return_exceptions=True)
@@ -279,13 +286,19 @@ class Scheduler:
         await self._on_snapshots(w, snap_victims, results[len(step_refs):])
         self._notify()
 
+    def _retract_call(self, w: WorkerSlot, r: Request) -> Any:
+        fault = self._faults.in_retract(w.index, w.view.calls, r.request_id)
+        if fault is not None:
+            log.warning("fault injection: %s sent to worker %d retracting %s", fault.kind, w.index, r.request_id)
+        return w.handle.retract.remote(r.request_id, fault)
+
     def _can_pipeline(self, w: WorkerSlot, plan: Plan) -> bool:
         """A pure-decode call with nothing waiting and room for twice the steps: the call after
         it needs no decision, so it is sent before this one returns."""
         cfg = self.config.scheduler
         if plan.victims or plan.resume or plan.admit or self.waiting or self.retracted:
             return False
-        if cfg.force_retract_every or any(i not in self._fired for i in range(len(self.config.faults))):
+        if cfg.force_retract_every:
             return False
         return decode_need(w.view, w.view.running, 2 * plan.decode_steps) <= w.view.free_tokens
 
@@ -475,10 +488,8 @@ class Scheduler:
 
     # ================================================================== fault injection
     def _fire_faults(self, w: WorkerSlot) -> None:
-        for i, fault in enumerate(self.config.faults):
-            if i in self._fired or fault.worker != w.index or w.view.calls < fault.after_steps:
-                continue
-            self._fired.add(i)
+        """Carry out the faults due before this worker's next call (see `raysched.faults`)."""
+        for fault in self._faults.due_between_calls(w.index, w.view.calls):
             log.warning("fault injection: %s on worker %d after %d calls", fault.kind, w.index, w.view.calls)
             if fault.kind == "kill_worker":
                 ray.kill(w.handle, no_restart=True)
@@ -486,8 +497,20 @@ class Scheduler:
                 for other in self.workers:
                     if other.alive and other.info.node_id == w.info.node_id:
                         ray.kill(other.handle, no_restart=True)
+            elif fault.kind == "kill_scheduler":
+                _exit_scheduler_process()
             else:
                 self._corrupt_next.add(w.index)
+
+    def _step_fault(self, w: WorkerSlot, call: int, decode_steps: int, resume_cross_node: bool | None,
+                    pipelined: bool = False) -> FaultPoint | None:
+        """The fault point a step call carries to the worker (fault injection), logged."""
+        point = self._faults.in_step(w.index, call, decode_steps, resume_cross_node, pipelined,
+                                     tuple(r.request_id for r in w.view.running))
+        if point is not None:
+            log.warning("fault injection: %s sent to worker %d in call %d%s", point.kind, w.index, call,
+                        " (pipelined)" if pipelined else "")
+        return point
 
     def _maybe_corrupt(self, w: WorkerSlot, snap: Any) -> Any:
         if w.index not in self._corrupt_next:
@@ -529,6 +552,13 @@ def _start_error(config: ServeConfig, index: int, err: BaseException) -> BaseExc
     lines = [ln.strip() for ln in re.sub(r"\x1b\[[0-9;]*m", "", str(err)).splitlines() if ln.strip()]
     cause = re.sub(r"^[\w.]*\.(\w+: )", r"\1", lines[-1]) if lines else "unknown error"  # drop the module
     return ConfigError(f"serve config: model {config.model!r}: worker {index} could not start: {cause}")
+
+
+def _exit_scheduler_process() -> None:
+    """Fault injection (kill_scheduler): end this process on the spot, as a crash would."""
+    log.error("fault injection: kill_scheduler: scheduler process %d exits", os.getpid())
+    logging.shutdown()
+    os._exit(1)
 
 
 def _rss_bytes() -> int:

@@ -1,12 +1,54 @@
-"""Starting worker actors with the right resources (the scheduler owns them)."""
+"""Starting worker actors with the right resources (the scheduler owns them).
+
+The scheduler never imports the data plane: the actor class it starts is `Worker` below, a
+torch-free shell whose constructor imports `actors.worker` *inside the worker's process* and whose
+methods hand each call to the real `actors.worker.Worker`. Ray pickles this class by reference
+(`raysched.workers.Worker`), so the scheduler's process loads neither torch nor model code, and
+the actor keeps the class name `Worker` in Ray's actor table.
+
+    handle = spawn_worker(config, index=0)
+    info = await handle.info.remote()
+"""
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 import ray
 
 from raysched.config import ServeConfig
+from raysched.messages import FaultPoint, SnapshotMessage, StepPlan, StepResult, Usage, WorkerInfo
+
+DATA_PLANE_WORKER = "actors.worker"  # the module that defines the real Worker (torch, the model)
+
+
+class Worker:
+    """The worker actor as the scheduler knows it: each method runs the data-plane method of the
+    same name (see `actors.worker.Worker` for what they do). A test checks that the two classes
+    have the same public methods."""
+
+    def __init__(self, config: ServeConfig, index: int) -> None:
+        impl = importlib.import_module(DATA_PLANE_WORKER).Worker  # in the worker's process only
+        self._impl = impl(config, index)
+
+    def info(self) -> WorkerInfo:
+        return self._impl.info()
+
+    def usage(self) -> Usage:
+        return self._impl.usage()
+
+    def running_ids(self) -> list[str]:
+        return self._impl.running_ids()
+
+    def is_idle(self) -> bool:
+        return self._impl.is_idle()
+
+    def retract(self, request_id: str, fault: FaultPoint | None = None) -> SnapshotMessage:
+        return self._impl.retract(request_id, fault)
+
+    def step(self, plan: StepPlan, *snapshots: SnapshotMessage) -> StepResult:
+        return self._impl.step(plan, *snapshots)
 
 
 def worker_options(config: ServeConfig) -> dict:
@@ -18,6 +60,5 @@ def worker_options(config: ServeConfig) -> dict:
 
 
 def spawn_worker(config: ServeConfig, index: int) -> Any:
-    from actors.worker import Worker  # the data plane; imported lazily, in the worker's process
-
+    """Start worker `index`; returns its actor handle (the caller owns the actor)."""
     return ray.remote(Worker).options(**worker_options(config)).remote(config, index)

@@ -218,7 +218,7 @@ def test_snapshot_from_another_model_is_refused_by_the_worker():
     assert "snapshot of 'r' was taken on model" in result.resume_failed["r"], result.resume_failed
     assert not result.new_tokens and home.is_idle()  # refused before anything was allocated
     # the same worker keeps serving: a recompute of that request from its tokens runs there
-    history = PrefillItem("r", snap.token_ids, snap.prompt_len, snap.sampling)
+    history = PrefillItem("r", snap.header["token_ids"], snap.header["prompt_len"], snap.header["sampling"])
     result = home.step(StepPlan(prefill=(history,), decode_steps=8))
     assert result.finished == {"r": "length"} and home.is_idle()
 
