@@ -83,8 +83,8 @@ def build_report(records: list[dict], stats: dict, duration_s: float, idle: dict
         "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
     }
     for key in ("retractions", "retractions_snapshot", "retractions_recompute", "resumes", "migrations",
-                "cross_node_migrations", "snapshot_bytes", "snapshots_refused", "worker_failures",
-                "workers_replaced", "recovered", "calls"):
+                "cross_node_migrations", "snapshot_bytes", "snapshot_bytes_held_peak", "store_pressure_fallbacks",
+                "snapshots_refused", "worker_failures", "workers_replaced", "recovered", "calls"):
         summary[key] = stats.get(key)
     summary["idle_after"] = idle
     summary.update({k: v for k, v in stats.items() if k.startswith("object_store")})
@@ -100,6 +100,7 @@ def format_summary(summary: dict, echo: Callable[[str], None] = print) -> None:
                             f"recompute {summary['retractions_recompute']})"),
             ("migrations", f"{summary['migrations']} ({summary['cross_node_migrations']} across nodes)"),
             ("snapshot bytes", summary["snapshot_bytes"]),
+            ("store fallbacks", summary["store_pressure_fallbacks"]),
             ("latency p50 / p99", _pair(summary["latency_p50_s"], summary["latency_p99_s"])),
             ("ttft p50 / p99", _pair(summary["ttft_p50_s"], summary["ttft_p99_s"])),
             ("worker failures", summary["worker_failures"])]

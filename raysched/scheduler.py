@@ -26,11 +26,13 @@ from typing import Any
 
 import ray
 
+from raysched.allocator import release_freed_memory
 from raysched.config import ConfigError, ServeConfig
 from raysched.faults import FaultInjector
 from raysched.messages import FaultPoint, PrefillItem, StepPlan, StepResult, Usage, WorkerInfo
 from raysched.planner import Plan, WorkerView, decode_need, plan_step
 from raysched.policy import choose_retract_mode
+from raysched.ray_compat import object_store_stats
 from raysched.request import Request, State
 from raysched.sampling import RequestError, SamplingParams, validate_prompt
 from raysched.stats import Counters
@@ -53,6 +55,7 @@ class WorkerSlot:
 
 class Scheduler:
     def __init__(self, config: ServeConfig) -> None:
+        release_freed_memory()  # a long-lived process: keep its heap from hoarding freed blocks
         self.config = config
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
@@ -222,7 +225,7 @@ class Scheduler:
         if detail:
             d["scheduler_rss_bytes"] = _rss_bytes()
             d["scheduler_torch_loaded"] = "torch" in sys.modules  # the control plane must stay torch-free
-            d.update(_object_store_stats())
+            d.update(object_store_stats())
         return d
 
     async def timeline(self) -> list[tuple]:
@@ -429,6 +432,7 @@ class Scheduler:
                 snap = self._maybe_corrupt(w, snap)
                 req.snapshot_ref, req.snapshot_bytes = ray.put(snap), snap.nbytes
                 self.counters.snapshot_bytes += snap.nbytes
+                self.counters.note_snapshot_bytes_held(self._snapshot_bytes_held())
             if req.state is State.RETRACTED:
                 self.retracted.append(req)
 
@@ -564,23 +568,6 @@ def _exit_scheduler_process() -> None:
 def _rss_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def _object_store_stats() -> dict:
-    """Spilled/restored bytes as Ray reports them (best effort; empty if unavailable)."""
-    try:
-        from ray._private.internal_api import memory_summary
-
-        # this cluster's GCS: without an address Ray picks the newest cluster on the machine
-        text = memory_summary(address=ray.get_runtime_context().gcs_address, stats_only=True)
-    except Exception:
-        return {}
-    out = {}
-    for key, pattern in (("object_store_spilled_mib", r"Spilled (\d+) MiB"),
-                         ("object_store_restored_mib", r"Restored (\d+) MiB")):
-        m = re.search(pattern, text)
-        out[key] = int(m.group(1)) if m else 0
-    return out
 
 
 def _local_object_store_bytes() -> int:

@@ -27,7 +27,8 @@ class Counters:
     resumes_recompute: int = 0
     migrations: int = 0
     cross_node_migrations: int = 0
-    snapshot_bytes: int = 0
+    snapshot_bytes: int = 0  # through the object store, in total
+    snapshot_bytes_held_peak: int = 0  # most bytes of snapshots waiting (or in flight) at once
     snapshots_refused: int = 0
     worker_failures: int = 0
     workers_replaced: int = 0
@@ -43,6 +44,9 @@ class Counters:
             self.retractions_recompute += 1
         else:
             self.retractions_snapshot += 1
+
+    def note_snapshot_bytes_held(self, nbytes: int) -> None:
+        self.snapshot_bytes_held_peak = max(self.snapshot_bytes_held_peak, nbytes)
 
     def on_resume(self, recompute: bool, migrated: bool, cross_node: bool) -> None:
         self.resumes += 1

@@ -16,12 +16,12 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from functools import lru_cache
-from pathlib import Path
 from typing import Any
 
 import pytest
 import ray
 
+from raysched.ray_compat import session_log_dir
 from raysched.sampling import SamplingParams
 from raysched.workload import RequestSpec, load_workload
 
@@ -100,7 +100,7 @@ def wait_until(condition: Callable[[], bool], timeout_s: float, what: str, poll_
 def scheduler_log(client) -> str:
     """What the scheduler actor wrote to stderr (its warnings and errors), from the session logs."""
     pid = ray.get(client.scheduler.__ray_call__.remote(lambda _self: os.getpid()))
-    logs = Path(ray._private.worker._global_node.get_session_dir_path()) / "logs"
+    logs = session_log_dir()
     return "".join(p.read_text(errors="replace") for p in sorted(logs.glob(f"worker-*-{pid}.err")))
 
 
