@@ -15,7 +15,7 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "launch": "raysched.client", "Client": "raysched.client", "RequestHandle": "raysched.client",
+    "launch": "raysched.client", "connect": "raysched.client", "Client": "raysched.client", "RequestHandle": "raysched.client",
     "ServeConfig": "raysched.config", "load_serve_config": "raysched.config", "ConfigError": "raysched.config",
     "SamplingParams": "raysched.sampling", "RequestError": "raysched.sampling",
     "load_workload": "raysched.workload",

@@ -1,4 +1,5 @@
-"""`raysched` command line: generate (in-process reference), run (a workload on Ray), bench."""
+"""`raysched` command line: generate (in-process reference), run (a workload on Ray), bench,
+and one long-lived deployment: start / status / stop (a named scheduler), serve (OpenAI-compatible HTTP)."""
 
 from __future__ import annotations
 
@@ -40,12 +41,89 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--report", default=None, help="write the JSON report here")
     r.add_argument("--quiet", action="store_true", help="no progress line")
 
+    st = sub.add_parser("start", help="start a named, detached scheduler on a running Ray cluster")
+    st.add_argument("--config", required=True, help="serve config YAML")
+    _deployment_args(st)
+    for cmd, text in (("status", "workers, pools, queues and counters of the named scheduler"),
+                      ("stop", "end the named scheduler and its workers")):
+        _deployment_args(sub.add_parser(cmd, help=text))
+    sub.choices["status"].add_argument("--json", action="store_true", help="print the stats as JSON")
+
     b = sub.add_parser("bench", help="benchmarks; each prints a table and writes JSON")
     b.add_argument("name", choices=BENCHES)
     b.add_argument("--json", action="store_true", help="print the JSON result to stdout")
     b.add_argument("--out", default="bench-out", help="directory for JSON and PNG files")
     b.add_argument("--quick", action="store_true", help="smaller sizes (smoke test)")
     return p
+
+
+def _deployment_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--address", default=None, help="Ray cluster address (default: $RAY_ADDRESS, else auto)")
+    p.add_argument("--name", default=None, help="scheduler name in namespace 'raysched' (default: raysched)")
+
+
+def cmd_start(args: argparse.Namespace) -> int:
+    import os
+
+    import ray
+
+    from raysched.config import load_serve_config
+    from raysched.deployment import DEFAULT_NAME, start_scheduler
+
+    config = load_serve_config(args.config)
+    owns_ray = not ray.is_initialized()
+    if owns_ray:
+        ray.init(address=args.address or os.environ.get("RAY_ADDRESS") or "auto", logging_level="WARNING")
+    try:
+        name = args.name or DEFAULT_NAME
+        _, workers = start_scheduler(config, name, detached=True)
+        _print_workers(workers)
+        print(f"scheduler {name!r} started (namespace 'raysched'); `raysched stop` ends it")
+    finally:
+        if owns_ray:
+            ray.shutdown()
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    import raysched
+
+    client = raysched.connect(args.address, args.name)
+    try:
+        stats = client.stats()
+    finally:
+        client.shutdown()  # a connected client only disconnects
+    if args.json:
+        print(json.dumps(stats, indent=1, default=str))
+        return 0
+    format_status(client.workers, stats)
+    return 0
+
+
+def format_status(workers: list[dict], stats: dict) -> None:
+    """Workers (device, pool room), queues and counters, as `raysched status` prints them."""
+    views = {v["worker"]: v for v in stats["workers"]}
+    for w in workers:
+        v = views.get(w["worker"], {})
+        print(f"worker {w['worker']}: node {w['node'][:12]} device {w['device']}  "
+              f"kv free {v.get('free_tokens')}/{w['kv_tokens']}  "
+              f"mamba free {v.get('free_slots')}/{w['mamba_slots']}  running {v.get('running')}")
+    t = stats["tables"]
+    print(f"queues: waiting {t['waiting']}  running {t['running']}  retracted {t['retracted']}  "
+          f"snapshots held {t['snapshots_held']}")
+    keys = ("submitted", "finished", "aborted", "failed", "tokens", "retractions", "resumes", "migrations",
+            "snapshot_bytes", "worker_failures", "workers_replaced")
+    print("counters: " + "  ".join(f"{k} {stats.get(k)}" for k in keys))
+    print(f"uptime {stats['uptime_s']:.0f} s, workers alive {stats['workers_alive']}")
+
+
+def cmd_stop(args: argparse.Namespace) -> int:
+    import raysched
+
+    client = raysched.connect(args.address, args.name)
+    client.stop()
+    print(f"scheduler {args.name or 'raysched'!r} stopped")
+    return 0
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -116,10 +194,14 @@ def main(argv: list[str] | None = None) -> int:
     from raysched.config import ConfigError
     from raysched.sampling import RequestError
 
-    handlers = {"generate": cmd_generate, "run": cmd_run, "bench": cmd_bench}
+    from raysched.deployment import SchedulerExistsError, SchedulerNotFoundError
+
+    handlers = {"generate": cmd_generate, "run": cmd_run, "bench": cmd_bench, "start": cmd_start,
+                "status": cmd_status, "stop": cmd_stop}
     try:
         return handlers[args.command](args)
-    except (ConfigError, RequestError, FileNotFoundError) as err:
+    except (ConfigError, RequestError, FileNotFoundError, SchedulerExistsError,
+            SchedulerNotFoundError) as err:
         print(f"raysched {args.command}: error: {err}", file=sys.stderr)
         return 2
     except ValueError as err:  # CheckpointError, SnapshotError, ...

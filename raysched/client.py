@@ -14,9 +14,8 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import ray
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from raysched.config import ConfigError, ServeConfig, load_serve_config
+from raysched.config import ServeConfig, load_serve_config
 from raysched.sampling import RequestError, SamplingParams
 
 DEFAULT_OBJECT_STORE_BYTES = 512 << 20
@@ -40,33 +39,58 @@ def _get(ref: Any, timeout: float | None = None) -> Any:
 
 
 def launch(config: ServeConfig | str | Mapping[str, Any] | None = None, address: str | None = None,
-           num_cpus: int | None = None) -> "Client":
-    """Start the scheduler and its workers; returns a `Client`.
+           num_cpus: int | None = None, name: str | None = None, detached: bool = False,
+           max_restarts: int = 0) -> "Client":
+    """Start the scheduler and its workers; returns a `Client` that owns them.
 
     With `address` (or RAY_ADDRESS) it attaches to that cluster; otherwise it starts an embedded
     local Ray instance (no dashboard, bounded object store) that `Client.shutdown` stops again.
-    If Ray is already initialised in this process, that instance is used as is.
+    If Ray is already initialised in this process, that instance is used as is. By default the
+    scheduler is unnamed (several launches may share a cluster); with `name` it is registered in
+    namespace `raysched` so that `raysched.connect(name=...)` finds it (see `raysched.deployment`).
     """
+    from raysched.deployment import start_scheduler
+
     cfg = config if isinstance(config, ServeConfig) else load_serve_config(config or {})
     owns_ray = _init_ray(cfg, address, num_cpus)
-    sched = None
     try:
-        here = ray.get_runtime_context().get_node_id()
-        from raysched.scheduler import Scheduler
-
-        sched = ray.remote(Scheduler).options(
-            num_cpus=0, max_concurrency=10000,
-            scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False)).remote(cfg)
-        workers = ray.get(sched.start.remote())
-    except BaseException as err:
-        if sched is not None:
-            ray.kill(sched)  # on a shared cluster it (and its workers) would otherwise linger
+        sched, workers = start_scheduler(cfg, name, detached, max_restarts)
+    except BaseException:
         if owns_ray:
             ray.shutdown()
-        if isinstance(err, ray.exceptions.RayTaskError) and isinstance(err.cause, ConfigError):
-            raise err.cause from None  # e.g. a missing checkpoint: one line, not Ray's traceback
         raise
-    return Client(sched, cfg, workers, owns_ray)
+    return Client(sched, cfg, workers, owns_ray, owns_scheduler=True)
+
+
+def connect(address: str | None = None, name: str | None = None) -> "Client":
+    """Attach to a running named scheduler (one long-lived deployment); returns a `Client`.
+
+    `address` defaults to RAY_ADDRESS, else the newest cluster on this machine ("auto"); if Ray
+    is already initialised in this process that connection is used. `shutdown()` on the client
+    only disconnects; `stop()` ends the scheduler and its workers.
+
+    >>> client = raysched.connect("127.0.0.1:6379")      # the scheduler `raysched serve` started
+    """
+    from raysched.deployment import DEFAULT_NAME, SchedulerNotFoundError, describe, find_scheduler
+
+    name = name or DEFAULT_NAME
+    owns_ray = False
+    if not ray.is_initialized():
+        ray.init(address=address or os.environ.get("RAY_ADDRESS") or "auto", logging_level="WARNING")
+        owns_ray = True
+    handle = find_scheduler(name)
+    if handle is None:
+        if owns_ray:
+            ray.shutdown()
+        raise SchedulerNotFoundError(f"no raysched scheduler named {name!r} runs in this cluster "
+                                     f"(start one with `raysched start` or `raysched serve`)")
+    try:
+        info = _get(handle.describe.remote())
+    except BaseException:
+        if owns_ray:
+            ray.shutdown()
+        raise
+    return Client(handle, info["config"], info["workers"], owns_ray, owns_scheduler=False)
 
 
 def _init_ray(cfg: ServeConfig, address: str | None, num_cpus: int | None) -> bool:
@@ -83,11 +107,18 @@ def _init_ray(cfg: ServeConfig, address: str | None, num_cpus: int | None) -> bo
 
 
 class Client:
-    def __init__(self, scheduler: Any, config: ServeConfig, workers: list[dict], owns_ray: bool) -> None:
+    """A driver's view of one scheduler: submit requests, read stats, end it.
+
+    `owns_scheduler`: made by `launch` (shutdown ends the scheduler) or by `connect` (shutdown
+    only disconnects; the shared scheduler keeps serving others)."""
+
+    def __init__(self, scheduler: Any, config: ServeConfig, workers: list[dict], owns_ray: bool,
+                 owns_scheduler: bool = True) -> None:
         self.scheduler = scheduler
         self.config = config
         self.workers = workers  # one dict per worker: node, device, pool sizes
         self._owns_ray = owns_ray
+        self.owns_scheduler = owns_scheduler
 
     def submit(self, prompt_ids: list[int], sampling: SamplingParams | Mapping[str, Any] | None = None,
                request_id: str | None = None) -> "RequestHandle":
@@ -113,12 +144,18 @@ class Client:
         return _get(self.scheduler.check_idle.remote())
 
     def shutdown(self) -> None:
-        """Stop the scheduler and workers; stop Ray too if `launch` started it."""
-        try:
-            ray.get(self.scheduler.shutdown.remote(), timeout=30)
-        except Exception:
-            pass
-        ray.kill(self.scheduler)
+        """Stop the scheduler and workers if this client launched them (a connected client only
+        disconnects); stop Ray too if this client started or attached it."""
+        if self.owns_scheduler:
+            self.stop()
+        elif self._owns_ray:
+            ray.shutdown()
+
+    def stop(self) -> None:
+        """End the scheduler and its workers, whoever started them; then disconnect."""
+        from raysched.deployment import stop_scheduler
+
+        stop_scheduler(self.scheduler)
         if self._owns_ray:
             ray.shutdown()
 

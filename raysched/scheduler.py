@@ -106,6 +106,10 @@ class Scheduler:
         if len(prints) > 1:
             raise RuntimeError(f"workers loaded different models: {sorted(prints)}")
 
+    async def describe(self) -> dict:
+        """The config this scheduler serves and its live workers (for `raysched.connect`)."""
+        return {"config": self.config, "workers": [self._worker_line(w) for w in self.workers if w.alive]}
+
     @staticmethod
     def _worker_line(w: WorkerSlot) -> dict:
         return {"worker": w.index, "node": w.info.node_id, "device": w.info.device,
