@@ -16,6 +16,7 @@ from typing import Any
 import ray
 
 from raysched.config import ServeConfig, load_serve_config
+from raysched.deployment import DEFAULT_MAX_RESTARTS
 from raysched.sampling import RequestError, SamplingParams
 
 DEFAULT_OBJECT_STORE_BYTES = 512 << 20
@@ -23,6 +24,10 @@ DEFAULT_OBJECT_STORE_BYTES = 512 << 20
 
 class SchedulerDiedError(RuntimeError):
     """The scheduler actor is gone; pending requests cannot complete through it."""
+
+
+class ClientClosedError(RuntimeError):
+    """This `Client` was shut down; it cannot be used again (launch or connect a new one)."""
 
 
 def _get(ref: Any, timeout: float | None = None) -> Any:
@@ -40,7 +45,7 @@ def _get(ref: Any, timeout: float | None = None) -> Any:
 
 def launch(config: ServeConfig | str | Mapping[str, Any] | None = None, address: str | None = None,
            num_cpus: int | None = None, name: str | None = None, detached: bool = False,
-           max_restarts: int = 0) -> "Client":
+           max_restarts: int = DEFAULT_MAX_RESTARTS) -> "Client":
     """Start the scheduler and its workers; returns a `Client` that owns them.
 
     With `address` (or RAY_ADDRESS) it attaches to that cluster; otherwise it starts an embedded
@@ -48,6 +53,8 @@ def launch(config: ServeConfig | str | Mapping[str, Any] | None = None, address:
     If Ray is already initialised in this process, that instance is used as is. By default the
     scheduler is unnamed (several launches may share a cluster); with `name` it is registered in
     namespace `raysched` so that `raysched.connect(name=...)` finds it (see `raysched.deployment`).
+    If the scheduler's process dies, Ray restarts it up to `max_restarts` times and request
+    handles resubmit their requests to it (see `RequestHandle`).
     """
     from raysched.deployment import start_scheduler
 
@@ -119,6 +126,19 @@ class Client:
         self.workers = workers  # one dict per worker: node, device, pool sizes
         self._owns_ray = owns_ray
         self.owns_scheduler = owns_scheduler
+        self._closed = False
+
+    @property
+    def scheduler(self) -> Any:
+        """The scheduler actor's handle; a closed client raises `ClientClosedError` at once (its
+        Ray connection may be gone: a call would re-initialise Ray and hang on a stale cluster)."""
+        if self._closed:
+            raise ClientClosedError("this raysched Client was shut down; launch() or connect() a new one")
+        return self._scheduler
+
+    @scheduler.setter
+    def scheduler(self, handle: Any) -> None:
+        self._scheduler = handle
 
     def submit(self, prompt_ids: list[int], sampling: SamplingParams | Mapping[str, Any] | None = None,
                request_id: str | None = None) -> "RequestHandle":
@@ -128,7 +148,15 @@ class Client:
         """
         params = sampling.to_dict() if isinstance(sampling, SamplingParams) else dict(sampling or {})
         rid = _get(self.scheduler.submit.remote(list(prompt_ids), params, request_id))
-        return RequestHandle(self.scheduler, rid)
+        return RequestHandle(self, rid, list(prompt_ids), params)
+
+    def resubmit(self, prompt_ids: list[int], sampling: Mapping[str, Any], request_id: str,
+                 generated: list[int] = ()) -> "RequestHandle":
+        """Submit again a request whose scheduler died (and was restarted by Ray), with the tokens
+        received so far; it continues exactly where it was (see `Scheduler.resubmit`). Raises
+        `SchedulerDiedError` if the scheduler is gone for good."""
+        rid = _get(self.scheduler.resubmit.remote(list(prompt_ids), dict(sampling), request_id, list(generated)))
+        return RequestHandle(self, rid, list(prompt_ids), dict(sampling), list(generated))
 
     def vocab_size(self) -> int:
         return self.workers[0]["vocab_size"]
@@ -145,11 +173,15 @@ class Client:
 
     def shutdown(self) -> None:
         """Stop the scheduler and workers if this client launched them (a connected client only
-        disconnects); stop Ray too if this client started or attached it."""
+        disconnects); stop Ray too if this client started or attached it. The client is closed
+        afterwards: any further call raises `ClientClosedError`. A second shutdown does nothing."""
+        if self._closed:
+            return
         if self.owns_scheduler:
             self.stop()
         elif self._owns_ray:
             ray.shutdown()
+        self._closed = True
 
     def stop(self) -> None:
         """End the scheduler and its workers, whoever started them; then disconnect."""
@@ -158,6 +190,7 @@ class Client:
         stop_scheduler(self.scheduler)
         if self._owns_ray:
             ray.shutdown()
+        self._closed = True
 
     def __enter__(self) -> "Client":
         return self
@@ -167,21 +200,52 @@ class Client:
 
 
 class RequestHandle:
-    def __init__(self, scheduler: Any, request_id: str) -> None:
-        self.scheduler = scheduler
+    """One submitted request. It keeps what it needs to survive the scheduler's death: the prompt,
+    the sampling parameters and the tokens received so far (`received`). When the scheduler dies
+    and Ray restarts it, `result()` and `stream()` resubmit the request with those tokens and carry
+    on; the continuation is identical (counter-based sampler). If the scheduler is gone for good,
+    they raise `SchedulerDiedError`."""
+
+    def __init__(self, client: Client, request_id: str, prompt_ids: list[int], sampling: dict,
+                 received: list[int] = ()) -> None:
+        self.client = client
         self.request_id = request_id
+        self.prompt_ids = prompt_ids
+        self.sampling = sampling
+        self.received: list[int] = list(received)
+
+    @property
+    def scheduler(self) -> Any:
+        return self.client.scheduler
 
     def result(self, timeout: float | None = None) -> dict:
         """Block until the request ends; its record (token_ids, workers, retractions, timings)."""
-        return _get(self.scheduler.wait.remote(self.request_id), timeout)
+        while True:
+            try:
+                return _get(self.scheduler.wait.remote(self.request_id), timeout)
+            except SchedulerDiedError:
+                self.resubmit()
 
     def stream(self) -> Iterator[int]:
-        """Yield tokens as they are generated."""
-        cursor, done = 0, False
+        """Yield tokens as they are generated (after a scheduler restart, only the new ones)."""
+        done = False
         while not done:
-            tokens, done = _get(self.scheduler.next_tokens.remote(self.request_id, cursor))
-            cursor += len(tokens)
+            try:
+                tokens, done = _get(self.scheduler.next_tokens.remote(self.request_id, len(self.received)))
+            except SchedulerDiedError:
+                self.resubmit()
+                continue
+            self.received.extend(tokens)
             yield from tokens
+
+    def resubmit(self) -> None:
+        """The scheduler died: hand the request, with the tokens received, to its restarted self.
+        Raises SchedulerDiedError when there is none (the actor is dead for good)."""
+        try:
+            self.client.resubmit(self.prompt_ids, self.sampling, self.request_id, self.received)
+        except RequestError as err:
+            if "already in use" not in str(err):
+                raise  # else the scheduler never died (a call failed in transit): it still has it
 
     def abort(self) -> bool:
         return _get(self.scheduler.abort.remote(self.request_id))

@@ -9,15 +9,19 @@ from typing import Any
 
 import ray
 
-from raysched.client import Client, _get
+from raysched.client import Client, RequestHandle, SchedulerDiedError, _get
 from raysched.sampling import RequestError
 from raysched.workload import RequestSpec
 
 
 def run_workload(client: Client, specs: list[RequestSpec], progress: bool = True) -> dict:
-    """Submit every request at its arrival time, wait for all, return the report dict."""
+    """Submit every request at its arrival time, wait for all, return the report dict.
+
+    If the scheduler dies and Ray restarts it, the requests still pending are resubmitted to it
+    (each completes once, with the tokens it would have had); if it is gone for good, this
+    raises `SchedulerDiedError`."""
     start = time.monotonic()
-    pending: dict[Any, RequestSpec] = {}
+    pending: dict[Any, RequestHandle] = {}
     records: list[dict] = []
     order = sorted(specs, key=lambda s: s.arrival_s)
     i, last_print = 0, 0.0
@@ -30,8 +34,12 @@ def run_workload(client: Client, specs: list[RequestSpec], progress: bool = True
         if pending:
             done, _ = ray.wait(list(pending), num_returns=len(pending), timeout=wait_s)
             for ref in done:
-                pending.pop(ref)
-                records.append(_get(ref))
+                handle = pending.pop(ref)
+                try:
+                    records.append(_get(ref))
+                except SchedulerDiedError:
+                    handle.resubmit()  # to the restarted scheduler; raises if there is none
+                    pending[client.scheduler.wait.remote(handle.request_id)] = handle
         else:
             time.sleep(wait_s)
         if progress and time.monotonic() - last_print > 1.0:
@@ -43,13 +51,16 @@ def run_workload(client: Client, specs: list[RequestSpec], progress: bool = True
 
 def _submit(client: Client, spec: RequestSpec, pending: dict, records: list[dict]) -> None:
     try:
-        handle = client.submit(list(spec.prompt_ids), spec.sampling, spec.request_id)
+        try:
+            handle = client.submit(list(spec.prompt_ids), spec.sampling, spec.request_id)
+        except SchedulerDiedError:  # died while this submit was in flight: submit to its restarted self
+            handle = client.submit(list(spec.prompt_ids), spec.sampling, spec.request_id)
     except RequestError as err:
         records.append({"request_id": spec.request_id, "prompt_ids": list(spec.prompt_ids),
                         "token_ids": [], "state": "rejected", "error": str(err), "workers": [],
                         "retractions": 0, "ttft_s": None, "latency_s": None, "finish_reason": None})
         return
-    pending[client.scheduler.wait.remote(handle.request_id)] = spec
+    pending[client.scheduler.wait.remote(handle.request_id)] = handle
 
 
 def _print_progress(client: Client, done: int, total: int, elapsed: float) -> None:
@@ -84,7 +95,8 @@ def build_report(records: list[dict], stats: dict, duration_s: float, idle: dict
     }
     for key in ("retractions", "retractions_snapshot", "retractions_recompute", "resumes", "migrations",
                 "cross_node_migrations", "snapshot_bytes", "snapshot_bytes_held_peak", "store_pressure_fallbacks",
-                "snapshots_refused", "worker_failures", "workers_replaced", "recovered", "calls"):
+                "snapshots_refused", "worker_failures", "workers_replaced", "recovered", "calls",
+                "scheduler_restarted", "resubmitted", "resubmitted_tokens"):
         summary[key] = stats.get(key)
     summary["idle_after"] = idle
     summary.update({k: v for k, v in stats.items() if k.startswith("object_store")})

@@ -20,6 +20,7 @@ import os
 import re
 import sys
 import time
+import warnings
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -56,6 +57,9 @@ class WorkerSlot:
 class Scheduler:
     def __init__(self, config: ServeConfig) -> None:
         release_freed_memory()  # a long-lived process: keep its heap from hoarding freed blocks
+        self.restarted = _was_restarted()  # by Ray (max_restarts) after this actor's process died
+        if self.restarted:  # a rehearsed fault fires once per deployment, not again after the restart
+            config = dataclasses.replace(config, faults=())
         self.config = config
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
@@ -65,6 +69,8 @@ class Scheduler:
         self._progress: dict[str, asyncio.Event] = {}
         self._ended: dict[str, Request] = {}  # read once, out of the live table; oldest first
         self._next_id = 0
+        self._id_prefix = f"req-r{os.getpid()}-" if self.restarted else "req-"  # never an id of before
+        self._start_task: asyncio.Task | None = None
         self._closing = False
         self._fatal: str | None = None
         self._pending_replacements = 0
@@ -75,7 +81,14 @@ class Scheduler:
 
     # ================================================================== lifecycle
     async def start(self) -> list[dict]:
-        """Start the worker actors and their loops; returns one line of facts per worker."""
+        """Start the worker actors and their loops, once (the creator calls it; a restarted
+        scheduler calls it itself on its first submit); returns one line of facts per worker."""
+        if self._start_task is None:
+            self._start_task = asyncio.get_running_loop().create_task(self._start_workers())
+        await asyncio.shield(self._start_task)
+        return [self._worker_line(w) for w in self.workers]
+
+    async def _start_workers(self) -> None:
         from raysched.workers import spawn_worker
 
         handles = [spawn_worker(self.config, i) for i in range(self.config.workers)]
@@ -90,7 +103,6 @@ class Scheduler:
         self._check_same_model()
         if self.config.scheduler.snapshot_budget_bytes is None:
             self._snapshot_budget = _local_object_store_bytes() // 2
-        return [self._worker_line(w) for w in self.workers]
 
     def _add_worker(self, handle: Any, info: WorkerInfo) -> WorkerSlot:
         u = info.usage
@@ -132,9 +144,11 @@ class Scheduler:
                      request_id: str | None = None) -> str:
         """Validate and queue a request; returns its id. Bad input raises RequestError at once."""
         self._raise_if_fatal()
+        if self.restarted:
+            await self.start()
         params = SamplingParams.from_dict(sampling or {})
         prompt = self._validate(prompt_ids, params)
-        rid = request_id or f"req-{self._next_id}"
+        rid = request_id or f"{self._id_prefix}{self._next_id}"
         self._next_id += 1
         if rid in self.requests:
             raise RequestError(f"request id {rid!r} is already in use")
@@ -145,6 +159,34 @@ class Scheduler:
         self.counters.submitted += 1
         self._notify()
         return rid
+
+    async def resubmit(self, prompt_ids: list[int], sampling: dict, request_id: str,
+                       generated: list[int]) -> str:
+        """A request submitted to this scheduler before it died (Ray restarted it), with the
+        tokens the client had received. It resumes by recompute from prompt + those tokens, ahead
+        of new admissions; the counter-based sampler continues at draw number len(generated), so
+        the tokens that follow are the ones the request would have had."""
+        if self.restarted:
+            await self.start()
+        params = SamplingParams.from_dict(sampling or {})
+        self._validate_generated(generated, params)
+        rid = await self.submit(prompt_ids, sampling, request_id)
+        self.counters.resubmitted += 1
+        if generated:
+            req = self.requests[rid]
+            self.waiting.remove(req)
+            req.output_ids, req.recompute, req.state = [int(t) for t in generated], True, State.RETRACTED
+            self.retracted.append(req)
+            self.counters.resubmitted_tokens += len(generated)
+        return rid
+
+    def _validate_generated(self, generated: list[int], params: SamplingParams) -> None:
+        vocab = self.workers[0].info.vocab_size
+        if not all(isinstance(t, int) and 0 <= t < vocab for t in generated):
+            raise RequestError(f"generated tokens must be token ids in [0, {vocab})")
+        if len(generated) >= params.max_new_tokens:
+            raise RequestError(f"{len(generated)} tokens were already generated: the request had ended "
+                               f"(max_new_tokens {params.max_new_tokens})")
 
     def _validate(self, prompt_ids: list[int], params: SamplingParams) -> tuple[int, ...]:
         info = self.workers[0].info
@@ -226,6 +268,7 @@ class Scheduler:
         d["snapshot_budget_bytes"] = self._snapshot_budget
         d["workers_alive"] = sum(w.alive for w in self.workers)
         d["faults_fired"] = list(self._faults.fired)
+        d["scheduler_restarted"] = self.restarted
         if detail:
             d["scheduler_rss_bytes"] = _rss_bytes()
             d["scheduler_torch_loaded"] = "torch" in sys.modules  # the control plane must stay torch-free
@@ -560,6 +603,16 @@ def _start_error(config: ServeConfig, index: int, err: BaseException) -> BaseExc
     lines = [ln.strip() for ln in re.sub(r"\x1b\[[0-9;]*m", "", str(err)).splitlines() if ln.strip()]
     cause = re.sub(r"^[\w.]*\.(\w+: )", r"\1", lines[-1]) if lines else "unknown error"  # drop the module
     return ConfigError(f"serve config: model {config.model!r}: worker {index} could not start: {cause}")
+
+
+def _was_restarted() -> bool:
+    """Whether Ray re-created this actor after its process died (False outside Ray)."""
+    try:
+        with warnings.catch_warnings():  # Ray 2.60 warns about its own use of a deprecated field here
+            warnings.simplefilter("ignore")
+            return bool(ray.get_runtime_context().was_current_actor_reconstructed)
+    except Exception:
+        return False
 
 
 def _exit_scheduler_process() -> None:

@@ -34,6 +34,8 @@ class Counters:
     workers_replaced: int = 0
     recovered: int = 0
     store_pressure_fallbacks: int = 0
+    resubmitted: int = 0  # requests resubmitted to this (restarted) scheduler by their clients
+    resubmitted_tokens: int = 0  # tokens they carried (received before the restart)
     busy_s: float = 0.0
     started_s: float = field(default_factory=time.monotonic)
     timeline: deque = field(default_factory=lambda: deque(maxlen=20000))

@@ -38,8 +38,8 @@ from raysched.request import State
 from raysched.runner import run_workload
 from raysched.workload import RequestSpec
 from tests.conftest import local_cluster
-from tests.exactness import (assert_exactly_once, assert_idle, bare_scheduler, scheduler_log, synthetic,
-                             wait_until)
+from tests.exactness import (assert_exactly_once, assert_idle, bare_scheduler, reference, scheduler_log,
+                             synthetic, wait_until)
 
 NODE_STORE_BYTES = 100 << 20
 POOL = {"kv_tokens": 160, "mamba_slots": 4}  # small: 20 requests overflow two workers
@@ -267,6 +267,40 @@ class TestOnCluster:
             wait_for_replacements(client, 1)  # on the spare node: the removed one is gone
             assert_idle(client.check_idle())
 
+
+    def test_killed_scheduler_is_restarted_and_run_completes_every_request_once(self):
+        """kill_scheduler: the scheduler's process exits mid-run (its workers die with it, their
+        owner). Ray restarts it; `run_workload` (what `raysched run` runs) resubmits the pending
+        requests, the restarted scheduler starts new workers and completes each of them once."""
+        specs = synthetic(31, requests=20, max_new_tokens=(24, 48))
+        with serving(config({"force_retract_every": 2}, [kill(0, 6, "kill_scheduler")])) as client:
+            report = run_workload(client, specs, progress=False)
+            assert_exactly_once(report, specs)
+            s = report["summary"]
+            assert s["scheduler_restarted"] is True and s["resubmitted"] > 0, s
+            stats = client.stats()
+            assert stats["workers_alive"] == 2 and stats["faults_fired"] == [], stats  # not fired again
+            assert_idle(client.check_idle())
+        print(f"\nscheduler killed and restarted: {s['resubmitted']} of {len(specs)} requests resubmitted, "
+              f"all finished once with reference tokens")
+
+    def test_streams_keep_their_tokens_across_a_scheduler_restart(self):
+        """Streaming clients keep the tokens they received; after the restart each request is
+        resubmitted with them and continues where it was: every token arrives exactly once and
+        the streams equal the uninterrupted reference."""
+        specs = synthetic(32, requests=6, max_new_tokens=(60, 80))
+        with serving(config({}, [kill(1, 8, "kill_scheduler")])) as client:
+            handles = [client.submit(list(s.prompt_ids), s.sampling, s.request_id) for s in specs]
+            with concurrent.futures.ThreadPoolExecutor(len(handles)) as pool:
+                streams = list(pool.map(lambda h: list(h.stream()), handles))
+            stats = client.stats()
+            assert_idle(client.check_idle())
+        want = reference(specs)
+        assert streams == [want[s.request_id] for s in specs]
+        assert stats["scheduler_restarted"] is True and stats["resubmitted"] == len(specs), stats
+        assert stats["resubmitted_tokens"] > 0, stats  # they resumed from what they had received
+        print(f"\nstreams across a scheduler restart: {stats['resubmitted_tokens']} tokens carried over by "
+              f"{stats['resubmitted']} resubmitted requests")
 
     def test_scheduler_process_never_loads_torch_or_the_data_plane(self):
         """Snapshots pass through the scheduler (it re-owns them) as torch-free messages, and the
