@@ -47,6 +47,7 @@ def scheduler_options(name: str | None = None, detached: bool = False,
     here = ray.get_runtime_context().get_node_id()
     opts: dict[str, Any] = {
         "num_cpus": 0, "max_concurrency": 10000, "max_restarts": max_restarts,
+        "enable_task_events": False,  # no per-call event records in a process that serves every call
         "scheduling_strategy": NodeAffinitySchedulingStrategy(here, soft=False)}
     if name is not None:
         opts.update(name=name, namespace=NAMESPACE)

@@ -56,7 +56,7 @@ def worker_options(config: ServeConfig) -> dict:
     gpus = ray.cluster_resources().get("GPU", 0)
     use_gpu = config.device == "cuda" or (config.device == "auto" and gpus >= 1)
     return {"num_cpus": 1, "num_gpus": 1 if use_gpu else 0, "scheduling_strategy": "SPREAD",
-            "max_restarts": 0, "max_task_retries": 0}
+            "max_restarts": 0, "max_task_retries": 0, "enable_task_events": False}
 
 
 def spawn_worker(config: ServeConfig, index: int) -> Any:

@@ -13,12 +13,10 @@ retracted), and afterwards no slot, table entry or snapshot is left behind.
 from __future__ import annotations
 
 import os
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from functools import lru_cache
 from typing import Any
 
-import pytest
 import ray
 
 from raysched.ray_compat import session_log_dir
@@ -85,16 +83,6 @@ def assert_idle(idle: dict) -> None:
     """`client.check_idle()`: every live worker's pool free, every scheduler table empty."""
     assert idle["workers_idle"], f"a worker still holds slots: {idle}"
     assert not any(idle["tables"].values()), f"scheduler tables not empty: {idle['tables']}"
-
-
-def wait_until(condition: Callable[[], bool], timeout_s: float, what: str, poll_s: float = 0.05) -> float:
-    """Poll `condition` until it holds (returns the seconds waited); fail naming `what`."""
-    start = time.monotonic()
-    while not condition():
-        if time.monotonic() - start > timeout_s:
-            pytest.fail(f"timed out after {timeout_s:.0f} s waiting for {what}")
-        time.sleep(poll_s)  # the polling interval of a condition, not a guess at an ordering
-    return time.monotonic() - start
 
 
 def scheduler_log(client) -> str:
