@@ -231,10 +231,10 @@ def test_fault_options_of_another_kind_are_rejected_not_ignored() -> None:
         load_serve_config({"faults": [fault]})
     with pytest.raises(ConfigError, match=r"fault.cross_node applies only to kind kill_in_restore, not kill_worker"):
         FaultSpec("kill_worker", 0, 1, cross_node=True)
-    ok = [{"kind": "kill_in_step", "worker": 1, "after_steps": 3, "after_decode_steps": 2},
+    ok = [{"kind": "kill_in_step", "worker": 1, "after_steps": 3, "after_decode_steps": 2, "pipelined": True},
           {"kind": "kill_in_restore", "worker": 0, "after_steps": 0, "cross_node": True}]
     cfg = load_serve_config({"faults": ok})
-    assert cfg.faults == (FaultSpec("kill_in_step", 1, 3, after_decode_steps=2),
+    assert cfg.faults == (FaultSpec("kill_in_step", 1, 3, after_decode_steps=2, pipelined=True),
                           FaultSpec("kill_in_restore", 0, 0, cross_node=True))
     assert [f.to_dict() for f in cfg.faults] == ok  # round trip, options of other kinds left out
 
