@@ -27,7 +27,7 @@ from typing import Any
 
 import ray
 
-from raysched.allocator import release_freed_memory
+from raysched.allocator import release_freed_memory, trim_heap
 from raysched.config import ConfigError, ServeConfig
 from raysched.faults import FaultInjector
 from raysched.messages import FaultPoint, PrefillItem, StepPlan, StepResult, Usage, WorkerInfo
@@ -41,6 +41,7 @@ from raysched.stats import Counters
 log = logging.getLogger("raysched.scheduler")
 
 ENDED_RECORDS_KEPT = 4096  # ended requests already read once, still readable by a late reader
+TRIM_EVERY_REQUESTS = 200  # hand freed heap memory back to the system after this many requests
 
 
 @dataclass
@@ -69,6 +70,7 @@ class Scheduler:
         self._progress: dict[str, asyncio.Event] = {}
         self._ended: dict[str, Request] = {}  # read once, out of the live table; oldest first
         self._next_id = 0
+        self._forgotten = 0  # ended requests moved out of the live tables
         self._id_prefix = f"req-r{os.getpid()}-" if self.restarted else "req-"  # never an id of before
         self._start_task: asyncio.Task | None = None
         self._closing = False
@@ -257,6 +259,9 @@ class Scheduler:
         req.snapshot_ref = None
         self._ended.pop(rid, None)
         self._ended[rid] = req
+        self._forgotten += 1
+        if self._forgotten % TRIM_EVERY_REQUESTS == 0:
+            trim_heap()
         while len(self._ended) > ENDED_RECORDS_KEPT:
             del self._ended[next(iter(self._ended))]
 
