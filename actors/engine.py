@@ -22,11 +22,12 @@ import torch
 
 from actors.batch import ForwardBatch
 from actors.config import ModelConfig
-from actors.pools import HybridPool, PoolUsage
+from actors.pools import HybridPool
 from actors.sampler import sample
 from actors.snapshot import (Snapshot, SnapshotError, check_compatible, checksum, decode_cached,
                              gather_state, model_fingerprint, part_specs, scatter_state)
 from raysched.config import PoolConfig
+from raysched.messages import Usage
 from raysched.sampling import SamplingParams
 
 
@@ -87,7 +88,7 @@ class Engine:
         self.logits: dict[str, list[torch.Tensor]] = {}  # filled only when record_logits
 
     # ------------------------------------------------------------------ capacity
-    def usage(self) -> PoolUsage:
+    def usage(self) -> Usage:
         return self.pool.usage()
 
     def can_prefill(self, num_tokens: int) -> bool:

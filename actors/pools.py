@@ -16,11 +16,10 @@ stays the same, so the scheduler reasons about every model alike.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from actors.config import ModelConfig
+from raysched.messages import Usage
 
 
 class PoolError(RuntimeError):
@@ -168,17 +167,6 @@ class MambaPool:
         return list(self._slot_of)
 
 
-@dataclass(frozen=True)
-class PoolUsage:
-    """Free/total counts; what the scheduler plans with."""
-
-    kv_free_tokens: int
-    kv_total_tokens: int
-    mamba_free_slots: int
-    mamba_total_slots: int
-    page_size: int
-
-
 class HybridPool:
     """KV pool + Mamba pool, and the table request -> (token slots, Mamba slot)."""
 
@@ -242,8 +230,8 @@ class HybridPool:
         self.kv.free(request_id)
         self.mamba.free(request_id)
 
-    def usage(self) -> PoolUsage:
-        return PoolUsage(self.kv.num_free_tokens, self.kv.num_tokens, self.mamba.num_free_slots,
+    def usage(self) -> Usage:
+        return Usage(self.kv.num_free_tokens, self.kv.num_tokens, self.mamba.num_free_slots,
                          self.mamba.num_slots, self.kv.page_size)
 
     def owners(self) -> set[str]:

@@ -1,15 +1,23 @@
 """The worker actor: one per GPU (or CPU), owning one engine and its hybrid pool.
 
 It follows step plans from the scheduler and never decides anything itself. Snapshots it takes
-are the *return values* of `retract`, so the caller (the scheduler) owns them in the object store.
+are the *return values* of `retract_pending` (parked turn states those of `take_parked`), so the
+caller (the scheduler) owns them in the object store and they outlive this process. Fault
+injection is data too: a `FaultPoint` in a step plan or a retract call says where this process
+dies (`os._exit`) inside that call.
 
     worker = ray.remote(num_gpus=1)(Worker).remote(config, index=0)
     info = ray.get(worker.info.remote())
+
+The scheduler starts it through `raysched.workers.Worker`, a shell that imports this module only
+in the worker's own process.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
+import sys
 import time
 
 import ray
@@ -18,7 +26,7 @@ import torch
 from actors.engine import Engine, Sequence, StepOutput, build_engine
 from actors.snapshot import Snapshot, SnapshotError
 from raysched.config import ServeConfig
-from raysched.messages import SNAPSHOT_LOST, PrefillItem, StepPlan, StepResult, Usage, WorkerInfo
+from raysched.messages import SNAPSHOT_LOST, FaultPoint, PrefillItem, StepPlan, StepResult, Usage, WorkerInfo
 from raysched.sampling import SamplingParams
 
 
@@ -44,9 +52,7 @@ class Worker:
                           copy_bps, prefill_tps)
 
     def usage(self) -> Usage:
-        u = self.engine.usage()
-        return Usage(u.kv_free_tokens, u.kv_total_tokens, u.mamba_free_slots, u.mamba_total_slots,
-                     u.page_size)
+        return self.engine.usage()
 
     def running_ids(self) -> list[str]:
         return sorted(self.engine.running)
@@ -60,18 +66,21 @@ class Worker:
         """Snapshot the request and free its slots; the snapshot is this call's return value."""
         return self.engine.snapshot(request_id)
 
-    def retract_pending(self, request_id: str, corrupt: bool = False) -> tuple[Snapshot, int]:
+    def retract_pending(self, request_id: str, corrupt: bool = False,
+                        fault: FaultPoint | None = None) -> tuple[Snapshot, int]:
         """`retract` for a call made with ``num_returns=2``: (snapshot, its payload bytes).
 
         The scheduler queues the request at once with the first ref (a destination worker reads
         the bytes from where they lie, see `_fetch`) and awaits only the small second one.
-        `corrupt` (fault injection) flips one payload byte after the checksum was taken.
+        `corrupt` (fault injection) flips one payload byte after the checksum was taken; `fault`
+        (`kill_in_retract`) ends this process after the gather, before the reply.
         """
         snap = self.engine.snapshot(request_id)
         if corrupt:
             payload = snap.payload.copy()
             payload[len(payload) // 2] ^= 0x01
             snap = dataclasses.replace(snap, payload=payload)
+        _die_at(fault, "kill_in_retract")
         return snap, int(snap.nbytes)
 
     def step(self, plan: StepPlan, *snapshots: Snapshot | list) -> StepResult:
@@ -85,12 +94,12 @@ class Worker:
         out = StepOutput()
         self.engine.hold_finished = plan.park_min_tokens > 0
         n = len(plan.resume)
-        self._resume(plan.resume, snapshots[:n], result, out)
+        self._resume(plan, snapshots[:n], result, out)
         if plan.prefill:
             out.merge(self._prefill(plan, snapshots[n:], result))
             self._park_prompts(plan, result)
         if plan.decode_steps:
-            out.merge(self.engine.decode(plan.decode_steps))
+            out.merge(self._decode(plan))
         self._park_finished(plan, result)
         return self._result(result, out, time.perf_counter() - t0)
 
@@ -151,10 +160,17 @@ class Worker:
         self._parked[(rid, kind)] = snap
         result.parked.append((rid, kind, num_tokens, int(snap.nbytes)))
 
-    def _resume(self, ids: tuple[str, ...], snapshots: tuple, result: StepResult, out: StepOutput) -> None:
-        if len(ids) != len(snapshots):
-            raise ValueError(f"step plan names {len(ids)} resumes but {len(snapshots)} snapshots came")
-        for rid, snap in zip(ids, snapshots):
+    def _decode(self, plan: StepPlan) -> StepOutput:
+        fault = plan.fault
+        if fault is not None and fault.kind == "kill_in_step":
+            self.engine.decode(min(fault.after_decode_steps, plan.decode_steps))  # tokens never leave
+            _die_at(fault, "kill_in_step")
+        return self.engine.decode(plan.decode_steps)
+
+    def _resume(self, plan: StepPlan, snapshots: tuple, result: StepResult, out: StepOutput) -> None:
+        if len(plan.resume) != len(snapshots):
+            raise ValueError(f"step plan names {len(plan.resume)} resumes but {len(snapshots)} snapshots came")
+        for rid, snap in zip(plan.resume, snapshots):
             try:
                 ok = self.engine.restore(_fetch(snap), rid)
             except SnapshotError as err:
@@ -163,6 +179,7 @@ class Worker:
             except SnapshotLost as err:
                 result.resume_failed[rid] = f"{SNAPSHOT_LOST}: {err}"
                 continue
+            _die_at(plan.fault, "kill_in_restore")
             if not ok:
                 out.not_admitted.append(rid)
             elif self.drop_mamba_state:  # deliberately broken mode: the negative control
@@ -199,6 +216,13 @@ def _fetch(snap: Snapshot | list) -> Snapshot:
         return ray.get(snap[0])
     except (ray.exceptions.RayError, OSError) as err:
         raise SnapshotLost(type(err).__name__) from None
+
+
+def _die_at(fault: FaultPoint | None, kind: str) -> None:
+    """Fault injection: end this process on the spot, as a crash would (no reply, no clean-up)."""
+    if fault is not None and fault.kind == kind:
+        print(f"fault injection: {kind}: worker process {os.getpid()} exits", file=sys.stderr, flush=True)
+        os._exit(1)
 
 
 def _sequence(item: PrefillItem) -> Sequence:

@@ -163,10 +163,9 @@ def two_node_cluster(cpus_per_node: int = 1,
 def actor_pids(class_name: str) -> list[int]:
     """Process ids of the live actors of `class_name` in the connected Ray instance (read from
     the GCS actor table, so no dashboard is needed); all on this machine here."""
-    import ray
+    from raysched.ray_compat import actors
 
-    return sorted(a["Pid"] for a in ray._private.state.actors().values()
-                  if a["ActorClassName"] == class_name and a["State"] == "ALIVE" and a.get("Pid"))
+    return sorted(a["pid"] for a in actors(class_name) if a["state"] == "ALIVE" and a["pid"])
 
 
 def cpu_seconds(pids: Sequence[int]) -> float:

@@ -7,6 +7,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 BENCHES = ("snapshot", "resume", "e2e", "overhead", "engine", "sessions", "priority", "serve")
 
@@ -153,7 +154,7 @@ def cmd_stop(args: argparse.Namespace) -> int:
 def cmd_generate(args: argparse.Namespace) -> int:
     from actors.engine import build_engine
     from raysched.sampling import SamplingParams, validate_prompt
-    from raysched.tokenizer import load_tokenizer, output_text, require_tokenizer, with_eos_stop
+    from raysched.tokenizer import load_tokenizer, require_tokenizer, with_eos_stop
 
     tok = load_tokenizer(args.model)
     params = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
@@ -227,13 +228,29 @@ def _print_workers(workers: list[dict]) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    import importlib
-
-    module = importlib.import_module(f"benchmarks.{args.name}")
+    module = _bench_module(args.name)
     result = module.main(out_dir=Path(args.out), quick=args.quick)
     if args.json:
         print(json.dumps(result, indent=1))
     return 0
+
+
+def _bench_module(name: str) -> Any:
+    """`benchmarks.<name>` from the source checkout this raysched runs from. The benchmarks are
+    not installed (they need torch and the data plane, and a top-level `benchmarks` package
+    would clash in site-packages); an installed raysched without the checkout says so."""
+    import importlib
+
+    root = Path(__file__).resolve().parents[1]
+    if (root / "benchmarks" / f"{name}.py").is_file() and str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    try:
+        return importlib.import_module(f"benchmarks.{name}")
+    except ModuleNotFoundError as err:
+        if err.name not in ("benchmarks", f"benchmarks.{name}"):
+            raise
+        raise SystemExit(f"raysched bench runs from a source checkout (its benchmarks/ folder is not "
+                         f"installed); none found next to {Path(__file__).parent}") from None
 
 
 def main(argv: list[str] | None = None) -> int:

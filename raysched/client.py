@@ -16,6 +16,7 @@ from typing import Any
 import ray
 
 from raysched.config import ServeConfig, load_serve_config
+from raysched.deployment import DEFAULT_MAX_RESTARTS
 from raysched.sampling import RequestError, SamplingParams
 from raysched.tokenizer import TextTokenizer, load_tokenizer, output_text, require_tokenizer, with_eos_stop
 
@@ -24,6 +25,10 @@ DEFAULT_OBJECT_STORE_BYTES = 512 << 20
 
 class SchedulerDiedError(RuntimeError):
     """The scheduler actor is gone; pending requests cannot complete through it."""
+
+
+class ClientClosedError(RuntimeError):
+    """This `Client` was shut down; it cannot be used again (launch or connect a new one)."""
 
 
 def _get(ref: Any, timeout: float | None = None) -> Any:
@@ -41,7 +46,7 @@ def _get(ref: Any, timeout: float | None = None) -> Any:
 
 def launch(config: ServeConfig | str | Mapping[str, Any] | None = None, address: str | None = None,
            num_cpus: int | None = None, name: str | None = None, detached: bool = False,
-           max_restarts: int = 0) -> "Client":
+           max_restarts: int = DEFAULT_MAX_RESTARTS) -> "Client":
     """Start the scheduler and its workers; returns a `Client` that owns them.
 
     With `address` (or RAY_ADDRESS) it attaches to that cluster; otherwise it starts an embedded
@@ -49,6 +54,8 @@ def launch(config: ServeConfig | str | Mapping[str, Any] | None = None, address:
     If Ray is already initialised in this process, that instance is used as is. By default the
     scheduler is unnamed (several launches may share a cluster); with `name` it is registered in
     namespace `raysched` so that `raysched.connect(name=...)` finds it (see `raysched.deployment`).
+    If the scheduler's process dies, Ray restarts it up to `max_restarts` times and request
+    handles resubmit their requests to it (see `RequestHandle`).
     """
     from raysched.deployment import start_scheduler
 
@@ -72,7 +79,7 @@ def connect(address: str | None = None, name: str | None = None) -> "Client":
 
     >>> client = raysched.connect("127.0.0.1:6379")      # the scheduler `raysched serve` started
     """
-    from raysched.deployment import DEFAULT_NAME, SchedulerNotFoundError, describe, find_scheduler
+    from raysched.deployment import DEFAULT_NAME, SchedulerNotFoundError, find_scheduler
 
     name = name or DEFAULT_NAME
     owns_ray = False
@@ -120,6 +127,19 @@ class Client:
         self.workers = workers  # one dict per worker: node, device, pool sizes
         self._owns_ray = owns_ray
         self.owns_scheduler = owns_scheduler
+        self._closed = False
+
+    @property
+    def scheduler(self) -> Any:
+        """The scheduler actor's handle; a closed client raises `ClientClosedError` at once (its
+        Ray connection may be gone: a call would re-initialise Ray and hang on a stale cluster)."""
+        if self._closed:
+            raise ClientClosedError("this raysched Client was shut down; launch() or connect() a new one")
+        return self._scheduler
+
+    @scheduler.setter
+    def scheduler(self, handle: Any) -> None:
+        self._scheduler = handle
 
     def submit(self, prompt: str | Sequence[int], sampling: SamplingParams | Mapping[str, Any] | None = None,
                request_id: str | None = None, priority: int = 0) -> "RequestHandle":
@@ -137,8 +157,7 @@ class Client:
         if isinstance(prompt, str):  # text in: stop at the tokenizer's eos token too
             prompt_ids, params = self.encode(prompt), with_eos_stop(params, self.tokenizer)
         rid = _get(self.scheduler.submit.remote(prompt_ids, params, request_id, priority))
-        stop = SamplingParams.from_dict(params).stop
-        return RequestHandle(self.scheduler, rid, self.tokenizer, stop)
+        return RequestHandle(self, rid, prompt_ids, params, priority=priority)
 
     @property
     def tokenizer(self) -> TextTokenizer | None:
@@ -147,6 +166,15 @@ class Client:
 
     def encode(self, text: str) -> list[int]:
         return require_tokenizer(self.config.model).encode(text)
+
+    def resubmit(self, prompt_ids: list[int], sampling: Mapping[str, Any], request_id: str,
+                 generated: list[int] = (), priority: int = 0) -> "RequestHandle":
+        """Submit again a request whose scheduler died (and was restarted by Ray), with the tokens
+        received so far; it continues exactly where it was (see `Scheduler.resubmit`). Raises
+        `SchedulerDiedError` if the scheduler is gone for good."""
+        rid = _get(self.scheduler.resubmit.remote(list(prompt_ids), dict(sampling), request_id,
+                                                  list(generated), priority))
+        return RequestHandle(self, rid, list(prompt_ids), dict(sampling), list(generated), priority)
 
     def vocab_size(self) -> int:
         return self.workers[0]["vocab_size"]
@@ -163,11 +191,15 @@ class Client:
 
     def shutdown(self) -> None:
         """Stop the scheduler and workers if this client launched them (a connected client only
-        disconnects); stop Ray too if this client started or attached it."""
+        disconnects); stop Ray too if this client started or attached it. The client is closed
+        afterwards: any further call raises `ClientClosedError`. A second shutdown does nothing."""
+        if self._closed:
+            return
         if self.owns_scheduler:
             self.stop()
         elif self._owns_ray:
             ray.shutdown()
+        self._closed = True
 
     def stop(self) -> None:
         """End the scheduler and its workers, whoever started them; then disconnect."""
@@ -176,6 +208,7 @@ class Client:
         stop_scheduler(self.scheduler)
         if self._owns_ray:
             ray.shutdown()
+        self._closed = True
 
     def __enter__(self) -> "Client":
         return self
@@ -185,28 +218,62 @@ class Client:
 
 
 class RequestHandle:
-    def __init__(self, scheduler: Any, request_id: str, tokenizer: TextTokenizer | None = None,
-                 stop: Sequence[str] = ()) -> None:
-        self.scheduler = scheduler
+    """One submitted request. It keeps what it needs to survive the scheduler's death: the prompt,
+    the sampling parameters, the priority and the tokens received so far (`received`). When the
+    scheduler dies and Ray restarts it, `result()` and the streams resubmit the request with those
+    tokens and carry on; the continuation is identical (counter-based sampler). If the scheduler is
+    gone for good, they raise `SchedulerDiedError`."""
+
+    def __init__(self, client: Client, request_id: str, prompt_ids: list[int], sampling: dict,
+                 received: list[int] = (), priority: int = 0) -> None:
+        self.client = client
         self.request_id = request_id
-        self.tokenizer = tokenizer
-        self.stop = tuple(stop)
+        self.prompt_ids = prompt_ids
+        self.sampling = sampling
+        self.priority = priority
+        self.received: list[int] = list(received)
+
+    @property
+    def scheduler(self) -> Any:
+        return self.client.scheduler
+
+    @property
+    def tokenizer(self) -> TextTokenizer | None:
+        return self.client.tokenizer
+
+    @property
+    def stop(self) -> tuple[str, ...]:
+        return tuple(SamplingParams.from_dict(self.sampling).stop)
 
     def result(self, timeout: float | None = None) -> dict:
         """Block until the request ends; its record (token_ids, text when the model has a
         tokenizer, workers, retractions, timings). A stop string ends the text before it."""
-        record = _get(self.scheduler.wait.remote(self.request_id), timeout)
+        while True:
+            try:
+                record = _get(self.scheduler.wait.remote(self.request_id), timeout)
+                break
+            except SchedulerDiedError:
+                self.resubmit()
         if self.tokenizer is not None:
             record["text"] = output_text(self.tokenizer, record["token_ids"], self.stop)
         return record
 
     def stream(self) -> Iterator[int]:
-        """Yield tokens as they are generated."""
-        cursor, done = 0, False
-        while not done:
-            tokens, done = _get(self.scheduler.next_tokens.remote(self.request_id, cursor))
-            cursor += len(tokens)
+        """Yield tokens as they are generated (after a scheduler restart, only the new ones)."""
+        for tokens, _ in self._chunks():
             yield from tokens
+
+    def _chunks(self) -> Iterator[tuple[list[int], bool]]:
+        """(new tokens, ended) as they arrive, resubmitting after a scheduler restart."""
+        done = False
+        while not done:
+            try:
+                tokens, done = _get(self.scheduler.next_tokens.remote(self.request_id, len(self.received)))
+            except SchedulerDiedError:
+                self.resubmit()
+                continue
+            self.received.extend(tokens)
+            yield tokens, done
 
     def stream_text(self) -> Iterator[tuple[str, list[int]]]:
         """Yield (text, token_ids) as tokens arrive: the text is whole characters only and stops
@@ -214,13 +281,22 @@ class RequestHandle:
         if self.tokenizer is None:
             raise RequestError("stream_text: the model has no tokenizer; use stream() for token ids")
         text = self.tokenizer.text_stream(self.stop)
-        cursor, done = 0, False
-        while not done:
-            tokens, done = _get(self.scheduler.next_tokens.remote(self.request_id, cursor))
-            cursor += len(tokens)
-            delta = text.add(tokens) + (text.finish() if done else "")
+        delta = text.add(list(self.received))  # tokens received before a restart, if any
+        for tokens, done in self._chunks():
+            delta += text.add(tokens) + (text.finish() if done else "")
             if delta or tokens:
                 yield delta, tokens
+            delta = ""
+
+    def resubmit(self) -> None:
+        """The scheduler died: hand the request, with the tokens received, to its restarted self.
+        Raises SchedulerDiedError when there is none (the actor is dead for good)."""
+        try:
+            self.client.resubmit(self.prompt_ids, self.sampling, self.request_id, self.received,
+                                 self.priority)
+        except RequestError as err:
+            if "already in use" not in str(err):
+                raise  # else the scheduler never died (a call failed in transit): it still has it
 
     def abort(self) -> bool:
         return _get(self.scheduler.abort.remote(self.request_id))

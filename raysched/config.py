@@ -28,7 +28,8 @@ ADMISSION_MODES = ("overcommit", "reserve")
 VICTIM_ORDERS = ("fewest_generated", "most_generated", "newest", "oldest", "largest_memory")
 DTYPES = ("float32", "bfloat16")
 DEVICES = ("auto", "cuda", "cpu")
-FAULT_KINDS = ("kill_worker", "remove_node", "corrupt_snapshot")
+FAULT_KINDS = ("kill_worker", "remove_node", "corrupt_snapshot", "kill_in_step", "kill_in_retract",
+               "kill_in_restore", "kill_scheduler")
 MAX_SEED = 2**64  # seeds are unsigned 64-bit (the sampler mixes them with SplitMix64)
 
 PathOrDict: TypeAlias = str | os.PathLike[str] | Mapping[str, Any]
@@ -390,36 +391,65 @@ class StateCacheConfig:
 
 @dataclass(frozen=True)
 class FaultSpec:
-    """An injected fault, fired when worker `worker` has run `after_steps` calls.
+    """An injected fault, fired once worker `worker` has run `after_steps` calls.
 
-    kill_worker: the worker actor is killed. remove_node: every worker on that worker's node is
-    killed (what the scheduler sees when a node is lost). corrupt_snapshot: one byte of the next
-    snapshot taken from that worker is flipped (its resume must be refused and recomputed).
+    Between calls (the scheduler does it): kill_worker: the worker actor is killed. remove_node:
+    every worker on that worker's node is killed (what the scheduler sees when a node is lost).
+    corrupt_snapshot: one byte of the next snapshot taken from that worker is flipped (its resume
+    must be refused and recomputed). kill_scheduler: the scheduler actor itself dies.
+
+    Inside a call (the worker's process exits there, told by a `FaultPoint` in the call):
+    kill_in_step: in the worker's next call with decode steps, after `after_decode_steps` of them
+    (with `pipelined`, in its next pipelined call: one sent before the call ahead of it returned).
+    kill_in_retract: in its next retract call, after the
+    gather, before the return. kill_in_restore: in its next call that restores a snapshot (with
+    `cross_node`, one taken on another node), right after the restore.
     """
 
-    kind: str  # kill_worker | remove_node | corrupt_snapshot
+    kind: str  # one of FAULT_KINDS
     worker: int  # index of the worker, in [0, workers)
-    after_steps: int  # scheduler steps before the fault fires
+    after_steps: int  # worker calls before the fault fires (or is armed, for the kill_in_* kinds)
+    after_decode_steps: int = 0  # kill_in_step only
+    cross_node: bool = False  # kill_in_restore only
+    pipelined: bool = False  # kill_in_step only
 
     CHECKS: ClassVar[dict[str, Check]] = {
         "kind": check_one_of(FAULT_KINDS),
         "worker": check_non_negative_int,
         "after_steps": check_non_negative_int,
+        "after_decode_steps": check_non_negative_int,
+        "cross_node": check_bool,
+        "pipelined": check_bool,
     }
+    REQUIRED: ClassVar[tuple[str, ...]] = ("kind", "worker", "after_steps")
+    ONLY_FOR: ClassVar[dict[str, tuple[str, object]]] = {  # option -> (the kind it applies to, default)
+        "after_decode_steps": ("kill_in_step", 0), "pipelined": ("kill_in_step", False),
+        "cross_node": ("kill_in_restore", False)}
 
     def __post_init__(self) -> None:
         check_fields(self, _ROOT.child("fault"))
+        _check_fault_options(self.kind, vars(self), _ROOT.child("fault"))
 
     @classmethod
     def from_dict(cls, raw: Any, key: KeyPath = _ROOT.child("fault")) -> FaultSpec:
         values = parse_fields(cls, raw, key)
-        missing = [name for name in cls.CHECKS if name not in values]
+        missing = [name for name in cls.REQUIRED if name not in values]
         if missing:
             raise key.error(f"is missing required key(s): {', '.join(missing)}")
+        _check_fault_options(values["kind"], values, key)
         return cls(**values)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"kind": self.kind, "worker": self.worker, "after_steps": self.after_steps}
+        out = {"kind": self.kind, "worker": self.worker, "after_steps": self.after_steps}
+        out.update({name: getattr(self, name) for name, (kind, _) in self.ONLY_FOR.items() if kind == self.kind})
+        return out
+
+
+def _check_fault_options(kind: str, values: Mapping[str, Any], key: KeyPath) -> None:
+    """An option of another fault kind set to a non-default value is an error, not ignored."""
+    for name, (owner, default) in FaultSpec.ONLY_FOR.items():
+        if kind != owner and values.get(name, default) != default:
+            raise key.child(name).error(f"applies only to kind {owner}, not {kind}")
 
 
 FaultConfig: TypeAlias = tuple[FaultSpec, ...]  # the `faults:` list of a serve config

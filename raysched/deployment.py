@@ -21,6 +21,7 @@ from raysched.config import ConfigError, ServeConfig
 
 NAMESPACE = "raysched"
 DEFAULT_NAME = "raysched"
+DEFAULT_MAX_RESTARTS = 3  # Ray re-creates a scheduler whose process died; clients resubmit to it
 
 
 class SchedulerExistsError(RuntimeError):
@@ -39,12 +40,14 @@ def find_scheduler(name: str = DEFAULT_NAME) -> Any | None:
         return None
 
 
-def scheduler_options(name: str | None = None, detached: bool = False, max_restarts: int = 0) -> dict:
+def scheduler_options(name: str | None = None, detached: bool = False,
+                      max_restarts: int = DEFAULT_MAX_RESTARTS) -> dict:
     """Ray actor options for the scheduler: on this (the driver's) node, no CPU of its own, many
     concurrent calls (it is async); with `name`, registered in namespace `raysched`."""
     here = ray.get_runtime_context().get_node_id()
     opts: dict[str, Any] = {
         "num_cpus": 0, "max_concurrency": 10000, "max_restarts": max_restarts,
+        "enable_task_events": False,  # no per-call event records in a process that serves every call
         "scheduling_strategy": NodeAffinitySchedulingStrategy(here, soft=False)}
     if name is not None:
         opts.update(name=name, namespace=NAMESPACE)
@@ -56,12 +59,13 @@ def scheduler_options(name: str | None = None, detached: bool = False, max_resta
 
 
 def start_scheduler(config: ServeConfig, name: str | None = None, detached: bool = False,
-                    max_restarts: int = 0, exist_ok: bool = False) -> tuple[Any, list[dict]]:
+                    max_restarts: int = DEFAULT_MAX_RESTARTS, exist_ok: bool = False) -> tuple[Any, list[dict]]:
     """Create the scheduler actor, start its workers; returns (handle, one dict per worker).
 
     With `name`, a live scheduler already under that name raises `SchedulerExistsError`, or with
     `exist_ok` is returned as is (its own config stands). `detached` lets it outlive this driver
-    (`stop_scheduler` ends it). `max_restarts` is passed to Ray. A worker that cannot start
+    (`stop_scheduler` ends it). `max_restarts` is passed to Ray: a restarted scheduler starts new
+    workers (the old ones died with it, their owner) and clients resubmit to it. A worker that cannot start
     (e.g. a missing checkpoint) raises ConfigError in one line, and nothing is left behind.
     """
     if name is not None:

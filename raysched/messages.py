@@ -35,13 +35,32 @@ class StepPlan:
     #   passed after the resume snapshots, same order; the worker prefills only the rest
     park_min_tokens: int = 0  # > 0: copy the state of requests covering at least this many
     #   tokens at the end of their prompt and when they finish (see `Worker.take_parked`)
+    fault: FaultPoint | None = None  # fault injection only: die inside this call
 
     def is_empty(self) -> bool:
         return not (self.drop or self.resume or self.prefill or self.decode_steps)
 
 
 @dataclass(frozen=True)
+class FaultPoint:
+    """Fault injection (the `faults:` config): where the worker process dies inside the call that
+    carries it, as if it crashed there (`os._exit`, no clean-up, no reply).
+
+    kill_in_step: after `after_decode_steps` decode steps of the step call (or after all of
+    them, if the call runs fewer); kill_in_restore: in the step call, right after restoring its
+    first snapshot into the pools; kill_in_retract: in the retract call, after the gather (the
+    slots are freed, the snapshot built), before the snapshot is returned.
+    """
+
+    kind: str  # kill_in_step | kill_in_restore | kill_in_retract
+    after_decode_steps: int = 0
+
+
+@dataclass(frozen=True)
 class Usage:
+    """A worker's pool: free/total KV tokens and Mamba slots; what the scheduler plans with
+    (`actors.pools.HybridPool.usage` fills it)."""
+
     kv_free_tokens: int
     kv_total_tokens: int
     mamba_free_slots: int

@@ -9,16 +9,20 @@ from typing import Any
 
 import ray
 
-from raysched.client import Client, _get
+from raysched.client import Client, RequestHandle, SchedulerDiedError, _get
 from raysched.sampling import RequestError
 from raysched.tokenizer import output_text
 from raysched.workload import RequestSpec
 
 
 def run_workload(client: Client, specs: list[RequestSpec], progress: bool = True) -> dict:
-    """Submit every request at its arrival time, wait for all, return the report dict."""
+    """Submit every request at its arrival time, wait for all, return the report dict.
+
+    If the scheduler dies and Ray restarts it, the requests still pending are resubmitted to it
+    (each completes once, with the tokens it would have had); if it is gone for good, this
+    raises `SchedulerDiedError`."""
     start = time.monotonic()
-    pending: dict[Any, RequestSpec] = {}
+    pending: dict[Any, RequestHandle] = {}
     records: list[dict] = []
     order = sorted(specs, key=lambda s: s.arrival_s)
     i, last_print = 0, 0.0
@@ -31,7 +35,12 @@ def run_workload(client: Client, specs: list[RequestSpec], progress: bool = True
         if pending:
             done, _ = ray.wait(list(pending), num_returns=len(pending), timeout=wait_s)
             for ref in done:
-                records.append(_with_text(client, pending.pop(ref), _get(ref)))
+                handle = pending.pop(ref)
+                try:
+                    records.append(_with_text(client, handle, _get(ref)))
+                except SchedulerDiedError:
+                    handle.resubmit()  # to the restarted scheduler; raises if there is none
+                    pending[client.scheduler.wait.remote(handle.request_id)] = handle
         else:
             time.sleep(wait_s)
         if progress and time.monotonic() - last_print > 1.0:
@@ -43,21 +52,25 @@ def run_workload(client: Client, specs: list[RequestSpec], progress: bool = True
 
 def _submit(client: Client, spec: RequestSpec, pending: dict, records: list[dict]) -> None:
     try:
-        handle = client.submit(list(spec.prompt_ids), spec.sampling, spec.request_id,
-                               priority=spec.priority)
+        try:
+            handle = client.submit(list(spec.prompt_ids), spec.sampling, spec.request_id,
+                                   priority=spec.priority)
+        except SchedulerDiedError:  # died while this submit was in flight: submit to its restarted self
+            handle = client.submit(list(spec.prompt_ids), spec.sampling, spec.request_id,
+                                   priority=spec.priority)
     except RequestError as err:
         records.append({"request_id": spec.request_id, "prompt_ids": list(spec.prompt_ids),
                         "token_ids": [], "state": "rejected", "error": str(err), "workers": [],
                         "retractions": 0, "ttft_s": None, "latency_s": None, "finish_reason": None})
         return
-    pending[client.scheduler.wait.remote(handle.request_id)] = spec
+    pending[client.scheduler.wait.remote(handle.request_id)] = handle
 
 
-def _with_text(client: Client, spec: RequestSpec, record: dict) -> dict:
+def _with_text(client: Client, handle: RequestHandle, record: dict) -> dict:
     """The record, plus its output text (cut at a stop string) when the model has a tokenizer."""
     tok = client.tokenizer
     if tok is not None:
-        record["text"] = output_text(tok, record["token_ids"], spec.sampling.stop)
+        record["text"] = output_text(tok, record["token_ids"], handle.stop)
     return record
 
 
@@ -92,8 +105,9 @@ def build_report(records: list[dict], stats: dict, duration_s: float, idle: dict
         "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
     }
     for key in ("retractions", "retractions_snapshot", "retractions_recompute", "resumes", "migrations",
-                "cross_node_migrations", "snapshot_bytes", "snapshots_refused", "worker_failures",
-                "workers_replaced", "recovered", "calls", "snapshots_lost", "preemptions",
+                "cross_node_migrations", "snapshot_bytes", "snapshot_bytes_held_peak", "store_pressure_fallbacks",
+                "snapshots_refused", "worker_failures", "workers_replaced", "recovered", "calls",
+                "scheduler_restarted", "resubmitted", "resubmitted_tokens", "snapshots_lost", "preemptions",
                 "state_cache_hits", "state_cache_tokens_reused", "resume_bytes_moved"):
         summary[key] = stats.get(key)
     summary["idle_after"] = idle
@@ -110,6 +124,7 @@ def format_summary(summary: dict, echo: Callable[[str], None] = print) -> None:
                             f"recompute {summary['retractions_recompute']})"),
             ("migrations", f"{summary['migrations']} ({summary['cross_node_migrations']} across nodes)"),
             ("snapshot bytes", summary["snapshot_bytes"]),
+            ("store fallbacks", summary["store_pressure_fallbacks"]),
             ("latency p50 / p99", _pair(summary["latency_p50_s"], summary["latency_p99_s"])),
             ("ttft p50 / p99", _pair(summary["ttft_p50_s"], summary["ttft_p99_s"])),
             ("worker failures", summary["worker_failures"])]

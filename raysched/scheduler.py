@@ -21,17 +21,22 @@ import dataclasses
 import logging
 import os
 import re
+import sys
 import time
+import warnings
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
 import ray
 
+from raysched.allocator import release_freed_memory, trim_heap
 from raysched.config import ConfigError, ServeConfig
-from raysched.messages import SNAPSHOT_LOST, PrefillItem, StepPlan, StepResult, Usage, WorkerInfo
+from raysched.faults import FaultInjector
+from raysched.messages import SNAPSHOT_LOST, FaultPoint, PrefillItem, StepPlan, StepResult, Usage, WorkerInfo
 from raysched.planner import Plan, WorkerView, decode_need, plan_step
 from raysched.policy import choose_retract_mode
+from raysched.ray_compat import object_store_stats
 from raysched.request import Request, State, enqueue
 from raysched.sampling import RequestError, SamplingParams, check_priority, validate_prompt
 from raysched.state_cache import Parked, StateCache
@@ -41,6 +46,7 @@ from raysched.tokenizer import require_tokenizer
 log = logging.getLogger("raysched.scheduler")
 
 ENDED_RECORDS_KEPT = 4096  # ended requests already read once, still readable by a late reader
+TRIM_EVERY_REQUESTS = 200  # hand freed heap memory back to the system after this many requests
 
 
 @dataclass
@@ -56,6 +62,10 @@ class WorkerSlot:
 
 class Scheduler:
     def __init__(self, config: ServeConfig) -> None:
+        release_freed_memory()  # a long-lived process: keep its heap from hoarding freed blocks
+        self.restarted = _was_restarted()  # by Ray (max_restarts) after this actor's process died
+        if self.restarted:  # a rehearsed fault fires once per deployment, not again after the restart
+            config = dataclasses.replace(config, faults=())
         self.config = config
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
@@ -65,10 +75,13 @@ class Scheduler:
         self._progress: dict[str, asyncio.Event] = {}
         self._ended: dict[str, Request] = {}  # read once, out of the live table; oldest first
         self._next_id = 0
+        self._forgotten = 0  # ended requests moved out of the live tables
+        self._id_prefix = f"req-r{os.getpid()}-" if self.restarted else "req-"  # never an id of before
+        self._start_task: asyncio.Task | None = None
         self._closing = False
         self._fatal: str | None = None
         self._pending_replacements = 0
-        self._fired: set[int] = set()  # indices of config.faults already fired
+        self._faults = FaultInjector(config.faults)
         self._corrupt_next: set[int] = set()  # workers whose next snapshot gets a flipped byte
         self._inflight_snapshot_bytes = 0  # estimated bytes of retractions not yet fetched
         self._snapshot_budget = config.scheduler.snapshot_budget_bytes or 0
@@ -79,7 +92,14 @@ class Scheduler:
 
     # ================================================================== lifecycle
     async def start(self) -> list[dict]:
-        """Start the worker actors and their loops; returns one line of facts per worker."""
+        """Start the worker actors and their loops, once (the creator calls it; a restarted
+        scheduler calls it itself on its first submit); returns one line of facts per worker."""
+        if self._start_task is None:
+            self._start_task = asyncio.get_running_loop().create_task(self._start_workers())
+        await asyncio.shield(self._start_task)
+        return [self._worker_line(w) for w in self.workers]
+
+    async def _start_workers(self) -> None:
         from raysched.workers import spawn_worker
 
         handles = [spawn_worker(self.config, i) for i in range(self.config.workers)]
@@ -97,7 +117,6 @@ class Scheduler:
             self.state_cache.budget_bytes = _local_object_store_bytes() // 4
         if self.config.scheduler.snapshot_budget_bytes is None:
             self._snapshot_budget = _local_object_store_bytes() // 2
-        return [self._worker_line(w) for w in self.workers]
 
     def _add_worker(self, handle: Any, info: WorkerInfo) -> WorkerSlot:
         u = info.usage
@@ -143,9 +162,11 @@ class Scheduler:
         `priority`: lower is more urgent; the waiting queue is kept in priority order."""
         self._raise_if_fatal()
         priority = check_priority(priority)
+        if self.restarted:
+            await self.start()
         params = SamplingParams.from_dict(sampling or {})
         prompt = self._validate(prompt_ids, params)
-        rid = request_id or f"req-{self._next_id}"
+        rid = request_id or f"{self._id_prefix}{self._next_id}"
         self._next_id += 1
         if rid in self.requests:
             raise RequestError(f"request id {rid!r} is already in use")
@@ -158,6 +179,36 @@ class Scheduler:
         self.counters.submitted += 1
         self._notify()
         return rid
+
+    async def resubmit(self, prompt_ids: list[int], sampling: dict, request_id: str,
+                       generated: list[int], priority: int = 0) -> str:
+        """A request submitted to this scheduler before it died (Ray restarted it), with the
+        tokens the client had received. It resumes by recompute from prompt + those tokens, ahead
+        of new admissions; the counter-based sampler continues at draw number len(generated), so
+        the tokens that follow are the ones the request would have had."""
+        if self.restarted:
+            await self.start()
+        params = SamplingParams.from_dict(sampling or {})
+        self._validate_generated(generated, params)
+        rid = await self.submit(prompt_ids, sampling, request_id, priority)
+        self.counters.resubmitted += 1
+        if generated:
+            req = self.requests[rid]
+            self.waiting.remove(req)
+            req.output_ids, req.recompute, req.state = [int(t) for t in generated], True, State.RETRACTED
+            if req.text_stream is not None:  # stop strings: the text so far, as the client saw it
+                req.text_stream.add(req.output_ids)
+            enqueue(self.retracted, req)
+            self.counters.resubmitted_tokens += len(generated)
+        return rid
+
+    def _validate_generated(self, generated: list[int], params: SamplingParams) -> None:
+        vocab = self.workers[0].info.vocab_size
+        if not all(isinstance(t, int) and 0 <= t < vocab for t in generated):
+            raise RequestError(f"generated tokens must be token ids in [0, {vocab})")
+        if len(generated) >= params.max_new_tokens:
+            raise RequestError(f"{len(generated)} tokens were already generated: the request had ended "
+                               f"(max_new_tokens {params.max_new_tokens})")
 
     def _validate(self, prompt_ids: list[int], params: SamplingParams) -> tuple[int, ...]:
         info = self.workers[0].info
@@ -228,12 +279,15 @@ class Scheduler:
         req.snapshot_ref = None
         self._ended.pop(rid, None)
         self._ended[rid] = req
+        self._forgotten += 1
+        if self._forgotten % TRIM_EVERY_REQUESTS == 0:
+            trim_heap()
         while len(self._ended) > ENDED_RECORDS_KEPT:
             del self._ended[next(iter(self._ended))]
 
     async def stats(self, detail: bool = False) -> dict:
-        """Counters, table sizes, per-worker room; with `detail`, the scheduler's RSS and the
-        object store's spill counters too."""
+        """Counters, table sizes, per-worker room, faults fired; with `detail`, the scheduler's RSS,
+        whether its process has loaded torch, and the object store's spill counters too."""
         d = self.counters.summary(self._table_sizes(), [w.view for w in self.workers])
         d["snapshot_bytes_held"] = self._snapshot_bytes_held()
         d["snapshot_budget_bytes"] = self._snapshot_budget
@@ -243,9 +297,12 @@ class Scheduler:
         d["state_cache_entries"] = len(cache) if cache else 0
         d["state_cache_evictions"] = cache.evictions if cache else 0
         d["state_cache_budget_bytes"] = cache.budget_bytes if cache else 0
+        d["faults_fired"] = list(self._faults.fired)
+        d["scheduler_restarted"] = self.restarted
         if detail:
             d["scheduler_rss_bytes"] = _rss_bytes()
-            d.update(_object_store_stats())
+            d["scheduler_torch_loaded"] = "torch" in sys.modules  # the control plane must stay torch-free
+            d.update(object_store_stats())
         return d
 
     async def timeline(self) -> list[tuple]:
@@ -294,17 +351,21 @@ class Scheduler:
         snap_victims, drop = self._apply_victims(w, plan)
         resume_snap = [r for r in plan.resume if not r.recompute]
         prefill = [_prefill_item(r) for r in plan.resume if r.recompute] + [_prefill_item(r) for r in plan.admit]
+        cross_node = self._cross_node(resume_snap[0], w) if resume_snap else None
         self._mark_running(w, plan.resume + plan.admit)
         prefixes = self._prefix_hits(plan.admit)
         step = StepPlan(tuple(drop), tuple(r.request_id for r in resume_snap), tuple(prefill), plan.decode_steps,
-                        tuple(r.request_id for r, _ in prefixes), self._park_min_tokens())
+                        tuple(r.request_id for r, _ in prefixes), self._park_min_tokens(),
+                        fault=self._step_fault(w, w.view.calls, plan.decode_steps, cross_node))
         retract_refs = [self._retract_call(w, r) for r in snap_victims]  # queued: others may resume them
         step_refs = [w.handle.step.remote(step, *[[r.snapshot_ref] for r in resume_snap],
                                           *[[e.ref] for _, e in prefixes])]
         self._count_resume_bytes(w, resume_snap)
         if self._can_pipeline(w, plan):  # queue the next call now: the worker never waits for us
+            fault = self._step_fault(w, w.view.calls + 1, plan.decode_steps, None, pipelined=True)
             step_refs.append(w.handle.step.remote(StepPlan(decode_steps=plan.decode_steps,
-                                                           park_min_tokens=self._park_min_tokens())))
+                                                           park_min_tokens=self._park_min_tokens(),
+                                                           fault=fault)))
             self.counters.pipelined_calls += 1
         w.view.calls += len(step_refs)
         results = await asyncio.gather(*step_refs, *[call[1] for call in retract_refs], return_exceptions=True)
@@ -324,7 +385,10 @@ class Scheduler:
         if corrupt:
             self._corrupt_next.discard(w.index)
             log.warning("fault injection: flipped one byte of the snapshot of %s", r.request_id)
-        snap_ref, size_ref = w.handle.retract_pending.options(num_returns=2).remote(r.request_id, corrupt)
+        fault = self._faults.in_retract(w.index, w.view.calls, r.request_id)
+        if fault is not None:
+            log.warning("fault injection: %s sent to worker %d retracting %s", fault.kind, w.index, r.request_id)
+        snap_ref, size_ref = w.handle.retract_pending.options(num_returns=2).remote(r.request_id, corrupt, fault)
         r.snapshot_ref, r.snapshot_bytes, r.snapshot_node = snap_ref, 0, w.info.node_id
         enqueue(self.retracted, r)
         self._notify()
@@ -336,7 +400,7 @@ class Scheduler:
         cfg = self.config.scheduler
         if plan.victims or plan.resume or plan.admit or self.waiting or self.retracted:
             return False
-        if cfg.force_retract_every or any(i not in self._fired for i in range(len(self.config.faults))):
+        if cfg.force_retract_every:
             return False
         return decode_need(w.view, w.view.running, 2 * plan.decode_steps) <= w.view.free_tokens
 
@@ -547,6 +611,7 @@ class Scheduler:
             self.counters.snapshot_bytes += size
             if current:
                 req.snapshot_bytes = size
+                self.counters.note_snapshot_bytes_held(self._snapshot_bytes_held())
 
     def _on_worker_failure(self, w: WorkerSlot, err: BaseException) -> None:
         """A call failed: retire the worker and recover every request it held.
@@ -607,10 +672,8 @@ class Scheduler:
 
     # ================================================================== fault injection
     def _fire_faults(self, w: WorkerSlot) -> None:
-        for i, fault in enumerate(self.config.faults):
-            if i in self._fired or fault.worker != w.index or w.view.calls < fault.after_steps:
-                continue
-            self._fired.add(i)
+        """Carry out the faults due before this worker's next call (see `raysched.faults`)."""
+        for fault in self._faults.due_between_calls(w.index, w.view.calls):
             log.warning("fault injection: %s on worker %d after %d calls", fault.kind, w.index, w.view.calls)
             if fault.kind == "kill_worker":
                 ray.kill(w.handle, no_restart=True)
@@ -618,8 +681,20 @@ class Scheduler:
                 for other in self.workers:
                     if other.alive and other.info.node_id == w.info.node_id:
                         ray.kill(other.handle, no_restart=True)
+            elif fault.kind == "kill_scheduler":
+                _exit_scheduler_process()
             else:
                 self._corrupt_next.add(w.index)
+
+    def _step_fault(self, w: WorkerSlot, call: int, decode_steps: int, resume_cross_node: bool | None,
+                    pipelined: bool = False) -> FaultPoint | None:
+        """The fault point a step call carries to the worker (fault injection), logged."""
+        point = self._faults.in_step(w.index, call, decode_steps, resume_cross_node, pipelined,
+                                     tuple(r.request_id for r in w.view.running))
+        if point is not None:
+            log.warning("fault injection: %s sent to worker %d in call %d%s", point.kind, w.index, call,
+                        " (pipelined)" if pipelined else "")
+        return point
 
     # ================================================================== helpers
     def _finish(self, req: Request, state: State, reason: str, worker_holds: bool = False) -> None:
@@ -656,26 +731,26 @@ def _start_error(config: ServeConfig, index: int, err: BaseException) -> BaseExc
     return ConfigError(f"serve config: model {config.model!r}: worker {index} could not start: {cause}")
 
 
+def _was_restarted() -> bool:
+    """Whether Ray re-created this actor after its process died (False outside Ray)."""
+    try:
+        with warnings.catch_warnings():  # Ray 2.60 warns about its own use of a deprecated field here
+            warnings.simplefilter("ignore")
+            return bool(ray.get_runtime_context().was_current_actor_reconstructed)
+    except Exception:
+        return False
+
+
+def _exit_scheduler_process() -> None:
+    """Fault injection (kill_scheduler): end this process on the spot, as a crash would."""
+    log.error("fault injection: kill_scheduler: scheduler process %d exits", os.getpid())
+    logging.shutdown()
+    os._exit(1)
+
+
 def _rss_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def _object_store_stats() -> dict:
-    """Spilled/restored bytes as Ray reports them (best effort; empty if unavailable)."""
-    try:
-        from ray._private.internal_api import memory_summary
-
-        # this cluster's GCS: without an address Ray picks the newest cluster on the machine
-        text = memory_summary(address=ray.get_runtime_context().gcs_address, stats_only=True)
-    except Exception:
-        return {}
-    out = {}
-    for key, pattern in (("object_store_spilled_mib", r"Spilled (\d+) MiB"),
-                         ("object_store_restored_mib", r"Restored (\d+) MiB")):
-        m = re.search(pattern, text)
-        out[key] = int(m.group(1)) if m else 0
-    return out
 
 
 def _local_object_store_bytes() -> int:

@@ -28,7 +28,8 @@ class Counters:
     resumes_recompute: int = 0
     migrations: int = 0
     cross_node_migrations: int = 0
-    snapshot_bytes: int = 0
+    snapshot_bytes: int = 0  # through the object store, in total
+    snapshot_bytes_held_peak: int = 0  # most bytes of snapshots waiting (or in flight) at once
     snapshots_refused: int = 0
     snapshots_lost: int = 0  # unreadable at resume (node lost, retraction failed): recomputed
     resume_bytes_moved: int = 0  # snapshot bytes sent between nodes by resumes
@@ -43,6 +44,8 @@ class Counters:
     state_cache_misses: int = 0  # admissions (with the cache on) that prefilled in full
     state_cache_tokens_reused: int = 0  # prompt tokens restored instead of prefilled
     state_cache_fallbacks: int = 0  # hits whose parked state was lost or refused: full prefill
+    resubmitted: int = 0  # requests resubmitted to this (restarted) scheduler by their clients
+    resubmitted_tokens: int = 0  # tokens they carried (received before the restart)
     busy_s: float = 0.0
     started_s: float = field(default_factory=time.monotonic)
     timeline: deque = field(default_factory=lambda: deque(maxlen=20000))
@@ -53,6 +56,9 @@ class Counters:
             self.retractions_recompute += 1
         else:
             self.retractions_snapshot += 1
+
+    def note_snapshot_bytes_held(self, nbytes: int) -> None:
+        self.snapshot_bytes_held_peak = max(self.snapshot_bytes_held_peak, nbytes)
 
     def on_resume(self, recompute: bool, migrated: bool, cross_node: bool) -> None:
         self.resumes += 1

@@ -1,12 +1,61 @@
-"""Starting worker actors with the right resources (the scheduler owns them)."""
+"""Starting worker actors with the right resources (the scheduler owns them).
+
+The scheduler never imports the data plane: the actor class it starts is `Worker` below, a
+torch-free shell whose constructor imports `actors.worker` *inside the worker's process* and whose
+methods hand each call to the real `actors.worker.Worker`. Ray pickles this class by reference
+(`raysched.workers.Worker`), so the scheduler's process loads neither torch nor model code, and
+the actor keeps the class name `Worker` in Ray's actor table.
+
+    handle = spawn_worker(config, index=0)
+    info = await handle.info.remote()
+"""
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 import ray
 
 from raysched.config import ServeConfig
+from raysched.messages import FaultPoint, StepPlan, StepResult, Usage, WorkerInfo
+
+DATA_PLANE_WORKER = "actors.worker"  # the module that defines the real Worker (torch, the model)
+
+
+class Worker:
+    """The worker actor as the scheduler knows it: each method runs the data-plane method of the
+    same name (see `actors.worker.Worker` for what they do). A test checks that the two classes
+    have the same public methods."""
+
+    def __init__(self, config: ServeConfig, index: int) -> None:
+        impl = importlib.import_module(DATA_PLANE_WORKER).Worker  # in the worker's process only
+        self._impl = impl(config, index)
+
+    def info(self) -> WorkerInfo:
+        return self._impl.info()
+
+    def usage(self) -> Usage:
+        return self._impl.usage()
+
+    def running_ids(self) -> list[str]:
+        return self._impl.running_ids()
+
+    def is_idle(self) -> bool:
+        return self._impl.is_idle()
+
+    def retract(self, request_id: str) -> Any:
+        return self._impl.retract(request_id)
+
+    def retract_pending(self, request_id: str, corrupt: bool = False,
+                        fault: FaultPoint | None = None) -> tuple[Any, int]:
+        return self._impl.retract_pending(request_id, corrupt, fault)
+
+    def step(self, plan: StepPlan, *snapshots: Any) -> StepResult:
+        return self._impl.step(plan, *snapshots)
+
+    def take_parked(self, keys: list[tuple[str, str]]) -> Any:
+        return self._impl.take_parked(keys)
 
 
 def worker_options(config: ServeConfig) -> dict:
@@ -14,10 +63,9 @@ def worker_options(config: ServeConfig) -> dict:
     gpus = ray.cluster_resources().get("GPU", 0)
     use_gpu = config.device == "cuda" or (config.device == "auto" and gpus >= 1)
     return {"num_cpus": 1, "num_gpus": 1 if use_gpu else 0, "scheduling_strategy": "SPREAD",
-            "max_restarts": 0, "max_task_retries": 0}
+            "max_restarts": 0, "max_task_retries": 0, "enable_task_events": False}
 
 
 def spawn_worker(config: ServeConfig, index: int) -> Any:
-    from actors.worker import Worker  # the data plane; imported lazily, in the worker's process
-
+    """Start worker `index`; returns its actor handle (the caller owns the actor)."""
     return ray.remote(Worker).options(**worker_options(config)).remote(config, index)

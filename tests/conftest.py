@@ -23,6 +23,7 @@ from contextlib import contextmanager
 import pytest
 import ray
 
+from raysched.ray_compat import actors
 from raysched.sampling import SamplingParams
 
 NODE_OBJECT_STORE_BYTES = 100 << 20  # the smallest store Ray accepts is 75 MiB
@@ -51,20 +52,20 @@ def reference_tokens(model: str, prompts: list[list[int]], sampling_list: list[S
 
 
 def alive_actors(*class_names: str) -> list[dict]:
-    """Actors of these classes in the connected cluster that are not dead yet.
-
-    Reads the GCS actor table directly (the state API would need the dashboard)."""
-    return [a for a in ray._private.state.actors().values()
-            if a["ActorClassName"] in class_names and a["State"] != "DEAD"]
+    """Actors of these classes in the connected cluster that are not dead yet
+    (`raysched.ray_compat.actors`: the GCS actor table, no dashboard needed)."""
+    return [a for a in actors(*class_names) if a["state"] != "DEAD"]
 
 
-def wait_until(condition: Callable[[], bool], timeout_s: float, what: str, poll_s: float = 0.2) -> None:
-    """Poll `condition` until it holds; fail the test naming `what` after `timeout_s`."""
-    deadline = time.monotonic() + timeout_s
+def wait_until(condition: Callable[[], bool], timeout_s: float, what: str, poll_s: float = 0.05) -> float:
+    """Poll `condition` until it holds (returns the seconds waited); fail the test naming `what`
+    after `timeout_s`. The one waiting helper of the suite: wait for an event, never assert a time."""
+    start = time.monotonic()
     while not condition():
-        if time.monotonic() > deadline:
+        if time.monotonic() - start > timeout_s:
             pytest.fail(f"timed out after {timeout_s:.0f} s waiting for {what}")
         time.sleep(poll_s)  # polling interval of a condition, not a synchronisation guess
+    return time.monotonic() - start
 
 
 def wait_for_no_workers(timeout_s: float = 30.0) -> None:

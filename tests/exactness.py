@@ -13,15 +13,13 @@ retracted), and afterwards no slot, table entry or snapshot is left behind.
 from __future__ import annotations
 
 import os
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from functools import lru_cache
-from pathlib import Path
 from typing import Any
 
-import pytest
 import ray
 
+from raysched.ray_compat import session_log_dir
 from raysched.sampling import SamplingParams
 from raysched.workload import RequestSpec, load_workload
 
@@ -87,20 +85,10 @@ def assert_idle(idle: dict) -> None:
     assert not any(idle["tables"].values()), f"scheduler tables not empty: {idle['tables']}"
 
 
-def wait_until(condition: Callable[[], bool], timeout_s: float, what: str, poll_s: float = 0.05) -> float:
-    """Poll `condition` until it holds (returns the seconds waited); fail naming `what`."""
-    start = time.monotonic()
-    while not condition():
-        if time.monotonic() - start > timeout_s:
-            pytest.fail(f"timed out after {timeout_s:.0f} s waiting for {what}")
-        time.sleep(poll_s)  # the polling interval of a condition, not a guess at an ordering
-    return time.monotonic() - start
-
-
 def scheduler_log(client) -> str:
     """What the scheduler actor wrote to stderr (its warnings and errors), from the session logs."""
     pid = ray.get(client.scheduler.__ray_call__.remote(lambda _self: os.getpid()))
-    logs = Path(ray._private.worker._global_node.get_session_dir_path()) / "logs"
+    logs = session_log_dir()
     return "".join(p.read_text(errors="replace") for p in sorted(logs.glob(f"worker-*-{pid}.err")))
 
 

@@ -213,7 +213,8 @@ def test_kv_tokens_must_be_a_multiple_of_page_size() -> None:
 
 def test_fault_with_bad_kind_names_its_index() -> None:
     faults = [{"kind": "kill_worker", "worker": 0, "after_steps": 1}, {"kind": "kill", "worker": 0, "after_steps": 1}]
-    message = "serve config: faults[1].kind must be one of kill_worker | remove_node | corrupt_snapshot, got 'kill'"
+    message = ("serve config: faults[1].kind must be one of kill_worker | remove_node | corrupt_snapshot | "
+               "kill_in_step | kill_in_retract | kill_in_restore | kill_scheduler, got 'kill'")
     with pytest.raises(ConfigError, match=re.escape(message)):
         load_serve_config({"faults": faults})
 
@@ -221,6 +222,21 @@ def test_fault_with_bad_kind_names_its_index() -> None:
 def test_fault_missing_key_is_rejected() -> None:
     with pytest.raises(ConfigError, match=r"faults\[0\] is missing required key\(s\): after_steps"):
         load_serve_config({"faults": [{"kind": "kill_worker", "worker": 0}]})
+
+
+def test_fault_options_of_another_kind_are_rejected_not_ignored() -> None:
+    fault = {"kind": "kill_in_retract", "worker": 0, "after_steps": 1, "after_decode_steps": 2}
+    with pytest.raises(ConfigError, match=r"faults\[0\].after_decode_steps applies only to kind kill_in_step, "
+                                          r"not kill_in_retract"):
+        load_serve_config({"faults": [fault]})
+    with pytest.raises(ConfigError, match=r"fault.cross_node applies only to kind kill_in_restore, not kill_worker"):
+        FaultSpec("kill_worker", 0, 1, cross_node=True)
+    ok = [{"kind": "kill_in_step", "worker": 1, "after_steps": 3, "after_decode_steps": 2, "pipelined": True},
+          {"kind": "kill_in_restore", "worker": 0, "after_steps": 0, "cross_node": True}]
+    cfg = load_serve_config({"faults": ok})
+    assert cfg.faults == (FaultSpec("kill_in_step", 1, 3, after_decode_steps=2, pipelined=True),
+                          FaultSpec("kill_in_restore", 0, 0, cross_node=True))
+    assert [f.to_dict() for f in cfg.faults] == ok  # round trip, options of other kinds left out
 
 
 def test_fault_on_a_worker_that_does_not_exist_is_rejected() -> None:

@@ -1,0 +1,108 @@
+"""Every use of Ray's private APIs, in one place, each with a stated fallback (torch-free).
+
+`ray._private` and `ray.autoscaler._private` change between releases without notice; raysched
+is tested with Ray 2.60 (see pyproject). Each function tries the private route first and, when it
+is missing or fails, takes the fallback named in its docstring: a public API where one exists,
+else an answer the caller can tell apart from a real one (None or an empty dict), never a
+made-up number.
+
+    from raysched import ray_compat
+    ray_compat.object_store_stats()        # {"object_store_spilled_mib": 0, ...} or {}
+    ray_compat.actors("Worker")            # [{"class_name", "state", "pid"}, ...]
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import ray
+
+SPILL_PATTERNS = (("object_store_spilled_mib", r"Spilled (\d+) MiB"),
+                  ("object_store_restored_mib", r"Restored (\d+) MiB"))
+
+
+def object_store_stats() -> dict[str, int]:
+    """MiB spilled to and restored from disk by this cluster's object stores, so far.
+
+    Private: `ray._private.internal_api.memory_summary` (the text `ray memory --stats-only`
+    prints), asked of this cluster's GCS (without an address Ray picks the newest cluster on the
+    machine). Fallback: {} (the keys are absent; callers report "unknown", not 0).
+    """
+    try:
+        from ray._private.internal_api import memory_summary
+
+        text = memory_summary(address=ray.get_runtime_context().gcs_address, stats_only=True)
+    except Exception:
+        return {}
+    out = {}
+    for key, pattern in SPILL_PATTERNS:
+        m = re.search(pattern, text)
+        out[key] = int(m.group(1)) if m else 0
+    return out
+
+
+def actors(*class_names: str) -> list[dict[str, Any]]:
+    """Actors of these classes in the connected cluster (all of them when none is named), with
+    `class_name`, `state` ("ALIVE", "DEAD", ...) and `pid`.
+
+    Private: `ray._private.state.actors()` (the GCS actor table; no dashboard needed).
+    Fallback: the public state API `ray.util.state.list_actors`, which needs the dashboard; if
+    that fails too, a RuntimeError saying so (an empty list would read as "no actors").
+    """
+    try:
+        rows = [{"class_name": a["ActorClassName"], "state": a["State"], "pid": a.get("Pid")}
+                for a in ray._private.state.actors().values()]
+    except Exception as private_err:
+        rows = _actors_public(private_err)
+    return [r for r in rows if not class_names or r["class_name"] in class_names]
+
+
+def _actors_public(private_err: Exception) -> list[dict[str, Any]]:
+    try:
+        from ray.util.state import list_actors
+
+        return [{"class_name": a.class_name, "state": a.state, "pid": a.pid}
+                for a in list_actors(limit=100_000, raise_on_missing_output=False)]
+    except Exception as public_err:
+        raise RuntimeError(f"cannot read Ray's actor table: private API failed ({private_err!r}), "
+                           f"state API failed ({public_err!r}; it needs the dashboard)") from None
+
+
+def session_log_dir() -> Path:
+    """The `logs` folder of the Ray session this process is connected to.
+
+    Private: `ray._private.worker._global_node.get_session_dir_path()`. Fallback: Ray's default
+    `/tmp/ray/session_latest/logs` (right unless a custom temp dir was given to Ray).
+    """
+    try:
+        return Path(ray._private.worker._global_node.get_session_dir_path()) / "logs"
+    except Exception:
+        return Path("/tmp/ray/session_latest/logs")
+
+
+def owned_reference_count() -> int | None:
+    """Object references alive in this process's core worker (owned or borrowed).
+
+    Private: `core_worker.get_all_reference_counts()`. Fallback: None (no public equivalent;
+    a leak check that gets None must say it could not check).
+    """
+    try:
+        return len(ray._private.worker.global_worker.core_worker.get_all_reference_counts())
+    except Exception:
+        return None
+
+
+def cluster_config_validator() -> Any:
+    """Ray's own `cluster.yaml` schema check: a function(config dict) that raises on a bad
+    config (jsonschema.ValidationError), or None when this Ray has none.
+
+    Private: `ray.autoscaler._private.util.prepare_config` + `validate_config`. Fallback: None
+    (the caller skips the check and says so).
+    """
+    try:
+        from ray.autoscaler._private import util
+    except Exception:
+        return None
+    return lambda config: util.validate_config(util.prepare_config(config))
