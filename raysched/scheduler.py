@@ -622,7 +622,7 @@ class Scheduler:
         """
         if not w.alive:
             return
-        dead = isinstance(err, (ray.exceptions.RayActorError, ray.exceptions.ActorDiedError))
+        dead = isinstance(err, ray.exceptions.ActorDiedError)  # "unavailable" may still hold its GPU
         log.error("worker %d %s (%r); recovering its %d requests", w.index,
                   "died" if dead else "failed a call", err, len(w.view.running))
         w.alive = False
@@ -645,7 +645,7 @@ class Scheduler:
             asyncio.get_running_loop().create_task(self._replace_worker())
         self._check_any_alive()
 
-    async def _replace_worker(self, timeout_s: float = 60.0) -> None:
+    async def _replace_worker(self, timeout_s: float = 180.0) -> None:  # a loaded machine starts slowly
         from raysched.workers import spawn_worker
 
         index = len(self.workers) + self._pending_replacements - 1

@@ -42,7 +42,7 @@ from tests.exactness import assert_exactly_once, assert_idle, bare_scheduler, re
 
 NODE_STORE_BYTES = 100 << 20
 POOL = {"kv_tokens": 160, "mamba_slots": 4}  # small: 20 requests overflow two workers
-REPLACEMENT_TIMEOUT_S = 60
+REPLACEMENT_TIMEOUT_S = 240  # the scheduler gives a replacement 180 s to start
 SCHEDULER_RSS_LIMIT_MIB = 150
 
 
