@@ -13,7 +13,8 @@ import raysched
 from raysched.config import load_serve_config
 from raysched.workload import RequestSpec
 from tests.conftest import local_cluster
-from tests.exactness import assert_exactly_once, synthetic, wait_until
+from tests.conftest import wait_until
+from tests.exactness import assert_exactly_once, synthetic
 
 POOL = {"kv_tokens": 160, "mamba_slots": 4}
 
