@@ -422,3 +422,18 @@ def test_snapshot_retraction_after_a_recompute_resumes_from_the_snapshot():
         assert (sched.counters.retractions_snapshot, sched.counters.retractions_recompute) == (1, 0)
 
     asyncio.run(scenario())
+
+
+def test_client_used_after_shutdown_raises_at_once():
+    """Before: `submit` after `shutdown` re-initialised Ray on its own, attached to a stale cluster
+    and hung. Now every call of a closed client raises ClientClosedError without touching Ray."""
+    from raysched.client import Client, ClientClosedError
+    from raysched.config import ServeConfig
+
+    client = Client(object(), ServeConfig(), [], owns_ray=False, owns_scheduler=False)
+    client.shutdown()
+    client.shutdown()  # a second shutdown does nothing
+    for call in (lambda: client.submit([1, 2, 3]), client.stats, client.check_idle, client.timeline):
+        with pytest.raises(ClientClosedError, match="was shut down"):
+            call()
+    assert not ray.is_initialized()
