@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -21,10 +22,16 @@ from raysched.sampling import RequestError, SamplingParams
 from raysched.tokenizer import TextTokenizer, load_tokenizer, output_text, require_tokenizer, with_eos_stop
 
 DEFAULT_OBJECT_STORE_BYTES = 512 << 20
+RESTART_WAIT_S = 300.0  # how long a call waits for Ray to restart a dead scheduler
+RESTART_POLL_S = 0.2
 
 
 class SchedulerDiedError(RuntimeError):
     """The scheduler actor is gone; pending requests cannot complete through it."""
+
+
+class SchedulerRestartingError(SchedulerDiedError):
+    """The scheduler died and Ray is restarting it (`max_restarts`): ask again shortly."""
 
 
 class ClientClosedError(RuntimeError):
@@ -36,6 +43,8 @@ def _get(ref: Any, timeout: float | None = None) -> Any:
     into the plain RequestError the scheduler raised (its message, without Ray's traceback)."""
     try:
         return ray.get(ref, timeout=timeout)
+    except ray.exceptions.ActorUnavailableError as err:
+        raise SchedulerRestartingError(f"the raysched scheduler actor is unavailable: {err}") from None
     except ray.exceptions.RayActorError as err:
         raise SchedulerDiedError(f"the raysched scheduler actor died: {err}") from None
     except ray.exceptions.RayTaskError as err:
@@ -156,7 +165,7 @@ class Client:
         prompt_ids = list(prompt)
         if isinstance(prompt, str):  # text in: stop at the tokenizer's eos token too
             prompt_ids, params = self.encode(prompt), with_eos_stop(params, self.tokenizer)
-        rid = _get(self.scheduler.submit.remote(prompt_ids, params, request_id, priority))
+        rid = self._call("submit", prompt_ids, params, request_id, priority)
         return RequestHandle(self, rid, prompt_ids, params, priority=priority)
 
     @property
@@ -172,22 +181,34 @@ class Client:
         """Submit again a request whose scheduler died (and was restarted by Ray), with the tokens
         received so far; it continues exactly where it was (see `Scheduler.resubmit`). Raises
         `SchedulerDiedError` if the scheduler is gone for good."""
-        rid = _get(self.scheduler.resubmit.remote(list(prompt_ids), dict(sampling), request_id,
-                                                  list(generated), priority))
+        rid = self._call("resubmit", list(prompt_ids), dict(sampling), request_id, list(generated), priority)
         return RequestHandle(self, rid, list(prompt_ids), dict(sampling), list(generated), priority)
 
     def vocab_size(self) -> int:
         return self.workers[0]["vocab_size"]
 
     def stats(self, detail: bool = False) -> dict:
-        return _get(self.scheduler.stats.remote(detail))
+        return self._call("stats", detail)
 
     def timeline(self) -> list[tuple]:
-        return _get(self.scheduler.timeline.remote())
+        return self._call("timeline")
 
     def check_idle(self) -> dict:
         """Whether every worker pool and every scheduler table is empty."""
-        return _get(self.scheduler.check_idle.remote())
+        return self._call("check_idle")
+
+    def _call(self, method: str, *args: Any) -> Any:
+        """The scheduler's `method(*args)`. While Ray restarts a dead scheduler it answers
+        "unavailable": the call is made again (up to RESTART_WAIT_S); a scheduler gone for good
+        raises `SchedulerDiedError` at once."""
+        deadline = time.monotonic() + RESTART_WAIT_S
+        while True:
+            try:
+                return _get(getattr(self.scheduler, method).remote(*args))
+            except SchedulerRestartingError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(RESTART_POLL_S)  # polls the restart; the call itself is the check
 
     def shutdown(self) -> None:
         """Stop the scheduler and workers if this client launched them (a connected client only

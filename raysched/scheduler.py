@@ -733,6 +733,8 @@ def _start_error(config: ServeConfig, index: int, err: BaseException) -> BaseExc
 
 def _was_restarted() -> bool:
     """Whether Ray re-created this actor after its process died (False outside Ray)."""
+    if not ray.is_initialized():  # a Scheduler object in a plain process (tests): do not start Ray
+        return False
     try:
         with warnings.catch_warnings():  # Ray 2.60 warns about its own use of a deprecated field here
             warnings.simplefilter("ignore")

@@ -12,8 +12,7 @@ import pytest
 import raysched
 from raysched.config import load_serve_config
 from raysched.workload import RequestSpec
-from tests.conftest import local_cluster
-from tests.conftest import wait_until
+from tests.conftest import local_cluster, wait_until
 from tests.exactness import assert_exactly_once, synthetic
 
 POOL = {"kv_tokens": 160, "mamba_slots": 4}
