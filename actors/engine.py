@@ -187,6 +187,7 @@ class Engine:
             else:
                 out.stalled.append(s.request_id)
         if active:
+            active.sort(key=lambda s: self.pool.mamba.slot(s.request_id))  # SSM state in place
             self._sample_and_append(active, self._forward(self._decode_batch(active)), out)
         return out
 
@@ -386,7 +387,7 @@ def load_model(model: str | ModelConfig, dtype: torch.dtype, device: torch.devic
 
 def build_engine(model: str | ModelConfig, dtype: str = "float32", device: str = "auto",
                  kv_tokens: int = 512, mamba_slots: int = 8, page_size: int = 1,
-                 pool_config: PoolConfig | None = None, invariant_tile: int = 8,
+                 pool_config: PoolConfig | None = None, invariant_tile: int = 16,
                  record_logits: bool = False, seed: int = 0) -> Engine:
     """An engine and its pool. `pool_config` (with an optional byte budget) overrides the counts.
 
