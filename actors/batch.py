@@ -39,3 +39,14 @@ class ForwardBatch:
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
+
+
+def contiguous_run(slots: torch.Tensor) -> tuple[int, int] | None:
+    """(start, length) when the CPU tensor `slots` is start, start+1, ...; None otherwise."""
+    n = int(slots.numel())
+    if n == 0:
+        return (0, 0)
+    start = int(slots[0])
+    if int(slots[-1]) - start + 1 != n or not bool((slots.diff() == 1).all()):
+        return None
+    return start, n

@@ -5,6 +5,12 @@ The engine owns one model and one `HybridPool`. It never decides *what* to run: 
 to prefill, how many decode steps to take, and whom to retract. Per request it keeps only the
 token history and the sampling parameters; all other state is in the pool.
 
+Batch invariance: a decoding request's logits do not depend on which requests share its step
+(fixed-shape matrix tiles, row-wise elementwise functions, per-request attention; see
+`actors.model`), so a request restored anywhere continues bit-exactly. The decode batch is
+ordered by Mamba slot only so that the SSM state can be updated in place when the slots form
+one run; the order changes no result.
+
 Request states:
 - prefilling (`Engine.prefilling`): admitted, slots held for the whole of `token_ids`, the state of
   its first `num_computed` tokens in the pool; a later `prefill` call continues it (chunked
@@ -190,6 +196,7 @@ class Engine:
             else:
                 out.stalled.append(s.request_id)
         if active:
+            active.sort(key=lambda s: self.pool.mamba.slot(s.request_id))  # SSM state in place
             self._sample_and_append(active, self._forward(self._decode_batch(active)), out)
         return out
 
@@ -398,7 +405,7 @@ def load_model(model: str | ModelConfig, dtype: torch.dtype, device: torch.devic
 
 def build_engine(model: str | ModelConfig, dtype: str = "float32", device: str = "auto",
                  kv_tokens: int = 512, mamba_slots: int = 8, page_size: int = 1,
-                 pool_config: PoolConfig | None = None, invariant_tile: int = 8,
+                 pool_config: PoolConfig | None = None, invariant_tile: int = 16,
                  record_logits: bool = False, seed: int = 0) -> Engine:
     """An engine and its pool. `pool_config` (with an optional byte budget) overrides the counts.
 

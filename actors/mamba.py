@@ -19,8 +19,9 @@ conv/SSM state its earlier tokens left in the pool (chunked prefill, a restored 
 `causal_conv_prefill` takes the previous K-1 conv inputs as left context and `ssd_chunked`
 (with `ssd_sequential_ref` as its reference twin) an initial SSM state; decode handles one token per request and updates the pool's conv/SSM state at
 the request's slot (`causal_conv_step`, `ssd_step`). The decode functions use only elementwise
-products and reductions over the last dim, and apply their nonlinear functions through
-`Kernels.pointwise`, so a request's result never depends on which other requests share the batch.
+products, reductions over the last dim and batched products of one fixed shape per request and
+head, and apply their nonlinear functions through `Kernels.pointwise`, so a request's result
+never depends on which other requests share the batch.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from actors.batch import contiguous_run
 from actors.config import ModelConfig
 
 LinearFn = Callable[[Tensor, Tensor, "Tensor | None"], Tensor]
@@ -193,18 +195,28 @@ def ssd_step(ssm_state: Tensor, slots: Tensor, x: Tensor, dt: Tensor, A: Tensor,
     """One decode token per request: update `ssm_state[slots]` in place and return y.
 
     ssm_state (S, H, P, N) fp32 (one Mamba layer of the pool), slots (R,), x (R, H, P),
-    dt (R, H), A (H,), B and C (R, G, N). Returns y (R, H, P) fp32. Elementwise products and a
-    sum over the last dim only (no matrix kernel): with `pointwise=rowwise` a request's result
-    does not depend on the other requests.
+    dt (R, H), A (H,), B and C (R, G, N). Returns y (R, H, P) fp32.
+
+    The state is the big tensor here (R x 256 KiB for the `small` preset), so it is touched as
+    few times as possible: when the slots are one ascending run (the engine sorts its decode
+    batch by slot) it is updated in place in the pool, else gathered once and scattered back.
+    The rank-1 update and the readout are batched matrix products of one fixed shape per
+    (request, head) entry ((P,1)@(1,N) and (P,N)@(N,1)), so, like the elementwise decay, a
+    request's result does not depend on the other requests (with `pointwise=rowwise` for exp).
     """
+    R, H, P = x.shape
     x, dt = x.float(), dt.float()  # (R, H, P), (R, H)
-    Bh = expand_groups(B.float(), x.shape[1])  # (R, H, N)
-    Ch = expand_groups(C.float(), x.shape[1])  # (R, H, N)
+    dtB = dt[..., None] * expand_groups(B.float(), H)  # (R, H, N)
+    Ch = expand_groups(C.float(), H)  # (R, H, N)
     decay = pointwise(torch.exp, dt * A.float())  # (R, H)
-    dBx = (dt[..., None] * Bh)[:, :, None, :] * x[..., None]  # (R, H, P, N)
-    state = ssm_state[slots] * decay[..., None, None] + dBx  # (R, H, P, N)
-    ssm_state[slots] = state
-    return (state * Ch[:, :, None, :]).sum(-1)  # (R, H, P)
+    run = contiguous_run(slots) if slots.device.type == "cpu" else None
+    state = ssm_state.narrow(0, run[0], R) if run else ssm_state.index_select(0, slots)
+    state.mul_(decay[..., None, None])  # (R, H, P, N)
+    flat = state.view(R * H, P, -1)  # (R*H, P, N)
+    flat.baddbmm_(x.reshape(R * H, P, 1), dtB.reshape(R * H, 1, -1))  # += x (dt B)^T
+    if run is None:
+        ssm_state.index_copy_(0, slots, state)
+    return torch.bmm(flat, Ch.reshape(R * H, -1, 1)).view(R, H, P)  # (R, H, P)
 
 
 # ---------------------------------------------------------------------------- causal conv

@@ -5,13 +5,25 @@ Each layer is  h += mixer(norm(h));  h += SwiGLU(norm(h)),  the mixer being Mamb
 model keeps no state of its own: K/V, conv and SSM states live in a pool whose tensors
 (`PoolTensors`) are passed to every forward together with a `ForwardBatch` naming the slots.
 
-Batch invariance: a sequence's logits are bit-identical whatever else is in the batch.
-- Prefill runs the whole stack once per sequence, so every matrix multiply sees only that
-  sequence's rows (a linear's row results depend on the number of rows M, nothing else).
-- Decode runs every linear through `tiled_linear`, on fixed tiles of `invariant_tile` rows, and
-  every nonlinear elementwise function through `actors.mamba.rowwise` (on the CPU an element's
-  rounding can depend on its offset in the tensor); everything else in decode is per row
-  (norms, conv/SSM step) or per request (attention).
+Batch invariance: a sequence's logits are bit-identical whatever else is in the batch. What is
+fixed-shape, and why:
+- Every matrix product goes through `TiledLinear`: calls of exactly `DECODE_TILE` (16) rows in
+  decode and `PREFILL_TILE` (128) rows in prefill, the last tile zero-padded. A BLAS kernel picks
+  its blocking (and so its summation order) from the shape; with one shape per call, a row's
+  result depends on nothing but that row (measured on MKL and in tests/test_batch_invariance.py,
+  which also shows that plain F.linear batching breaks it). A 16-row call costs about as much as
+  one row would (the weights are read once either way), and a batch of 32 is two calls; on the
+  CPU in fp32 the weights are prepacked once per tile shape.
+- Nonlinear elementwise functions go through `actors.mamba.rowwise` (on the CPU an element's
+  rounding can depend on its offset in the tensor); norms are per row; the conv/SSM decode step is
+  elementwise plus batched products of one fixed shape per (request, head); attention is per
+  request.
+- Prefill: a chunk of a sequence (or a whole one) runs the stack on its own rows only; because
+  its matrix products also use fixed tiles, chunking a prompt changes no matrix product's result,
+  only the SSD scan's and the attention kernel's split points (tests/test_chunked_prefill.py
+  bounds that within 1e-5).
+On a GPU the same tiles apply (cuBLAS also picks kernels by shape); a CUDA graph of the decode
+step at one padded batch shape is future work (see benchmarks/gpu_check.py for what is checked).
 
 Weights are created empty; load them with `actors.loader.load_hf_state_dict` (Hugging Face
 Bamba names) or build the model through `actors.loader.load_checkpoint` /
@@ -21,7 +33,6 @@ Bamba names) or build the model through `actors.loader.load_checkpoint` /
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
 from typing import Protocol
 
 import torch
@@ -48,16 +59,60 @@ class PoolTensors(Protocol):
     ssm: Tensor
 
 
-def tiled_linear(x: Tensor, weight: Tensor, bias: Tensor | None, tile: int) -> Tensor:
-    """F.linear on fixed tiles of `tile` rows (the last one zero-padded), padding dropped.
+DECODE_TILE = 16  # rows per matrix-kernel call in decode (see `tiled_linear`)
+PREFILL_TILE = 128  # rows per matrix-kernel call in prefill
 
-    x (M, in) -> (M, out). Every call to the matrix kernel sees exactly `tile` rows, so a row's
-    result does not depend on M or on the other rows.
+
+def tiled_linear(x: Tensor, weight: Tensor, bias: Tensor | None, tile: int) -> Tensor:
+    """F.linear through matrix-kernel calls of exactly `tile` rows each (the last zero-padded).
+
+    x (M, in) -> (M, out). Every call is `weight @ x_tile^T`, (out, in) @ (in, tile): one fixed
+    shape, so a row's result depends neither on M nor on the other rows' values or order
+    (tests/test_batch_invariance.py holds this, with negative controls). The weight goes on
+    the left because the CPU BLAS is faster that way for few rows (measured ~30% at 16 rows).
     """
-    M = x.shape[0]
-    padded = F.pad(x, (0, 0, 0, (-M) % tile))  # (ceil(M/tile)*tile, in)
-    out = torch.cat([F.linear(t, weight, bias) for t in padded.split(tile)])  # (.., out)
-    return out[:M]  # (M, out)
+    return TiledLinear(tile, pack=False)(x, weight, bias)
+
+
+class TiledLinear:
+    """`tiled_linear` with, on the CPU in fp32, each weight prepacked once for the tile shape.
+
+    Prepacking (MKL's packed GEMM, `torch.ops.mkl._mkl_linear`) saves re-packing the weight on
+    every call, which at few rows costs as much as the product itself; it keeps one packed copy
+    of every weight the kernel has seen (about the model's fp32 size again). Calls still have
+    exactly `tile` rows, so rows stay independent of each other.
+    """
+
+    def __init__(self, tile: int, pack: bool = True) -> None:
+        if tile < 1:
+            raise ValueError(f"tile must be >= 1, got {tile}")
+        self.tile, self.pack = tile, pack and _mkl_packed_available()
+        self._packed: dict[int, tuple[Tensor, Tensor]] = {}  # id(weight) -> (weight, packed)
+
+    def __call__(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        """x (M, in) -> (M, out), contiguous."""
+        M = x.shape[0]
+        padded = F.pad(x, (0, 0, 0, (-M) % self.tile))  # (ceil(M/tile)*tile, in)
+        outs = [self._one_tile(t, weight, bias) for t in padded.split(self.tile)]  # (tile, out)
+        return (outs[0] if len(outs) == 1 else torch.cat(outs))[:M].contiguous()  # (M, out)
+
+    def _one_tile(self, t: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        """t (tile, in) -> (tile, out)."""
+        if self.pack and t.device.type == "cpu" and t.dtype == torch.float32:
+            return torch.ops.mkl._mkl_linear(t, self._packed_weight(weight), weight, bias, self.tile)
+        out = torch.mm(weight, t.t()).t()  # (tile, out)
+        return out + bias if bias is not None else out  # one rounding per element
+
+    def _packed_weight(self, weight: Tensor) -> Tensor:
+        entry = self._packed.get(id(weight))
+        if entry is None or entry[0] is not weight:
+            entry = (weight, torch.ops.mkl._mkl_reorder_linear_weight(weight, self.tile))
+            self._packed[id(weight)] = entry
+        return entry[1]
+
+
+def _mkl_packed_available() -> bool:
+    return torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
 
 
 @dataclass
@@ -174,7 +229,8 @@ class HybridLM(nn.Module):
     """
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu", invariant_tile: int | None = 8) -> None:
+                 device: torch.device | str = "cpu",
+                 invariant_tile: int | None = DECODE_TILE) -> None:
         super().__init__()
         self.config, self.dtype, self.invariant_tile = config, dtype, invariant_tile
         with torch.device("meta"):
@@ -187,6 +243,7 @@ class HybridLM(nn.Module):
                                          dtype=dtype)
         self.to_empty(device=device)
         self.requires_grad_(False)
+        self._linears: dict[tuple[int, bool], TiledLinear] = {}
 
     @property
     def device(self) -> torch.device:
@@ -227,7 +284,7 @@ class HybridLM(nn.Module):
 
     def _prefill_one(self, seq: _Sequence, pool: PoolTensors, last_only: bool) -> Tensor:
         """The whole stack over one sequence; logits (1 or L, vocab)."""
-        kernels = self.decode_kernels()
+        kernels = self.prefill_kernels()
         h = F.embedding(seq.input_ids, self.embed_tokens.weight)  # (L, hidden)
         for layer in self.layers:
             h = layer.prefill(h, seq, pool, kernels)  # (L, hidden)
@@ -247,7 +304,20 @@ class HybridLM(nn.Module):
         """Batch-invariant kernels for decode, or plain ones when invariant_tile is None."""
         if self.invariant_tile is None:
             return Kernels()
-        return Kernels(linear=partial(tiled_linear, tile=self.invariant_tile), pointwise=rowwise)
+        return Kernels(linear=self._tiled(self.invariant_tile, pack=True), pointwise=rowwise)
+
+    def prefill_kernels(self) -> Kernels:
+        """Row-invariant kernels for prefill (tiles of PREFILL_TILE rows), or plain ones."""
+        if self.invariant_tile is None:
+            return Kernels()
+        return Kernels(linear=self._tiled(PREFILL_TILE, pack=True), pointwise=rowwise)
+
+    def _tiled(self, tile: int, pack: bool) -> TiledLinear:
+        """One `TiledLinear` per (tile, pack), kept so its packed weights are made once."""
+        lin = self._linears.get((tile, pack))
+        if lin is None:
+            lin = self._linears[(tile, pack)] = TiledLinear(tile, pack)
+        return lin
 
     def _logits(self, h: Tensor, kernels: Kernels) -> Tensor:
         """Final norm and LM head: h (T, hidden) -> fp32 logits (T, vocab)."""

@@ -55,15 +55,24 @@ class Worker:
         return self.engine.usage()
 
     def running_ids(self) -> list[str]:
-        return sorted(self.engine.running)
+        """Requests holding slots here: decoding and prefilling."""
+        return sorted([*self.engine.running, *self.engine.prefilling])
 
     def is_idle(self) -> bool:
         """True when no request is running and every slot is back in the free lists."""
-        return not self.engine.running and self.engine.pool.is_empty()
+        return not self.running_ids() and self.engine.pool.is_empty()
 
     # ------------------------------------------------------------------ commands
     def retract(self, request_id: str) -> Snapshot:
-        """Snapshot the request and free its slots; the snapshot is this call's return value."""
+        """Snapshot the request and free its slots; the snapshot is this call's return value.
+
+        A request still prefilling has no snapshot to give: its slots are freed and the call
+        raises SnapshotError, so the scheduler resumes it by recompute.
+        """
+        if request_id in self.engine.prefilling:
+            seq = self.engine.release(request_id)
+            raise SnapshotError(f"request {request_id!r} was retracted mid-prefill ({seq.num_computed}"
+                                f" of {len(seq.token_ids)} tokens): released, recompute it")
         return self.engine.snapshot(request_id)
 
     def retract_pending(self, request_id: str, corrupt: bool = False,
@@ -75,7 +84,7 @@ class Worker:
         `corrupt` (fault injection) flips one payload byte after the checksum was taken; `fault`
         (`kill_in_retract`) ends this process after the gather, before the reply.
         """
-        snap = self.engine.snapshot(request_id)
+        snap = self.retract(request_id)
         if corrupt:
             payload = snap.payload.copy()
             payload[len(payload) // 2] ^= 0x01
@@ -89,14 +98,14 @@ class Worker:
         t0 = time.perf_counter()
         result = StepResult()
         for rid in plan.drop:
-            if rid in self.engine.running:
+            if rid in self.engine.running or rid in self.engine.prefilling:
                 self.engine.release(rid)
         out = StepOutput()
         self.engine.hold_finished = plan.park_min_tokens > 0
         n = len(plan.resume)
         self._resume(plan, snapshots[:n], result, out)
+        out.merge(self._prefill(plan, snapshots[n:], result))
         if plan.prefill:
-            out.merge(self._prefill(plan, snapshots[n:], result))
             self._park_prompts(plan, result)
         if plan.decode_steps:
             out.merge(self._decode(plan))
@@ -111,12 +120,13 @@ class Worker:
 
     # ------------------------------------------------------------------ turn cache
     def _prefill(self, plan: StepPlan, prefixes: tuple, result: StepResult) -> StepOutput:
-        """Prefill the plan's items in one forward; those with a parked prefix restore it first
-        (`Engine.restore_prefix`) and feed only the rest of their prompt."""
+        """Advance every prefilling request, then the plan's new items, in one forward, each by at
+        most `plan.prefill_chunk_tokens` (0: to the end of its prompt). New items with a parked
+        prefix restore it first (`Engine.restore_prefix`) and feed only the rest of their prompt."""
         if len(plan.prefix) != len(prefixes):
             raise ValueError(f"step plan names {len(plan.prefix)} prefixes but {len(prefixes)} snapshots came")
         by_id = dict(zip(plan.prefix, prefixes))
-        items: list[Sequence | str] = []
+        items: list[Sequence | str] = list(self.engine.prefilling)  # continued ones first
         for item in plan.prefill:
             seq = _sequence(item)
             snap = by_id.get(item.request_id)
@@ -124,7 +134,7 @@ class Worker:
                 items.append(seq.request_id)  # continues from the restored state
             else:
                 items.append(seq)
-        return self.engine.prefill(items)
+        return self.engine.prefill(items, plan.prefill_chunk_tokens or None) if items else StepOutput()
 
     def _restore_prefix(self, snap: Snapshot | list, seq: Sequence, result: StepResult) -> bool:
         try:
@@ -190,7 +200,7 @@ class Worker:
     def _result(self, result: StepResult, out: StepOutput, busy_s: float) -> StepResult:
         result.new_tokens, result.finished = out.new_tokens, out.finished
         result.stalled, result.not_admitted = out.stalled, out.not_admitted
-        result.allocated = {rid: self.engine.pool.kv.num_request_tokens(rid) for rid in self.engine.running}
+        result.allocated = {rid: self.engine.pool.kv.num_request_tokens(rid) for rid in self.running_ids()}
         result.usage = self.usage()
         result.busy_s = busy_s
         return result

@@ -336,6 +336,8 @@ class SchedulerConfig:
     #   the object store; past it, victims are retracted by recompute. None = half the store
     replace_failed_workers: bool = True  # start a new worker when one dies (if resources allow)
     preemption: bool = True  # a more urgent request that finds no room retracts less urgent ones
+    prefill_chunk_tokens: int = 512  # most prompt tokens a request prefills per worker call, so
+    #   a long prompt does not stall the decode steps of the others; 0 = whole prompts at once
 
     CHECKS: ClassVar[dict[str, Check]] = {
         "retract": check_one_of(RETRACT_MODES),
@@ -349,6 +351,7 @@ class SchedulerConfig:
         "snapshot_budget_bytes": check_optional(check_non_negative_int),
         "replace_failed_workers": check_bool,
         "preemption": check_bool,
+        "prefill_chunk_tokens": check_non_negative_int,
     }
 
     def __post_init__(self) -> None:
@@ -497,7 +500,7 @@ class ServeConfig:
     state_cache: StateCacheConfig = StateCacheConfig()
     faults: FaultConfig = ()
     object_store_memory: int | None = None  # bytes, for the embedded Ray cluster
-    invariant_tile: int = 8  # tile size of the batch-invariant kernels
+    invariant_tile: int = 16  # rows per matrix-kernel call in batch-invariant decode
 
     CHECKS: ClassVar[dict[str, Check]] = {
         "model": check_nonempty_str,
