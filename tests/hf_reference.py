@@ -109,12 +109,20 @@ def _hf_greedy_uncached(hf: torch.nn.Module, prompt: list[int],
 # ---------------------------------------------------------------------------- stand-in pool
 @dataclass
 class StandInPool:
-    """Plain pool tensors with the layout `HybridLM` expects (see `actors.model.PoolTensors`)."""
+    """Plain pool tensors with the layout `HybridLM` expects (see `actors.model.PoolTensors`):
+    "k", "v" (attn layers, token slots, kv heads, head_dim) and each of `config.state_tensors`
+    (layers of its kind, state slots, *shape)."""
 
-    k: Tensor  # (attn layers, token slots, kv heads, head_dim)
-    v: Tensor  # (attn layers, token slots, kv heads, head_dim)
-    conv: Tensor  # (mamba layers, mamba slots, conv_dim, d_conv - 1)
-    ssm: Tensor  # (mamba layers, mamba slots, heads, head_dim, d_state) fp32
+    tensors: dict[str, Tensor]
+
+    def tensor(self, name: str) -> Tensor:
+        return self.tensors[name]
+
+    def __getattr__(self, name: str) -> Tensor:  # pool.k, pool.conv, ... as on HybridPool
+        try:
+            return self.__dict__["tensors"][name]
+        except KeyError:
+            raise AttributeError(name) from None
 
 
 def make_pool(config: ModelConfig, num_token_slots: int, num_mamba_slots: int,
@@ -122,10 +130,11 @@ def make_pool(config: ModelConfig, num_token_slots: int, num_mamba_slots: int,
     """Zeroed pool tensors (slot 0 of each is left as padding by the drivers below)."""
     c = config
     kv = (c.num_attention_layers, num_token_slots, c.num_key_value_heads, c.head_dim)
-    conv = (c.num_mamba_layers, num_mamba_slots, c.conv_dim, c.mamba_d_conv - 1)
-    ssm = (c.num_mamba_layers, num_mamba_slots, c.mamba_n_heads, c.mamba_d_head, c.mamba_d_state)
-    return StandInPool(torch.zeros(kv, dtype=dtype), torch.zeros(kv, dtype=dtype),
-                       torch.zeros(conv, dtype=dtype), torch.zeros(ssm, dtype=torch.float32))
+    tensors = {"k": torch.zeros(kv, dtype=dtype), "v": torch.zeros(kv, dtype=dtype)}
+    for t in c.state_tensors:
+        shape = (len(c.layers_of_kind(t.kind)), num_mamba_slots, *t.shape)
+        tensors[t.name] = torch.zeros(shape, dtype=torch.float32 if t.fp32 else dtype)
+    return StandInPool(tensors)
 
 
 # ---------------------------------------------------------------------------- greedy driver
