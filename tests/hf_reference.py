@@ -47,23 +47,33 @@ def make_hf_bamba(tmp_path: Path, attn_layer_indices: list[int], num_layers: int
 def _perturb(model: torch.nn.Module, seed: int) -> None:
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for name, p in [*model.named_parameters(), *model.named_buffers()]:
             leaf = name.rsplit(".", 1)[-1]
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
+            if name.endswith("norm.weight"):  # away from its init (1, or 0 for (1 + w) norms)
+                p.copy_(p + 0.2 * torch.randn(p.shape, generator=gen))
             elif leaf in ("D", "dt_bias"):
                 p.copy_(0.5 + torch.rand(p.shape, generator=gen))
             elif leaf == "A_log":
                 p.copy_((0.5 + 4 * torch.rand(p.shape, generator=gen)).log())
-            elif leaf == "bias":
+            elif leaf in ("bias", "e_score_correction_bias"):
                 p.copy_(0.1 * torch.randn(p.shape, generator=gen))
 
 
 def load_hf(path: Path) -> torch.nn.Module:
-    """The transformers reference model of a checkpoint dir, fp32, eval mode."""
-    from transformers import BambaForCausalLM
+    """The transformers reference model of a checkpoint dir (any supported architecture), fp32."""
+    import json
 
-    return BambaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    import transformers
+
+    arch = json.loads((Path(path) / "config.json").read_text())["architectures"][0]
+    return getattr(transformers, arch).from_pretrained(path, dtype=torch.float32).eval()
+
+
+def _has_attention(config) -> bool:
+    kinds = getattr(config, "layers_block_type", None) or getattr(config, "layer_types", None)
+    if kinds is None:
+        return bool(config.attn_layer_indices)
+    return "full_attention" in kinds
 
 
 @torch.no_grad()
@@ -82,7 +92,7 @@ def hf_greedy(hf: torch.nn.Module, prompt: list[int],
     model without attention layers: transformers 5.24 cannot build its causal mask from a cache
     holding only Mamba layers, so there every step recomputes the whole sequence.
     """
-    if not hf.config.attn_layer_indices:
+    if not _has_attention(hf.config):
         return _hf_greedy_uncached(hf, prompt, num_tokens)
     out = hf(input_ids=torch.tensor([prompt]), use_cache=True)
     cache, tokens, step_logits = out.cache, [int(out.logits[0, -1].argmax())], []
