@@ -10,7 +10,8 @@ with channel i + rotary_dim/2), with inv_freq = 1 / theta^(2j / rotary_dim); the
 channels pass through. K is stored in the pool after RoPE, so decode never re-rotates history.
 
 Prefill runs one sequence at a time with a fused causal kernel (no L x L score matrix, so 16k+
-tokens fit). Decode writes the new token's K/V, then attends per request over the slots the
+tokens fit); a chunk that continues a sequence attends over the cached K/V of its earlier tokens
+plus its own (an explicit (L, S+L) causal mask, S the tokens before the chunk). Decode writes the new token's K/V, then attends per request over the slots the
 request owns; a request's result never depends on the batch it is in.
 """
 
@@ -67,15 +68,25 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype, style)
 
     def prefill(self, h: Tensor, positions: Tensor, k_cache: Tensor, v_cache: Tensor,
-                out_slots: Tensor, kernels: Kernels = Kernels()) -> Tensor:
-        """Causal attention over one whole sequence; stores every token's K/V at `out_slots`.
+                out_slots: Tensor, kernels: Kernels = Kernels(),
+                context_slots: Tensor | None = None) -> Tensor:
+        """Causal attention for one sequence's next L tokens; stores their K/V at `out_slots`.
 
-        h (L, hidden), positions (L,), out_slots (L,) -> (L, hidden).
+        h (L, hidden), positions (L,), out_slots (L,) -> (L, hidden). `context_slots` (S + L,)
+        lists the token slots of the whole sequence so far, the L new ones last: the new queries
+        attend over the cached K/V of the S earlier tokens and causally over the new ones. None
+        (or S = 0) means a fresh sequence.
         """
         q, k, v, gate = self._qkv(h, positions, kernels)  # (L, Hq, D), (L, Hkv, D) x2, gate
         k_cache[out_slots] = k
         v_cache[out_slots] = v
-        out = self._sdpa(q, k, v, causal=True)  # (L, Hq*D)
+        L = q.shape[0]
+        if context_slots is None or context_slots.shape[0] == L:
+            out = self._sdpa(q, k, v, causal=True)  # (L, Hq*D)
+        else:
+            start = context_slots.shape[0] - L
+            mask = torch.ones(L, start + L, dtype=torch.bool, device=q.device).tril(start)  # (L, S+L)
+            out = self._sdpa(q, k_cache[context_slots], v_cache[context_slots], mask=mask)
         return self._out(out, gate, kernels)  # (L, hidden)
 
     def decode(self, h: Tensor, positions: Tensor, k_cache: Tensor, v_cache: Tensor,
@@ -118,9 +129,14 @@ class Attention(nn.Module):
             attn = attn * kernels.pointwise(torch.sigmoid, gate)  # (T, Hq*D)
         return kernels.linear(attn, self.o_proj.weight, self.o_proj.bias)  # (T, hidden)
 
-    def _sdpa(self, q: Tensor, k: Tensor, v: Tensor, causal: bool) -> Tensor:
-        """Fused attention of queries q (Tq, Hq, D) over k, v (Tk, Hkv, D) -> (Tq, Hq*D)."""
+    def _sdpa(self, q: Tensor, k: Tensor, v: Tensor, causal: bool = False,
+              mask: Tensor | None = None) -> Tensor:
+        """Fused attention of queries q (Tq, Hq, D) over k, v (Tk, Hkv, D) -> (Tq, Hq*D).
+
+        `causal` aligns the first query with the first key; `mask` (Tq, Tk) bool, True = attend.
+        """
         qh, kh, vh = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # (1, heads, T, D)
-        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=causal, enable_gqa=True,
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, is_causal=causal,
+                                             enable_gqa=True,
                                              scale=self.config.attention_scale)  # (1, Hq, Tq, D)
         return out[0].transpose(0, 1).reshape(q.shape[0], -1)  # (Tq, Hq*D)

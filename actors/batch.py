@@ -4,9 +4,12 @@ The engine builds a `ForwardBatch` from its requests and the pool's tables; the 
 writes pool tensors only at the slots named here. Nothing is global.
 
 Two kinds:
-- prefill: a ragged batch of whole sequences, concatenated without padding (padding would corrupt
-  the SSM state). Each sequence starts from zero state; its K/V for every token is written to
-  `out_slots`, its final conv/SSM state to `mamba_slots[i]`.
+- prefill: a ragged batch of the next `seq_lens[i]` tokens of each sequence, concatenated without
+  padding (padding would corrupt the SSM state). Without `kv_slots` every sequence starts from
+  zero state. With `kv_slots`, `kv_slots[i]` (S_i + L_i,) lists the token slots of sequence i
+  so far, the new ones last: its S_i earlier tokens (chunked prefill, a restored prefix) already
+  have K/V there and their conv/SSM state at `mamba_slots[i]`, and positions continue from S_i.
+  The new tokens' K/V are written to `out_slots`, the final conv/SSM state to `mamba_slots[i]`.
 - decode: one new token per request. Its K/V is written to `out_slots[i]`, attention reads
   `kv_slots[i]` (all of the request's token slots, the new one last), and the conv/SSM state at
   `mamba_slots[i]` is read and updated in place.
@@ -27,7 +30,7 @@ class ForwardBatch:
     seq_lens: list[int]  # (B,) new tokens per sequence; all 1 for decode
     out_slots: torch.Tensor  # (T,) int64: KV token slot receiving each token's K/V
     mamba_slots: torch.Tensor  # (B,) int64: Mamba pool slot of each sequence
-    kv_slots: list[torch.Tensor] | None = None  # decode only: (L_i,) int64 token slots per request
+    kv_slots: list[torch.Tensor] | None = None  # (S_i + L_i,) int64 token slots per sequence
 
     @property
     def batch_size(self) -> int:
@@ -36,3 +39,14 @@ class ForwardBatch:
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
+
+
+def contiguous_run(slots: torch.Tensor) -> tuple[int, int] | None:
+    """(start, length) when the CPU tensor `slots` is start, start+1, ...; None otherwise."""
+    n = int(slots.numel())
+    if n == 0:
+        return (0, 0)
+    start = int(slots[0])
+    if int(slots[-1]) - start + 1 != n or not bool((slots.diff() == 1).all()):
+        return None
+    return start, n

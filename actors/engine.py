@@ -5,8 +5,13 @@ The engine owns one model and one `HybridPool`. It never decides *what* to run: 
 to prefill, how many decode steps to take, and whom to retract. Per request it keeps only the
 token history and the sampling parameters; all other state is in the pool.
 
-Invariant: for a running request, the pool holds K/V and Mamba state for all tokens but the last
-one (`num_cached = len(token_ids) - 1`); the next decode step feeds that last token.
+Request states:
+- prefilling (`Engine.prefilling`): admitted, slots held for the whole of `token_ids`, the state of
+  its first `num_computed` tokens in the pool; a later `prefill` call continues it (chunked
+  prefill, or the suffix after `restore_prefix`).
+- running (`Engine.running`, decoding): the pool holds K/V and Mamba state for all tokens but the
+  last one (`Sequence.num_cached`, the one definition of that count); the next decode step feeds
+  that last token.
 """
 
 from __future__ import annotations
@@ -19,8 +24,8 @@ from actors.batch import ForwardBatch
 from actors.config import ModelConfig
 from actors.pools import HybridPool, PoolUsage
 from actors.sampler import sample
-from actors.snapshot import (Snapshot, SnapshotError, check_compatible, checksum, gather_state,
-                             model_fingerprint, part_specs, scatter_state)
+from actors.snapshot import (Snapshot, SnapshotError, check_compatible, checksum, decode_cached,
+                             gather_state, model_fingerprint, part_specs, scatter_state)
 from raysched.config import PoolConfig
 from raysched.sampling import SamplingParams
 
@@ -34,6 +39,7 @@ class Sequence:
     prompt_len: int
     sampling: SamplingParams
     finish_reason: str | None = None  # "length" | "stop"
+    num_computed: int = 0  # tokens of token_ids whose K/V + conv + SSM state is in the pool
 
     @property
     def num_generated(self) -> int:
@@ -41,7 +47,13 @@ class Sequence:
 
     @property
     def num_cached(self) -> int:
-        return len(self.token_ids) - 1
+        """Tokens whose state a decoding request holds: all but the last (not fed yet)."""
+        return decode_cached(len(self.token_ids))
+
+    @property
+    def num_uncomputed(self) -> int:
+        """Tokens a prefill still has to feed (at least the last one)."""
+        return len(self.token_ids) - self.num_computed
 
 
 @dataclass
@@ -67,7 +79,8 @@ class Engine:
         self.model, self.config, self.pool = model, config, pool
         self.dtype, self.device = pool.k.dtype, pool.k.device
         self.fingerprint = model_fingerprint(config, weights_fingerprint, self.dtype)
-        self.running: dict[str, Sequence] = {}
+        self.running: dict[str, Sequence] = {}  # decoding
+        self.prefilling: dict[str, Sequence] = {}  # admitted, prompt partly computed
         self.record_logits = record_logits
         self.logits: dict[str, list[torch.Tensor]] = {}  # filled only when record_logits
 
@@ -79,36 +92,74 @@ class Engine:
         return self.pool.can_admit(num_tokens)
 
     # ------------------------------------------------------------------ prefill
-    def prefill(self, seqs: list[Sequence]) -> StepOutput:
-        """Admit and prefill `seqs` in one ragged forward; each samples its next token.
+    def prefill(self, seqs: list[Sequence | str], chunk_tokens: int | None = None) -> StepOutput:
+        """Advance each sequence by up to `chunk_tokens` tokens (None: to its end), in one forward.
 
-        A sequence's `token_ids` may already hold generated tokens (resume by recompute): the
-        whole history is prefilled and the draw index continues from `num_generated`.
-        Sequences that do not fit the pool are listed in `not_admitted`, nothing else changes.
+        An item is either a new `Sequence` (admitted here: a Mamba slot and KV slots for all of
+        its `token_ids` are taken at once, so a started prefill never runs out of room; its
+        `num_computed` must be 0), or the id (or the same `Sequence` object) of a request in
+        `self.prefilling`, which continues from its `num_computed` tokens on top of the state in
+        its slots. A sequence whose last token is fed samples its next token (draw index
+        `num_generated`, so a history that already holds generated tokens resumes by recompute)
+        and moves to `running`; the others stay in `prefilling` for a later call.
+        New sequences that do not fit the pool are listed in `not_admitted`; nothing else changes.
         """
+        if chunk_tokens is not None and chunk_tokens < 1:
+            raise ValueError(f"chunk_tokens must be >= 1 or None, got {chunk_tokens}")
         out = StepOutput()
-        admitted = []
-        for s in seqs:
-            if s.request_id in self.running:
-                raise ValueError(f"request {s.request_id!r} is already running on this engine")
-            if self.pool.admit(s.request_id, len(s.token_ids)):
-                admitted.append(s)
-            else:
-                out.not_admitted.append(s.request_id)
-        if admitted:
-            batch = self._prefill_batch(admitted)
-            for s in admitted:
-                self.running[s.request_id] = s
-            self._sample_and_append(admitted, self._forward(batch), out)
+        active = [s for s in map(self._prefill_item, seqs) if self._admit(s, out)]
+        if not active:
+            return out
+        counts = [s.num_uncomputed if chunk_tokens is None else min(chunk_tokens, s.num_uncomputed)
+                  for s in active]
+        logits = self._forward(self._prefill_batch(active, counts))  # (B, vocab)
+        done = [i for i, (s, n) in enumerate(zip(active, counts)) if n == s.num_uncomputed]
+        for s, n in zip(active, counts):
+            s.num_computed += n
+        for i in done:
+            self.running[active[i].request_id] = self.prefilling.pop(active[i].request_id)
+        if done:
+            self._sample_and_append([active[i] for i in done], logits[done], out)
         return out
 
-    def _prefill_batch(self, seqs: list[Sequence]) -> ForwardBatch:
-        ids = torch.tensor([t for s in seqs for t in s.token_ids], dtype=torch.int64)
-        positions = torch.cat([torch.arange(len(s.token_ids)) for s in seqs])
-        out_slots = torch.cat([self.pool.kv.token_slots(s.request_id) for s in seqs])
+    def _prefill_item(self, item: Sequence | str) -> Sequence:
+        """The engine's own Sequence for a continued request, or a new one checked for admission."""
+        rid = item if isinstance(item, str) else item.request_id
+        if rid in self.running:
+            raise ValueError(f"request {rid!r} is already running (decoding) on this engine")
+        if rid in self.prefilling:
+            if not isinstance(item, str) and item is not self.prefilling[rid]:
+                raise ValueError(f"request {rid!r} is already prefilling on this engine; "
+                                 "continue it by its id")
+            return self.prefilling[rid]
+        if isinstance(item, str):
+            raise KeyError(f"request {rid!r} is not prefilling on this engine")
+        if item.num_computed != 0 or not item.token_ids:
+            raise ValueError(f"new request {rid!r} must have tokens and num_computed 0 "
+                             f"(has {len(item.token_ids)} tokens, num_computed {item.num_computed})")
+        return item
+
+    def _admit(self, s: Sequence, out: StepOutput) -> bool:
+        """True when `s` is (now) in `prefilling`; a new one takes slots for all its tokens."""
+        if s.request_id in self.prefilling:
+            return True
+        if not self.pool.admit(s.request_id, len(s.token_ids)):
+            out.not_admitted.append(s.request_id)
+            return False
+        self.prefilling[s.request_id] = s
+        return True
+
+    def _prefill_batch(self, seqs: list[Sequence], counts: list[int]) -> ForwardBatch:
+        """The next counts[i] tokens of each sequence, after its num_computed ones."""
+        spans = [(s.num_computed, s.num_computed + n) for s, n in zip(seqs, counts)]
+        ids = torch.tensor([t for s, (a, b) in zip(seqs, spans) for t in s.token_ids[a:b]],
+                           dtype=torch.int64)
+        positions = torch.cat([torch.arange(a, b) for a, b in spans])
+        slots = [self.pool.kv.token_slots(s.request_id) for s in seqs]
+        out_slots = torch.cat([sl[a:b] for sl, (a, b) in zip(slots, spans)])
+        context = [sl[:b] for sl, (_, b) in zip(slots, spans)]
         mamba = torch.tensor([self.pool.mamba.slot(s.request_id) for s in seqs], dtype=torch.int64)
-        return self._to_device(ForwardBatch(True, ids, positions, [len(s.token_ids) for s in seqs],
-                                            out_slots, mamba))
+        return self._to_device(ForwardBatch(True, ids, positions, counts, out_slots, mamba, context))
 
     # ------------------------------------------------------------------ decode
     def decode(self, num_steps: int = 1) -> StepOutput:
@@ -136,13 +187,14 @@ class Engine:
             else:
                 out.stalled.append(s.request_id)
         if active:
+            active.sort(key=lambda s: self.pool.mamba.slot(s.request_id))  # SSM state in place
             self._sample_and_append(active, self._forward(self._decode_batch(active)), out)
         return out
 
     def _decode_batch(self, seqs: list[Sequence]) -> ForwardBatch:
-        kv_slots = [self.pool.kv.token_slots(s.request_id)[: len(s.token_ids)] for s in seqs]
+        kv_slots = [self.pool.kv.token_slots(s.request_id)[: s.num_cached + 1] for s in seqs]
         ids = torch.tensor([s.token_ids[-1] for s in seqs], dtype=torch.int64)
-        positions = torch.tensor([len(s.token_ids) - 1 for s in seqs], dtype=torch.int64)
+        positions = torch.tensor([s.num_cached for s in seqs], dtype=torch.int64)
         out_slots = torch.stack([slots[-1] for slots in kv_slots])
         mamba = torch.tensor([self.pool.mamba.slot(s.request_id) for s in seqs], dtype=torch.int64)
         return self._to_device(ForwardBatch(False, ids, positions, [1] * len(seqs), out_slots,
@@ -169,6 +221,7 @@ class Engine:
             if self.record_logits:
                 self.logits.setdefault(s.request_id, []).append(logits[i].detach().float().cpu())
             s.token_ids.append(tok)
+            s.num_computed = s.num_cached
             out.new_tokens.setdefault(s.request_id, []).append(tok)
             reason = self._finish_reason(s, tok)
             if reason:
@@ -186,15 +239,24 @@ class Engine:
 
     # ------------------------------------------------------------------ retract / resume
     def release(self, request_id: str) -> Sequence:
-        """Drop a request and free its slots (finish, abort, or retract-by-recompute)."""
-        seq = self.running.pop(request_id, None)
+        """Drop a request (running or prefilling) and free its slots (finish, abort, or
+        retract-by-recompute)."""
+        seq = self.running.pop(request_id, None) or self.prefilling.pop(request_id, None)
         if seq is None:
             raise KeyError(f"request {request_id!r} is not running on this engine")
         self.pool.release(request_id)
         return seq
 
     def snapshot(self, request_id: str) -> Snapshot:
-        """Take the request's complete state out of the pool and free its slots, in one step."""
+        """Take the request's complete state out of the pool and free its slots, in one step.
+
+        Only decoding requests: a prefilling one raises SnapshotError (nothing changes), since a
+        snapshot always covers all tokens but the last; release it and prefill it again instead.
+        """
+        if request_id in self.prefilling:
+            s = self.prefilling[request_id]
+            raise SnapshotError(f"request {request_id!r} is mid-prefill ({s.num_computed} of "
+                                f"{len(s.token_ids)} tokens computed): cannot snapshot it")
         seq = self.running.get(request_id)
         if seq is None:
             raise KeyError(f"request {request_id!r} is not running on this engine")
@@ -217,28 +279,60 @@ class Engine:
         """
         self.check_snapshot(snap)
         rid = request_id or snap.request_id
-        if rid in self.running:
-            raise SnapshotError(f"request {rid!r} is already running on this engine")
+        self._check_new(rid)
         if not self.pool.admit(rid, snap.num_cached_tokens, zero_state=False):
             return False
         scatter_state(self.pool, rid, snap)
         sampling = SamplingParams.from_dict(snap.sampling)
-        self.running[rid] = Sequence(rid, list(snap.token_ids), snap.prompt_len, sampling)
+        seq = Sequence(rid, list(snap.token_ids), snap.prompt_len, sampling)
+        seq.num_computed = seq.num_cached
+        self.running[rid] = seq
         return True
 
+    def restore_prefix(self, snap: Snapshot, seq: Sequence) -> bool:
+        """Start a NEW request `seq` from a snapshot of its first `snap.num_cached_tokens` tokens.
+
+        `seq.token_ids` must extend those tokens by at least one. Slots for all of `seq`'s
+        tokens are taken, the snapshot's K/V, conv and SSM state are written into them,
+        `seq.num_computed` is set to `snap.num_cached_tokens` and `seq` joins `prefilling`: the
+        next `prefill([seq.request_id])` computes the rest. False (nothing changed) if the pool
+        has no room for `seq`'s tokens. Raises SnapshotError, before touching the pool, for
+        another model, a wrong shape or dtype, a bad checksum, or tokens that do not match.
+        """
+        self.check_snapshot(snap)
+        self._check_new(seq.request_id)
+        n = snap.num_cached_tokens
+        if len(seq.token_ids) <= n or tuple(seq.token_ids[:n]) != snap.token_ids[:n]:
+            raise SnapshotError(f"request {seq.request_id!r}: its tokens do not extend the "
+                                f"{n} cached tokens of snapshot {snap.request_id!r}")
+        if not self.pool.admit(seq.request_id, len(seq.token_ids), zero_state=False):
+            return False
+        scatter_state(self.pool, seq.request_id, snap)
+        seq.num_computed = n
+        self.prefilling[seq.request_id] = seq
+        return True
+
+    def _check_new(self, request_id: str) -> None:
+        if request_id in self.running or request_id in self.prefilling:
+            raise SnapshotError(f"request {request_id!r} is already running on this engine")
+
     # ------------------------------------------------------------------ reference loop
-    def generate(self, prompts: list[list[int]], sampling: list[SamplingParams]) -> list[list[int]]:
+    def generate(self, prompts: list[list[int]], sampling: list[SamplingParams],
+                 chunk_tokens: int | None = None) -> list[list[int]]:
         """Run requests to completion without ever retracting (the uninterrupted reference).
 
         Admits, in order, as many as fit with their whole budget (prompt + max_new_tokens), then
-        decodes; new requests join as soon as room frees up (continuous batching).
+        decodes; new requests join as soon as room frees up (continuous batching). Prompts are
+        prefilled in chunks of `chunk_tokens` (None: whole) before decoding resumes.
         """
         seqs = [Sequence(f"gen-{i}", list(p), len(p), sp) for i, (p, sp) in enumerate(zip(prompts, sampling))]
         pending = list(seqs)
         while pending or self.running:
             admit = self._admit_reserved(pending)
             if admit:
-                self.prefill(admit)
+                self.prefill(admit, chunk_tokens)
+                while self.prefilling:
+                    self.prefill(list(self.prefilling), chunk_tokens)
             elif self.running:
                 self.decode(1)
             else:
@@ -260,7 +354,7 @@ class Engine:
 
 def _final_cached(s: Sequence) -> int:
     """Tokens whose state a request holds when it finishes (its last token is never fed)."""
-    return max(len(s.token_ids), s.prompt_len + s.sampling.max_new_tokens - 1)
+    return max(len(s.token_ids), decode_cached(s.prompt_len + s.sampling.max_new_tokens))
 
 
 __all__ = ["Engine", "Sequence", "StepOutput", "SnapshotError"]
@@ -293,7 +387,7 @@ def load_model(model: str | ModelConfig, dtype: torch.dtype, device: torch.devic
 
 def build_engine(model: str | ModelConfig, dtype: str = "float32", device: str = "auto",
                  kv_tokens: int = 512, mamba_slots: int = 8, page_size: int = 1,
-                 pool_config: PoolConfig | None = None, invariant_tile: int = 8,
+                 pool_config: PoolConfig | None = None, invariant_tile: int = 16,
                  record_logits: bool = False, seed: int = 0) -> Engine:
     """An engine and its pool. `pool_config` (with an optional byte budget) overrides the counts.
 

@@ -161,17 +161,20 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = nn.Linear(c.gdn_value_dim, H, bias=False, dtype=dtype)
 
     def prefill(self, h: Tensor, conv_state: Tensor, state: Tensor, slot: int,
-                kernels: Kernels = Kernels()) -> Tensor:
-        """One whole sequence from zero state; writes its final conv/recurrent state to `slot`.
+                kernels: Kernels = Kernels(), start: int = 0) -> Tensor:
+        """One sequence's next L tokens; reads and writes the conv/recurrent state at `slot`.
 
-        h (L, hidden) -> (L, hidden).
+        `start` tokens came before (their state is at `slot`; 0 = a fresh sequence from zero
+        state whatever the slot holds). h (L, hidden) -> (L, hidden).
         """
+        conv0, state0 = (conv_state[slot], state[slot]) if start else (None, None)
         qkv, z, b, a = self._project(h, kernels)
-        qkv, conv_final = causal_conv_prefill(qkv, self.conv1d.weight, None)  # (L, conv_dim)
-        conv_state[slot] = conv_final
+        qkv, conv_final = causal_conv_prefill(qkv, self.conv1d.weight, None, conv0,
+                                              kernels.pointwise)  # (L, conv_dim)
         q, k, v = self._split(qkv)
         g, beta = self._gates(a, b, kernels.pointwise)  # (L, Hv) each
-        y, final = gdn_chunked(q, k, v, g, beta, self.config.linear_chunk_size)  # (L, Hv, dv)
+        y, final = gdn_chunked(q, k, v, g, beta, self.config.linear_chunk_size, state0)  # (L, Hv, dv)
+        conv_state[slot] = conv_final
         state[slot] = final
         return self._output(y, z, kernels)
 

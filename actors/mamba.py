@@ -14,11 +14,14 @@ Stages, in order (names from the Mamba2 / SSD paper):
 Head h reads the B/C of group h // (n_heads // n_groups). The SSM runs in fp32 whatever the
 model dtype; the conv runs in the model dtype.
 
-Prefill handles one whole sequence from zero state (`ssd_chunked`, with `ssd_sequential_ref` as
-its reference twin); decode handles one token per request and updates the pool's conv/SSM state at
+Prefill handles the next L tokens of one sequence, from zero state (a fresh sequence) or from the
+conv/SSM state its earlier tokens left in the pool (chunked prefill, a restored prefix):
+`causal_conv_prefill` takes the previous K-1 conv inputs as left context and `ssd_chunked`
+(with `ssd_sequential_ref` as its reference twin) an initial SSM state; decode handles one token per request and updates the pool's conv/SSM state at
 the request's slot (`causal_conv_step`, `ssd_step`). The decode functions use only elementwise
-products and reductions over the last dim, and apply their nonlinear functions through
-`Kernels.pointwise`, so a request's result never depends on which other requests share the batch.
+products, reductions over the last dim and batched products of one fixed shape per request and
+head, and apply their nonlinear functions through `Kernels.pointwise`, so a request's result
+never depends on which other requests share the batch.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from actors.batch import contiguous_run
 from actors.config import ModelConfig
 
 LinearFn = Callable[[Tensor, Tensor, "Tensor | None"], Tensor]
@@ -191,33 +195,46 @@ def ssd_step(ssm_state: Tensor, slots: Tensor, x: Tensor, dt: Tensor, A: Tensor,
     """One decode token per request: update `ssm_state[slots]` in place and return y.
 
     ssm_state (S, H, P, N) fp32 (one Mamba layer of the pool), slots (R,), x (R, H, P),
-    dt (R, H), A (H,), B and C (R, G, N). Returns y (R, H, P) fp32. Elementwise products and a
-    sum over the last dim only (no matrix kernel): with `pointwise=rowwise` a request's result
-    does not depend on the other requests.
+    dt (R, H), A (H,), B and C (R, G, N). Returns y (R, H, P) fp32.
+
+    The state is the big tensor here (R x 256 KiB for the `small` preset), so it is touched as
+    few times as possible: when the slots are one ascending run (the engine sorts its decode
+    batch by slot) it is updated in place in the pool, else gathered once and scattered back.
+    The rank-1 update and the readout are batched matrix products of one fixed shape per
+    (request, head) entry ((P,1)@(1,N) and (P,N)@(N,1)), so, like the elementwise decay, a
+    request's result does not depend on the other requests (with `pointwise=rowwise` for exp).
     """
+    R, H, P = x.shape
     x, dt = x.float(), dt.float()  # (R, H, P), (R, H)
-    Bh = expand_groups(B.float(), x.shape[1])  # (R, H, N)
-    Ch = expand_groups(C.float(), x.shape[1])  # (R, H, N)
+    dtB = dt[..., None] * expand_groups(B.float(), H)  # (R, H, N)
+    Ch = expand_groups(C.float(), H)  # (R, H, N)
     decay = pointwise(torch.exp, dt * A.float())  # (R, H)
-    dBx = (dt[..., None] * Bh)[:, :, None, :] * x[..., None]  # (R, H, P, N)
-    state = ssm_state[slots] * decay[..., None, None] + dBx  # (R, H, P, N)
-    ssm_state[slots] = state
-    return (state * Ch[:, :, None, :]).sum(-1)  # (R, H, P)
+    run = contiguous_run(slots) if slots.device.type == "cpu" else None
+    state = ssm_state.narrow(0, run[0], R) if run else ssm_state.index_select(0, slots)
+    state.mul_(decay[..., None, None])  # (R, H, P, N)
+    flat = state.view(R * H, P, -1)  # (R*H, P, N)
+    flat.baddbmm_(x.reshape(R * H, P, 1), dtB.reshape(R * H, 1, -1))  # += x (dt B)^T
+    if run is None:
+        ssm_state.index_copy_(0, slots, state)
+    return torch.bmm(flat, Ch.reshape(R * H, -1, 1)).view(R, H, P)  # (R, H, P)
 
 
 # ---------------------------------------------------------------------------- causal conv
-def causal_conv_prefill(xBC: Tensor, weight: Tensor, bias: Tensor | None) -> tuple[Tensor, Tensor]:
-    """Causal depthwise conv + SiLU over one sequence, and the conv state it leaves.
+def causal_conv_prefill(xBC: Tensor, weight: Tensor, bias: Tensor | None,
+                        initial: Tensor | None = None,
+                        pointwise: Pointwise = whole) -> tuple[Tensor, Tensor]:
+    """Causal depthwise conv + SiLU over one sequence (or one chunk of it), and the state it leaves.
 
-    xBC (L, D) pre-activation conv inputs, weight (D, 1, K), bias (D,). Returns the activated
-    output (L, D) and the state (D, K-1): the last K-1 inputs, oldest first, zero-padded on the
-    left when L < K-1.
+    xBC (L, D) pre-activation conv inputs, weight (D, 1, K), bias (D,), initial (D, K-1) the
+    conv state before the first token (the previous K-1 inputs, oldest first; None = zeros, a
+    sequence's start). Returns the activated output (L, D) and the state (D, K-1): the last K-1
+    inputs of [initial | xBC], oldest first.
     """
-    L, K = xBC.shape[0], weight.shape[-1]
-    inp = xBC.t().unsqueeze(0)  # (1, D, L)
-    out = F.conv1d(inp, weight, bias, padding=K - 1, groups=inp.shape[1])[0, :, :L]  # (D, L)
-    state = F.pad(inp[0], (K - 1, 0))[:, L:]  # (D, K-1)
-    return F.silu(out).t(), state  # (L, D), (D, K-1)
+    L, D, K = xBC.shape[0], xBC.shape[1], weight.shape[-1]
+    left = initial if initial is not None else xBC.new_zeros(D, K - 1)  # (D, K-1)
+    window = torch.cat([left.to(xBC.dtype), xBC.t()], dim=1)  # (D, K-1+L)
+    out = F.conv1d(window.unsqueeze(0), weight, bias, groups=D)[0]  # (D, L)
+    return pointwise(F.silu, out.t()), window[:, L:].clone()  # (L, D), (D, K-1)
 
 
 def causal_conv_step(conv_state: Tensor, slots: Tensor, xBC: Tensor, weight: Tensor,
@@ -285,18 +302,22 @@ class MambaMixer(nn.Module):
                                   dtype=dtype)
 
     def prefill(self, h: Tensor, conv_state: Tensor, ssm_state: Tensor, slot: int,
-                kernels: Kernels = Kernels()) -> Tensor:
-        """One whole sequence from zero state; writes its final conv/SSM state to `slot`.
+                kernels: Kernels = Kernels(), start: int = 0) -> Tensor:
+        """One sequence's next L tokens; reads and writes the conv/SSM state at `slot`.
 
-        h (L, hidden) -> (L, hidden).
+        `start` tokens of the sequence came before (their state is at `slot`; 0 = a fresh
+        sequence, which starts from zero state whatever the slot holds). h (L, hidden) ->
+        (L, hidden).
         """
         c = self.config
+        conv0, ssm0 = (conv_state[slot], ssm_state[slot]) if start else (None, None)
         z, xBC, dt = self._project(h, kernels)  # (L, I), (L, conv_dim), (L, H)
-        xBC, conv_final = causal_conv_prefill(xBC, self.conv1d.weight, self.conv1d.bias)
-        conv_state[slot] = conv_final  # (conv_dim, d_conv-1)
+        xBC, conv_final = causal_conv_prefill(xBC, self.conv1d.weight, self.conv1d.bias, conv0,
+                                              kernels.pointwise)
         x, B, C = self._split_xBC(xBC)  # (L, H, P), (L, G, N), (L, G, N)
-        dt = discretize_dt(dt, self.dt_bias, c.time_step_limit)  # (L, H) fp32
-        y, ssm_final = ssd_chunked(x, dt, self._A(), B, C, c.mamba_chunk_size)  # (L,H,P), (H,P,N)
+        dt = discretize_dt(dt, self.dt_bias, c.time_step_limit, kernels.pointwise)  # (L, H) fp32
+        y, ssm_final = ssd_chunked(x, dt, self._A(), B, C, c.mamba_chunk_size, ssm0)  # (L,H,P), (H,P,N)
+        conv_state[slot] = conv_final  # (conv_dim, d_conv-1)
         ssm_state[slot] = ssm_final
         return self._output(y, x, z, kernels)
 

@@ -30,11 +30,17 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from actors.batch import contiguous_run
 from actors.config import ModelConfig
 from actors.pools import HybridPool
 
 SNAPSHOT_VERSION = 1
 _ALIGN = 64
+
+
+def decode_cached(num_tokens: int) -> int:
+    """Tokens whose state a decoding request of `num_tokens` tokens holds: all but the last."""
+    return num_tokens - 1
 
 
 class SnapshotError(ValueError):
@@ -64,7 +70,7 @@ class Snapshot:
 
     @property
     def num_cached_tokens(self) -> int:
-        return len(self.token_ids) - 1
+        return decode_cached(len(self.token_ids))
 
     @property
     def num_generated(self) -> int:
@@ -164,20 +170,9 @@ def gather_state(pool: HybridPool, request_id: str, num_cached: int,
     return buf
 
 
-def _contiguous_range(slots: torch.Tensor) -> tuple[int, int] | None:
-    """(start, length) when the slots are start, start+1, ...; None otherwise."""
-    n = int(slots.numel())
-    if n == 0:
-        return (0, 0)
-    start = int(slots[0])
-    if int(slots[-1]) - start + 1 != n or not bool((slots.diff() == 1).all()):
-        return None
-    return start, n
-
-
 def _gather_tokens(src: torch.Tensor, slots: torch.Tensor, out: torch.Tensor) -> None:
     """out[l, i] = src[l, slots[i]]; a plain block copy when the slots are contiguous."""
-    span = _contiguous_range(slots)
+    span = contiguous_run(slots)
     if span is not None:
         out.copy_(src.narrow(1, span[0], span[1]))
     else:
@@ -186,7 +181,7 @@ def _gather_tokens(src: torch.Tensor, slots: torch.Tensor, out: torch.Tensor) ->
 
 def _scatter_tokens(dst: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:
     """dst[l, slots[i]] = values[l, i]; a plain block copy when the slots are contiguous."""
-    span = _contiguous_range(slots)
+    span = contiguous_run(slots)
     if span is not None:
         dst.narrow(1, span[0], span[1]).copy_(values)
     else:
@@ -199,7 +194,7 @@ def _gather_cuda(pool: HybridPool, slots: torch.Tensor, slot: int, views: dict) 
     side.wait_stream(torch.cuda.current_stream(pool.k.device))
     with torch.cuda.stream(side):
         for src, dst in ((pool.k, views["kv"][0]), (pool.v, views["kv"][1])):
-            span = _contiguous_range(slots)
+            span = contiguous_run(slots)
             rows = src.narrow(1, *span) if span else src.index_select(1, slots.to(src.device))
             dst.copy_(rows, non_blocking=True)
         for name, tensor in pool.mamba.tensors.items():

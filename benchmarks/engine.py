@@ -1,20 +1,25 @@
-"""`raysched bench engine`: decode throughput of our engine against transformers' Bamba.
+"""`raysched bench engine`: our engine against transformers' Bamba, decode and prefill, fp32 and bf16.
 
 The `small` preset is saved as a Hugging Face checkpoint (`config.json` from
 `ModelConfig.to_hf_dict`, `model.safetensors` of `init_state_dict`) and loaded by both sides:
-our engine (`build_engine(checkpoint)`) and `BambaForCausalLM.from_pretrained` in fp32 on the
-CPU, with the pure-torch paths only (the benchmark refuses to run when `mamba_ssm`,
-`causal_conv1d`, `kernels` or `fla` could be imported, since transformers would switch to them).
+our engine (`build_engine(checkpoint)`) and `BambaForCausalLM.from_pretrained` on the CPU, with
+the pure-torch paths only (the benchmark refuses to run when `mamba_ssm`, `causal_conv1d`,
+`kernels` or `fla` could be imported, since transformers would switch to them).
 
-At batch sizes 1, 8 and 32, the same greedy prompts (equal lengths, so no padding) and the same
-max_new_tokens N, in one process, with the same torch thread count (1, like a Ray worker actor):
-- ours: prefill (not timed), then N-1 decode steps timed directly;
-- transformers: `generate(max_new_tokens=N)` minus `generate(max_new_tokens=1)` (prefill and the
-  first token), which leaves the N-1 decode steps;
-best of 2 runs each. "ours" is the engine as served (batch-invariant decode kernels, tile 8);
-"ours, plain kernels" (`invariant_tile=None`) shows what batch invariance costs. Tokens of the
-two implementations are compared. When the target is missed, a profile of our decode at the
-largest batch says where the time goes (by file:function and by torch op).
+Per dtype (fp32, bf16), one process, the same torch thread count on both sides (1, like a Ray
+worker actor), both sides warmed up once, then best of `repeats` runs, the two sides interleaved:
+- decode at batch 1, 8, 32: the same greedy prompts (equal lengths, so no padding). Ours: an
+  untimed prefill, then N-1 decode steps timed; transformers: `generate(N)` minus
+  `generate(1)`. Reported as ms per decode step. In fp32 the generated tokens must be equal
+  (asserted); in bf16 the two implementations round differently, so matches are counted.
+- the matmul floor: the machine's matrix-multiply speed is measured here, as the best of a plain
+  `F.linear` over every weight of the model at the batch's row count; the floor of a step is
+  its matmul FLOPs at that speed, and `floor_fraction` = floor / our step time.
+- prefill of one 2k-token prompt: our `Engine.prefill` against transformers' forward with a
+  cache; the first generated tokens must agree (fp32: asserted).
+"ours" is the engine as served (batch-invariant kernels); at the target batch "ours plain"
+(`invariant_tile=None`) shows what batch invariance costs. When a decode target is missed, the
+JSON carries a cProfile/torch.profiler breakdown of our decode at batch 32.
 """
 
 from __future__ import annotations
@@ -23,15 +28,17 @@ import cProfile
 import importlib.util
 import pstats
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from benchmarks.common import Column, load_average, machine, print_table, random_prompt, timed, write_json
 
 FORBIDDEN_KERNELS = ("mamba_ssm", "causal_conv1d", "kernels", "fla")
-TARGET_BATCH, TARGET_RATIO = 32, 2.0
+TARGET_BATCH, TARGET_RATIO, TARGET_FLOOR, TARGET_PREFILL = 32, 2.0, 0.5, 1.5
 THREADS = 1
 
 
@@ -41,11 +48,16 @@ class Setup:
     batches: tuple[int, ...]
     prompt_len: int
     max_new_tokens: int
+    prefill_len: int
+    dtypes: tuple[str, ...]
     repeats: int
 
 
-FULL = Setup("small", batches=(1, 8, 32), prompt_len=64, max_new_tokens=33, repeats=2)
-QUICK = Setup("tiny", batches=(1, 8), prompt_len=32, max_new_tokens=9, repeats=1)
+FULL = Setup("small", batches=(1, 8, 32), prompt_len=64, max_new_tokens=17, prefill_len=2048,
+             dtypes=("float32", "bfloat16"), repeats=3)
+QUICK = Setup("tiny", batches=(1, 8), prompt_len=32, max_new_tokens=5, prefill_len=128,
+              dtypes=("float32",), repeats=1)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def main(out_dir: Path = Path("bench-out"), quick: bool = False) -> dict:
@@ -62,6 +74,7 @@ def main(out_dir: Path = Path("bench-out"), quick: bool = False) -> dict:
             ckpt = save_preset_checkpoint(setup.model, Path(tmp))
             result = run(setup, ckpt, quick)
             result["load_avg_1m_start"] = load_start
+            result["load_avg_1m_end"] = load_average()
     finally:
         torch.set_num_threads(threads)
     _print(result)
@@ -79,45 +92,130 @@ def save_preset_checkpoint(model: str, root: Path) -> Path:
 
 
 def run(setup: Setup, ckpt: Path, quick: bool) -> dict:
+    rows, prefill = [], []
+    for dtype in setup.dtypes:
+        ours, hf, plain = _load(setup, ckpt, dtype)
+        rows += [decode_row(setup, ours, hf, plain if b == TARGET_BATCH else None, b, dtype)
+                 for b in setup.batches]
+        prefill.append(prefill_row(setup, ours, hf, dtype))
+    result = {"model": setup.model, "threads": THREADS, "prompt_len": setup.prompt_len,
+              "max_new_tokens": setup.max_new_tokens, "repeats": setup.repeats, "machine": machine(),
+              "kernels_present": [], "rows": rows, "prefill": prefill,
+              "targets": targets(rows, prefill)}
+    missed = [t for t in result["targets"] if not t["met"] and t["what"].startswith("decode")]
+    if missed and not quick:
+        ours = _load(setup, ckpt, "float32")[0]
+        prompts = [random_prompt(setup.prompt_len, ours.config.vocab_size, seed=i)
+                   for i in range(TARGET_BATCH)]
+        result["profile"] = profile_decode(ours, prompts, steps=8)
+    return result
+
+
+def _load(setup: Setup, ckpt: Path, dtype: str):
     from actors.engine import build_engine
     from transformers import BambaForCausalLM
 
     size = max(setup.batches)
-    kv = size * (setup.prompt_len + setup.max_new_tokens)
-    ours = build_engine(str(ckpt), device="cpu", kv_tokens=kv, mamba_slots=size)
-    plain = build_engine(str(ckpt), device="cpu", kv_tokens=kv, mamba_slots=size, invariant_tile=None)
-    hf = BambaForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
-    vocab = ours.config.vocab_size
-    rows = []
-    for batch in setup.batches:
-        prompts = [random_prompt(setup.prompt_len, vocab, seed=1000 * batch + i) for i in range(batch)]
-        ours_s, ours_tokens = _best(lambda: ours_decode(ours, prompts, setup.max_new_tokens), setup.repeats)
-        plain_s, plain_tokens = _best(lambda: ours_decode(plain, prompts, setup.max_new_tokens), setup.repeats)
-        hf_s, hf_tokens = _best(lambda: hf_decode(hf, prompts, setup.max_new_tokens), setup.repeats)
-        decoded = batch * (setup.max_new_tokens - 1)
-        rows.append({"batch": batch, "decode_tokens": decoded,
-                     "ours_tokens_per_s": decoded / ours_s, "ours_plain_tokens_per_s": decoded / plain_s,
-                     "hf_tokens_per_s": decoded / hf_s, "ratio": hf_s / ours_s, "ratio_plain": hf_s / plain_s,
-                     "ours_ms_per_step": ours_s / (setup.max_new_tokens - 1) * 1e3,
-                     "hf_ms_per_step": hf_s / (setup.max_new_tokens - 1) * 1e3,
-                     "tokens_match_hf": sum(a == b for a, b in zip(ours_tokens, hf_tokens)),
-                     "tokens_match_plain": sum(a == b for a, b in zip(ours_tokens, plain_tokens))})
-    result = {"model": setup.model, "threads": THREADS, "prompt_len": setup.prompt_len,
-              "max_new_tokens": setup.max_new_tokens, "repeats": setup.repeats, "machine": machine(),
-              "kernels_present": [], "rows": rows}
-    at_target = next((r for r in rows if r["batch"] == TARGET_BATCH), None)
-    if at_target is not None:
-        result["target"] = {"batch": TARGET_BATCH, "min_ratio": TARGET_RATIO,
-                            "ratio": at_target["ratio"], "met": at_target["ratio"] >= TARGET_RATIO}
-        if not result["target"]["met"] and not quick:
-            prompts = [random_prompt(setup.prompt_len, vocab, seed=i) for i in range(TARGET_BATCH)]
-            result["profile"] = profile_decode(ours, prompts, steps=8)
-    return result
+    kv = max(size * (setup.prompt_len + setup.max_new_tokens), setup.prefill_len + 8)
+    ours = build_engine(str(ckpt), dtype, device="cpu", kv_tokens=kv, mamba_slots=size)
+    plain = build_engine(str(ckpt), dtype, device="cpu", kv_tokens=kv, mamba_slots=size,
+                         invariant_tile=None)
+    hf = BambaForCausalLM.from_pretrained(ckpt, dtype=DTYPES[dtype]).eval()
+    return ours, hf, plain
 
 
-def _best(fn, repeats: int) -> tuple[float, list]:
-    runs = [fn() for _ in range(repeats)]
-    return min(r[0] for r in runs), runs[0][1]
+def decode_row(setup: Setup, ours, hf, plain, batch: int, dtype: str) -> dict:
+    """One batch size: ms per decode step of both sides, tokens compared, the matmul floor."""
+    vocab, n = ours.config.vocab_size, setup.max_new_tokens
+    prompts = [random_prompt(setup.prompt_len, vocab, seed=1000 * batch + i) for i in range(batch)]
+    sides = {"ours": lambda: ours_decode(ours, prompts, n), "hf": lambda: hf_decode(hf, prompts, n)}
+    if plain is not None:
+        sides["plain"] = lambda: ours_decode(plain, prompts, n)
+    best, tokens = _interleaved_best(sides, setup.repeats)
+    match = sum(a == b for a, b in zip(tokens["ours"], tokens["hf"]))
+    if dtype == "float32":
+        assert match == batch, f"batch {batch}: only {match}/{batch} requests match transformers"
+    steps = n - 1
+    gflops = matmul_gflops(ours.model, batch)
+    floor_ms = 2 * linear_params(ours.model) * batch / (gflops * 1e9) * 1e3
+    ours_ms = best["ours"] / steps * 1e3
+    row = {"dtype": dtype, "batch": batch, "decode_tokens": batch * steps,
+           "ours_ms_per_step": ours_ms, "hf_ms_per_step": best["hf"] / steps * 1e3,
+           "ours_tokens_per_s": batch * steps / best["ours"], "hf_tokens_per_s": batch * steps / best["hf"],
+           "ratio": best["hf"] / best["ours"], "tokens_match_hf": match,
+           "matmul_gflops": gflops, "floor_ms_per_step": floor_ms, "floor_fraction": floor_ms / ours_ms}
+    if "plain" in best:
+        row["ratio_plain"] = best["hf"] / best["plain"]
+        row["tokens_match_plain"] = sum(a == b for a, b in zip(tokens["ours"], tokens["plain"]))
+    return row
+
+
+def prefill_row(setup: Setup, ours, hf, dtype: str) -> dict:
+    """Prefill of one `prefill_len`-token prompt: seconds of both sides, first tokens compared."""
+    prompt = random_prompt(setup.prefill_len, ours.config.vocab_size, seed=7)
+    best, tokens = _interleaved_best({"ours": lambda: ours_prefill(ours, prompt),
+                                      "hf": lambda: hf_prefill(hf, prompt)}, setup.repeats)
+    same = tokens["ours"] == tokens["hf"]
+    if dtype == "float32":
+        assert same, f"prefill: first token {tokens['ours']} vs transformers {tokens['hf']}"
+    return {"dtype": dtype, "tokens": setup.prefill_len, "ours_s": best["ours"], "hf_s": best["hf"],
+            "ratio": best["hf"] / best["ours"], "same_first_token": same}
+
+
+def targets(rows: list[dict], prefill: list[dict]) -> list[dict]:
+    """The issue's targets (fp32), each with its measured value."""
+    fp32 = {r["batch"]: r for r in rows if r["dtype"] == "float32"}
+    out = []
+    for batch in (1, TARGET_BATCH):
+        if batch in fp32:
+            out.append({"what": f"decode ratio vs transformers, batch {batch}", "min": TARGET_RATIO,
+                        "value": fp32[batch]["ratio"]})
+    if TARGET_BATCH in fp32:
+        out.append({"what": f"fraction of the matmul floor, batch {TARGET_BATCH}", "min": TARGET_FLOOR,
+                    "value": fp32[TARGET_BATCH]["floor_fraction"]})
+    for p in prefill:
+        if p["dtype"] == "float32":
+            out.append({"what": f"prefill ratio vs transformers, {p['tokens']} tokens",
+                        "min": TARGET_PREFILL, "value": p["ratio"]})
+    return [{**t, "met": t["value"] >= t["min"]} for t in out]
+
+
+def _interleaved_best(sides: dict, repeats: int) -> tuple[dict, dict]:
+    """Warm every side up once, then `repeats` rounds taking turns; best seconds per side."""
+    tokens = {name: fn()[1] for name, fn in sides.items()}  # warm-up
+    best = {name: float("inf") for name in sides}
+    for _ in range(repeats):
+        for name, fn in sides.items():
+            seconds, toks = fn()
+            best[name] = min(best[name], seconds)
+            assert toks == tokens[name], f"{name}: tokens changed between runs"
+    return best, tokens
+
+
+def linear_params(model) -> int:
+    """Weights that take part in a decode step's matrix products (every linear + LM head)."""
+    return sum(w.numel() for w in _linear_weights(model))
+
+
+def _linear_weights(model) -> list[torch.Tensor]:
+    weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    if model.config.tie_word_embeddings:
+        weights.append(model.lm_head_weight)
+    return weights
+
+
+def matmul_gflops(model, rows: int, repeats: int = 5) -> float:
+    """This machine's plain matrix-multiply speed at `rows` rows over the model's own weights."""
+    weights = _linear_weights(model)
+    xs = [torch.randn(rows, w.shape[1], dtype=w.dtype) for w in weights]
+
+    def one_pass() -> None:
+        for x, w in zip(xs, weights):
+            F.linear(x, w)
+
+    one_pass()
+    seconds = min(timed(one_pass)[0] for _ in range(repeats))
+    return 2 * rows * sum(w.numel() for w in weights) / seconds / 1e9
 
 
 def ours_decode(engine, prompts: list[list[int]], max_new_tokens: int) -> tuple[float, list[list[int]]]:
@@ -141,6 +239,23 @@ def hf_decode(hf, prompts: list[list[int]], max_new_tokens: int) -> tuple[float,
     first_s, _ = timed(lambda: hf.generate(input_ids=ids, max_new_tokens=1, **kwargs))
     all_s, out = timed(lambda: hf.generate(input_ids=ids, max_new_tokens=max_new_tokens, **kwargs))
     return all_s - first_s, out[:, ids.shape[1]:].tolist()
+
+
+def ours_prefill(engine, prompt: list[int]) -> tuple[float, int]:
+    """(seconds of one prefill, its sampled token)."""
+    from actors.engine import Sequence
+    from raysched.sampling import SamplingParams
+
+    seq = Sequence("prefill", list(prompt), len(prompt), SamplingParams(max_new_tokens=1))
+    seconds, out = timed(lambda: engine.prefill([seq]))
+    return seconds, out.new_tokens["prefill"][0]
+
+
+@torch.no_grad()
+def hf_prefill(hf, prompt: list[int]) -> tuple[float, int]:
+    """(seconds of one forward with a cache, its greedy token)."""
+    seconds, out = timed(lambda: hf(input_ids=torch.tensor([prompt]), use_cache=True))
+    return seconds, int(out.logits[0, -1].argmax())
 
 
 def profile_decode(engine, prompts: list[list[int]], steps: int) -> dict:
@@ -179,18 +294,25 @@ def _short(path: str) -> str:
 
 
 def _print(result: dict) -> None:
-    cols = [Column("batch", "batch"), Column("ours tok/s", "ours_tokens_per_s", ".1f"),
-            Column("ours plain tok/s", "ours_plain_tokens_per_s", ".1f"),
-            Column("HF tok/s", "hf_tokens_per_s", ".1f"), Column("ours/HF", "ratio", ".2f"),
-            Column("plain/HF", "ratio_plain", ".2f"), Column("ours ms/step", "ours_ms_per_step", ".1f"),
-            Column("HF ms/step", "hf_ms_per_step", ".1f"), Column("same tokens", "match")]
+    cols = [Column("dtype", "dtype"), Column("batch", "batch"),
+            Column("ours ms/step", "ours_ms_per_step", ".1f"), Column("HF ms/step", "hf_ms_per_step", ".1f"),
+            Column("ours/HF", "ratio", ".2f"), Column("floor ms", "floor_ms_per_step", ".1f"),
+            Column("of floor", "floor_fraction", ".0%"), Column("GFLOP/s", "matmul_gflops", ".0f"),
+            Column("same tokens", "match")]
     rows = [{**r, "match": f"{r['tokens_match_hf']}/{r['batch']}"} for r in result["rows"]]
-    print_table(f"decode throughput, model {result['model']}, {result['threads']} torch thread(s), "
-                f"prompt {result['prompt_len']}, {result['max_new_tokens'] - 1} decode steps", cols, rows)
-    t = result.get("target")
-    if t:
-        print(f"target: ours >= {t['min_ratio']}x transformers at batch {t['batch']}: {t['ratio']:.2f}x "
-              f"({'met' if t['met'] else 'MISSED'})")
+    print_table(f"decode, model {result['model']}, {result['threads']} torch thread(s), prompt "
+                f"{result['prompt_len']}, {result['max_new_tokens'] - 1} steps, best of "
+                f"{result['repeats']}", cols, rows)
+    pcols = [Column("dtype", "dtype"), Column("tokens", "tokens"), Column("ours s", "ours_s", ".2f"),
+             Column("HF s", "hf_s", ".2f"), Column("ours/HF", "ratio", ".2f"),
+             Column("same token", "same_first_token")]
+    print_table("prefill of one prompt", pcols, result["prefill"])
+    for r in result["rows"]:
+        if "ratio_plain" in r:
+            print(f"{r['dtype']} batch {r['batch']}: plain (not batch-invariant) kernels "
+                  f"{r['ratio_plain']:.2f}x transformers")
+    for t in result["targets"]:
+        print(f"target {t['what']} >= {t['min']}: {t['value']:.2f} ({'met' if t['met'] else 'MISSED'})")
     prof = result.get("profile")
     if prof:
         print(f"profile of our decode, batch {prof['batch']}, {prof['steps']} steps "

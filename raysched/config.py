@@ -437,7 +437,7 @@ class ServeConfig:
     scheduler: SchedulerConfig = SchedulerConfig()
     faults: FaultConfig = ()
     object_store_memory: int | None = None  # bytes, for the embedded Ray cluster
-    invariant_tile: int = 8  # tile size of the batch-invariant kernels
+    invariant_tile: int = 16  # rows per matrix-kernel call in batch-invariant decode
 
     CHECKS: ClassVar[dict[str, Check]] = {
         "model": check_nonempty_str,

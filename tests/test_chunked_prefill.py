@@ -1,0 +1,203 @@
+"""Chunked prefill and prefill on top of a restored prefix agree with a one-shot prefill.
+
+Exactness cannot hold here (a chunk's matrix products see other row counts, the SSD scan splits
+at other points), so the bound is a tolerance against independent references, with greedy tokens
+identical:
+- chunked vs one-shot prefill of the same prompt, every position's logits within 1e-5 (fp32),
+  for chunks shorter than the conv kernel (d_conv 4), not aligned with the SSD chunk (16), and
+  longer than the prompt; then 16 greedy tokens through the engine must be identical;
+- `restore_prefix` of a finished turn's snapshot + prefill of the new suffix vs a full prefill of
+  the whole history (first-token logits within 1e-4, greedy tokens identical);
+- our chunked prefill vs transformers' `BambaForCausalLM` fed the same chunks with its cache
+  (the multi-token-with-cache forward fixed in transformers 5.24);
+- negative controls: continuing on a zeroed SSM state, on another request's conv/SSM state, or
+  with the earlier K/V wiped, moves the logits far beyond the tolerance.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from actors.batch import ForwardBatch
+from actors.engine import Engine, Sequence, build_engine
+from actors.loader import load_checkpoint
+from actors.model import HybridLM
+from actors.presets import load_preset
+from actors.snapshot import SnapshotError
+from raysched.sampling import SamplingParams
+from tests.hf_reference import load_hf, make_hf_bamba, make_pool
+
+CHUNKS = (1, 3, 5, 16, 23, 200)  # < d_conv, odd, == SSD chunk, unaligned, > prompt
+TOL_CHUNKED, TOL_PREFIX, TOL_HF = 1e-5, 1e-4, 1e-4
+GREEDY = SamplingParams(max_new_tokens=16)
+
+
+def _prompt(n: int, vocab: int, seed: int) -> list[int]:
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def chunked_logits(model: HybridLM, prompt: list[int], chunk: int, pool=None) -> torch.Tensor:
+    """Every position's logits (L, vocab) of `prompt` prefilled `chunk` tokens at a time into
+    token slots 1..L and Mamba slot 1 of a stand-in pool."""
+    pool = pool if pool is not None else make_pool(model.config, len(prompt) + 1, 2)
+    slots = torch.arange(1, len(prompt) + 1)
+    out = []
+    for a in range(0, len(prompt), chunk):
+        b = min(a + chunk, len(prompt))
+        batch = ForwardBatch(True, torch.tensor(prompt[a:b]), torch.arange(a, b), [b - a],
+                             slots[a:b], torch.tensor([1]), [slots[:b]])
+        out.append(model.forward_all_logits(batch, pool))
+    return torch.cat(out)  # (L, vocab)
+
+
+@pytest.fixture(scope="module")
+def tiny() -> HybridLM:
+    return load_preset("tiny", torch.float32, "cpu")[0]
+
+
+@pytest.mark.parametrize("chunk", CHUNKS)
+def test_chunked_prefill_logits_match_one_shot(tiny, chunk):
+    prompt = _prompt(57, tiny.config.vocab_size, seed=3)
+    whole = chunked_logits(tiny, prompt, len(prompt))
+    diff = (chunked_logits(tiny, prompt, chunk) - whole).abs().max().item()
+    print(f"\nchunk {chunk}: max |logit diff| {diff:.3g}")
+    assert diff <= TOL_CHUNKED
+
+
+def _engine(**kw) -> Engine:
+    return build_engine("tiny", device="cpu", record_logits=True, kv_tokens=512, mamba_slots=4, **kw)
+
+
+@pytest.mark.parametrize("chunk", [2, 7, 16, 40])
+def test_engine_chunked_prefill_gives_identical_greedy_tokens(chunk):
+    prompts = [_prompt(n, 512, seed=n) for n in (37, 9, 64)]
+    one_shot = _engine()
+    ref = one_shot.generate(prompts, [GREEDY] * 3)
+    eng = _engine()
+    out = eng.generate(prompts, [GREEDY] * 3, chunk_tokens=chunk)
+    assert out == ref
+    for i in range(3):
+        a, b = eng.logits[f"gen-{i}"][0], one_shot.logits[f"gen-{i}"][0]
+        assert (a - b).abs().max().item() <= TOL_CHUNKED
+    assert eng.pool.is_empty() and not eng.prefilling
+
+
+def test_engine_prefill_continues_by_id_and_samples_only_at_the_end():
+    eng = _engine()
+    seq = Sequence("a", _prompt(30, 512, seed=1), 30, GREEDY)
+    out = eng.prefill([seq], chunk_tokens=12)
+    assert out.new_tokens == {} and seq.num_computed == 12 and "a" in eng.prefilling
+    with pytest.raises(SnapshotError, match="mid-prefill"):
+        eng.snapshot("a")
+    assert eng.prefill(["a"], chunk_tokens=12).new_tokens == {}
+    out = eng.prefill([seq], chunk_tokens=12)  # the same object continues too
+    assert list(out.new_tokens) == ["a"] and "a" in eng.running and seq.num_computed == 30
+    with pytest.raises(KeyError):
+        eng.prefill(["nobody"])
+    eng.decode(3)
+    assert seq.num_computed == seq.num_cached == len(seq.token_ids) - 1
+
+
+def _turns(eng: Engine, first: list[int], suffix: list[int]):
+    """Turn 1 decodes to the end; its snapshot starts turn 2 = history + suffix."""
+    turn1 = Sequence("t1", list(first), len(first), SamplingParams(max_new_tokens=6))
+    eng.prefill([turn1])
+    eng.decode(4)
+    snap = eng.snapshot("t1")
+    history = list(snap.token_ids) + suffix
+    return snap, Sequence("t2", history, len(history), GREEDY)
+
+
+def test_restore_prefix_then_suffix_matches_full_prefill():
+    eng = _engine()
+    snap, turn2 = _turns(eng, _prompt(45, 512, seed=5), _prompt(21, 512, seed=6))
+    assert eng.restore_prefix(snap, turn2)
+    assert turn2.num_computed == snap.num_cached_tokens and "t2" in eng.prefilling
+    eng.prefill(["t2"], chunk_tokens=8)
+    while eng.prefilling:
+        eng.prefill(list(eng.prefilling), chunk_tokens=8)
+    while eng.running:
+        eng.decode(1)
+    full = _engine()
+    ref = full.generate([turn2.token_ids[: turn2.prompt_len]], [GREEDY])[0]
+    assert turn2.token_ids[turn2.prompt_len:] == ref
+    diff = (eng.logits["t2"][0] - full.logits["gen-0"][0]).abs().max().item()
+    print(f"\nrestore_prefix + suffix: first-token max |logit diff| {diff:.3g}")
+    assert diff <= TOL_PREFIX
+    assert eng.pool.is_empty()
+
+
+def test_restore_prefix_refuses_other_tokens_and_reports_no_room():
+    eng = _engine()
+    snap, turn2 = _turns(eng, _prompt(20, 512, seed=7), [1, 2, 3])
+    bad = Sequence("x", [9] + turn2.token_ids[1:], turn2.prompt_len, GREEDY)
+    with pytest.raises(SnapshotError, match="do not extend"):
+        eng.restore_prefix(snap, bad)
+    short = Sequence("y", list(snap.token_ids[:-1]), len(snap.token_ids) - 1, GREEDY)
+    with pytest.raises(SnapshotError, match="do not extend"):
+        eng.restore_prefix(snap, short)  # nothing left to prefill
+    small = build_engine("tiny", device="cpu", kv_tokens=16, mamba_slots=2)
+    assert not small.restore_prefix(snap, turn2)
+    assert small.pool.is_empty() and not small.prefilling and turn2.num_computed == 0
+    assert eng.pool.is_empty()
+
+
+def _first_logits_after(tamper) -> torch.Tensor:
+    """First-token logits of a 40-token prompt prefilled 25 + 15, `tamper(eng)` in between."""
+    eng = _engine()
+    other = Sequence("other", _prompt(40, 512, seed=8), 40, GREEDY)
+    seq = Sequence("a", _prompt(40, 512, seed=9), 40, GREEDY)
+    eng.prefill([other, seq], chunk_tokens=25)
+    tamper(eng)
+    eng.prefill(["other", "a"])
+    return eng.logits["a"][0]
+
+
+def _swap_mamba(eng: Engine) -> None:
+    a, b = eng.pool.mamba.slot("a"), eng.pool.mamba.slot("other")
+    for t in (eng.pool.conv, eng.pool.ssm):
+        t[:, [a, b]] = t[:, [b, a]].clone()
+
+
+@pytest.mark.parametrize("tamper", [
+    lambda eng: eng.pool.ssm[:, eng.pool.mamba.slot("a")].zero_(),
+    _swap_mamba,
+    lambda eng: eng.pool.k.index_fill_(1, eng.pool.kv.token_slots("a")[:25], 0.0),
+], ids=["zeroed_ssm_state", "other_requests_mamba_state", "wiped_kv"])
+def test_negative_control_wrong_state_changes_logits(tamper):
+    good = _first_logits_after(lambda eng: None)
+    bad = _first_logits_after(tamper)
+    diff = (good - bad).abs().max().item()
+    assert diff > 100 * TOL_PREFIX, f"tampering moved the logits by only {diff:.3g}"
+
+
+@pytest.mark.parametrize("split", [3, 13])
+def test_chunked_prefill_matches_transformers_with_cache(tmp_path, split):
+    """transformers prefills `split` tokens, then the rest in ONE multi-token forward with its
+    cache; we do the same split. Logits of the second part must agree within 1e-4."""
+    path = make_hf_bamba(tmp_path, [1, 3], 5, seed=7, mamba_proj_bias=True, attention_bias=True)
+    hf = load_hf(path)
+    model, config = load_checkpoint(path, torch.float32)
+    prompt = _prompt(29, config.vocab_size, seed=12)
+    with torch.no_grad():
+        first = hf(input_ids=torch.tensor([prompt[:split]]), use_cache=True)
+        rest = hf(input_ids=torch.tensor([prompt[split:]]), cache=first.cache,
+                  position_ids=torch.arange(split, len(prompt))[None], use_cache=True)
+    ref = rest.logits[0].float()  # (L - split, vocab)
+    pool = make_pool(config, len(prompt) + 1, 2)
+    slots = torch.arange(1, len(prompt) + 1)
+    ours = []
+    for a, b in ((0, split), (split, len(prompt))):
+        batch = ForwardBatch(True, torch.tensor(prompt[a:b]), torch.arange(a, b), [b - a],
+                             slots[a:b], torch.tensor([1]), [slots[:b]])
+        ours.append(model.forward_all_logits(batch, pool))
+    diff = (ours[1] - ref).abs().max().item()
+    print(f"\nsplit {split}: max |logit diff| vs transformers with cache {diff:.3g}")
+    assert diff <= TOL_HF
+    assert torch.equal(ours[1].argmax(-1), ref.argmax(-1))
+    # the comparison can fail: transformers without the first part's cache disagrees
+    with torch.no_grad():
+        cold = hf(input_ids=torch.tensor([prompt[split:]]),
+                  position_ids=torch.arange(split, len(prompt))[None]).logits[0].float()
+    assert (ours[1] - cold).abs().max().item() > 100 * TOL_HF
