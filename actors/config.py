@@ -26,10 +26,11 @@ SUPPORTED_ARCHITECTURES = {  # HF architecture -> our architecture name (= HF mo
     "GraniteMoeHybridForCausalLM": "granitemoehybrid",
     "NemotronHForCausalLM": "nemotron_h",
     "Qwen3_5ForCausalLM": "qwen3_5_text",
+    "Qwen3NextForCausalLM": "qwen3_next",
 }
 LAYER_KINDS = ("attention", "mamba", "gdn", "mlp", "moe")
 _RECURRENT_KINDS = {"bamba": ("mamba",), "granitemoehybrid": ("mamba",), "nemotron_h": ("mamba",),
-                    "qwen3_5_text": ("gdn",)}
+                    "qwen3_5_text": ("gdn",), "qwen3_next": ("gdn",)}
 
 
 @dataclass(frozen=True)
@@ -97,6 +98,8 @@ class ModelConfig:
     linear_value_head_dim: int = 0
     linear_conv_kernel_dim: int = 4
     linear_chunk_size: int = 64  # chunk of the gated delta net's chunked prefill
+    decoder_sparse_step: int = 1  # Qwen3-Next: MoE feed-forward on layers (i + 1) % step == 0
+    mlp_only_layers: tuple[int, ...] = ()  # Qwen3-Next: dense SwiGLU on these layers
     name: str = field(default="custom", compare=False)
 
     def __post_init__(self) -> None:
@@ -208,7 +211,7 @@ class ModelConfig:
                     "num_attention_heads", "num_key_value_heads", "mamba_n_heads", "mamba_d_head",
                     "mamba_n_groups", "mamba_d_state", "mamba_d_conv", "mamba_chunk_size",
                     "mamba_expand", "max_position_embeddings")
-        if self.architecture == "qwen3_5_text":  # no Mamba layers: its Mamba keys are unused
+        if self.architecture in ("qwen3_5_text", "qwen3_next"):  # no Mamba layers: its Mamba keys are unused
             positive = positive[:6] + ("max_position_embeddings",)
         for key in positive:
             value = getattr(self, key)
@@ -246,7 +249,7 @@ class ModelConfig:
             raise ConfigError("model config: attn_layer_indices must list the attention layers of layer_kinds")
         allowed = {"bamba": {"attention", "mamba"}, "granitemoehybrid": {"attention", "mamba"},
                    "nemotron_h": {"attention", "mamba", "mlp", "moe"},
-                   "qwen3_5_text": {"attention", "gdn"}}[self.architecture]
+                   "qwen3_5_text": {"attention", "gdn"}, "qwen3_next": {"attention", "gdn"}}[self.architecture]
         if set(kinds) - allowed:
             raise ConfigError(f"model config: layer_kinds {sorted(set(kinds) - allowed)} not used by "
                               f"architecture {self.architecture}")
@@ -267,6 +270,11 @@ class ModelConfig:
         if self.linear_num_value_heads % self.linear_num_key_heads:
             raise ConfigError("model config: linear_num_key_heads must divide linear_num_value_heads")
 
+    def is_moe_layer(self, layer_id: int) -> bool:
+        """Qwen3-Next: whether layer `layer_id`'s feed-forward is the sparse MoE block."""
+        return (self.has_experts and layer_id not in self.mlp_only_layers
+                and (layer_id + 1) % self.decoder_sparse_step == 0)
+
     @property
     def has_experts(self) -> bool:
         """Whether the feed-forward has routed experts (Granite's every layer, NemotronH's "moe")."""
@@ -280,7 +288,8 @@ class ModelConfig:
         known = [SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES]
         arch = known[0] if known else d.get("model_type")
         readers = {"bamba": _bamba_kwargs, "granitemoehybrid": _granite_kwargs,
-                   "nemotron_h": _nemotron_kwargs, "qwen3_5_text": _qwen35_kwargs}
+                   "nemotron_h": _nemotron_kwargs, "qwen3_5_text": _qwen35_kwargs,
+                   "qwen3_next": _qwen3next_kwargs}
         if arch not in readers:
             raise ConfigError(f"unsupported architecture {archs or [d.get('model_type', '?')]}; "
                               f"supported: {list(SUPPORTED_ARCHITECTURES)}")
@@ -292,7 +301,7 @@ class ModelConfig:
     def to_hf_dict(self) -> dict[str, Any]:
         """The `config.json` a transformers model with these hyper-parameters would carry."""
         writers = {"bamba": _bamba_hf, "granitemoehybrid": _granite_hf, "nemotron_h": _nemotron_hf,
-                   "qwen3_5_text": _qwen35_hf}
+                   "qwen3_5_text": _qwen35_hf, "qwen3_next": _qwen3next_hf}
         return writers[self.architecture](self)
 
 
@@ -488,6 +497,19 @@ def _qwen35_kwargs(r: _Reader) -> dict[str, Any]:
                 mamba_n_heads=1, mamba_d_head=2 * hidden, mamba_n_groups=1, mamba_d_state=1)
 
 
+def _qwen3next_kwargs(r: _Reader) -> dict[str, Any]:
+    kw = _qwen35_kwargs(r)
+    only = r.d.get("mlp_only_layers") or []
+    if not isinstance(only, list) or not all(isinstance(i, int) for i in only):
+        raise ConfigError(f"config.json: mlp_only_layers must be a list of integers, got {only!r}")
+    return dict(kw, architecture="qwen3_next", num_experts=r.int("num_experts", 512),
+                num_experts_per_tok=r.int("num_experts_per_tok", 10),
+                moe_intermediate_size=r.int("moe_intermediate_size", 512),
+                shared_intermediate_size=r.int("shared_expert_intermediate_size", 512),
+                norm_topk_prob=r.bool("norm_topk_prob", True),
+                decoder_sparse_step=r.int("decoder_sparse_step", 1), mlp_only_layers=tuple(only))
+
+
 def _hf_common(c: ModelConfig, arch: str, model_type: str) -> dict[str, Any]:
     return {"architectures": [arch], "model_type": model_type, "vocab_size": c.vocab_size,
             "hidden_size": c.hidden_size, "num_attention_heads": c.num_attention_heads,
@@ -544,6 +566,15 @@ def _nemotron_hf(c: ModelConfig) -> dict[str, Any]:
             "moe_shared_expert_intermediate_size": c.shared_intermediate_size,
             "routed_scaling_factor": c.routed_scaling_factor, "norm_topk_prob": c.norm_topk_prob,
             "n_group": 1, "topk_group": 1}
+
+
+def _qwen3next_hf(c: ModelConfig) -> dict[str, Any]:
+    return {**_qwen35_hf(c), "architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next",
+            "num_experts": c.num_experts, "num_experts_per_tok": c.num_experts_per_tok,
+            "moe_intermediate_size": c.moe_intermediate_size,
+            "shared_expert_intermediate_size": c.shared_intermediate_size,
+            "norm_topk_prob": c.norm_topk_prob, "decoder_sparse_step": c.decoder_sparse_step,
+            "mlp_only_layers": list(c.mlp_only_layers)}
 
 
 def _qwen35_hf(c: ModelConfig) -> dict[str, Any]:

@@ -15,6 +15,9 @@ it, with a negative control). Top-k ties go to the lower expert index (`topk_sta
 - `NemotronMoE` (NemotronH's `mixer` of an "E" layer): DeepSeek-V3-style router (sigmoid scores,
   `e_score_correction_bias` added for the choice only, chosen scores normalised and scaled),
   relu^2 experts, a relu^2 shared expert; weighted sums in fp32.
+- `QwenNextMoE` (Qwen3-Next's `mlp` of a sparse layer): softmax over all experts in fp32, top-k,
+  renormalised; SwiGLU experts (`experts.{e}.gate_proj/up_proj/down_proj`); a SwiGLU
+  `shared_expert` scaled by sigmoid(`shared_expert_gate`).
 """
 
 from __future__ import annotations
@@ -173,3 +176,30 @@ class NemotronMoE(nn.Module):
         out = dispatch(x, index, weights, self.num_experts,
                        lambda e, rows: self.experts[e](rows, kernels), out)
         return out.to(x.dtype) + self.shared_experts(x, kernels)  # (T, hidden)
+
+
+class QwenNextMoE(nn.Module):
+    """Qwen3-Next's sparse MoE block: `gate` (router), `experts.{e}`, `shared_expert(_gate)`."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        E, H = config.num_experts, config.hidden_size
+        self.num_experts, self.top_k, self.normalize = E, config.num_experts_per_tok, config.norm_topk_prob
+        self.gate = _weight(E, H, dtype=dtype)
+        self.experts = nn.ModuleList(SwiGLU(H, config.moe_intermediate_size, False, dtype) for _ in range(E))
+        self.shared_expert = SwiGLU(H, config.shared_intermediate_size, False, dtype)
+        self.shared_expert_gate = nn.Linear(H, 1, bias=False, dtype=dtype)
+
+    def forward(self, x: Tensor, kernels: Kernels = Kernels()) -> Tensor:
+        """x (T, hidden) -> (T, hidden)."""
+        logits = kernels.linear(x, self.gate.weight, None)  # (T, E)
+        probs = softmax_rows(logits.float(), kernels.pointwise)  # (T, E) fp32
+        index = topk_stable(probs, self.top_k)  # (T, k)
+        weights = probs.gather(1, index)
+        if self.normalize:
+            weights = weights / weights.sum(-1, keepdim=True)
+        out = dispatch(x, index, weights.to(x.dtype), self.num_experts,
+                       lambda e, rows: self.experts[e](rows, kernels), torch.zeros_like(x))
+        shared_gate = kernels.pointwise(torch.sigmoid,
+                                        kernels.linear(x, self.shared_expert_gate.weight, None))  # (T, 1)
+        return out + shared_gate * self.shared_expert(x, kernels)  # (T, hidden)

@@ -215,3 +215,31 @@ class GatedDeltaNet(nn.Module):
         gate = kernels.pointwise(F.silu, z.float()).view(T, c.linear_num_value_heads, -1)
         out = (self.norm.weight * normed.to(dtype)) * gate  # (T, Hv, dv) fp32
         return kernels.linear(out.to(dtype).reshape(T, -1), self.out_proj.weight, None)  # (T, hidden)
+
+
+class GatedDeltaNetNext(GatedDeltaNet):
+    """Qwen3-Next's gated delta net: the same computation with fused, head-grouped projections.
+
+    `in_proj_qkvz` (2 key_dim + 2 value_dim, hidden) yields, per key head, [q | k | v | z] of that
+    head's group (v and z for its v_heads / k_heads value heads); `in_proj_ba` (2 v_heads,
+    hidden) per key head [b | a] of its group.
+    """
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__(config, dtype)
+        c, H = config, config.hidden_size
+        del self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a
+        self.in_proj_qkvz = nn.Linear(H, 2 * c.gdn_key_dim + 2 * c.gdn_value_dim, bias=False, dtype=dtype)
+        self.in_proj_ba = nn.Linear(H, 2 * c.linear_num_value_heads, bias=False, dtype=dtype)
+
+    def _project(self, h: Tensor, kernels: Kernels) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """qkv (T, conv_dim) as [q | k | v], z (T, value_dim), b and a (T, Hv)."""
+        c, T = self.config, h.shape[0]
+        Hk, dk = c.linear_num_key_heads, c.linear_key_head_dim
+        group = c.linear_num_value_heads // Hk * c.linear_value_head_dim
+        qkvz = kernels.linear(h, self.in_proj_qkvz.weight, None).view(T, Hk, -1)  # (T, Hk, ..)
+        q, k, v, z = qkvz.split([dk, dk, group, group], dim=-1)
+        ba = kernels.linear(h, self.in_proj_ba.weight, None).view(T, Hk, -1)  # (T, Hk, 2 Hv/Hk)
+        b, a = ba.split(ba.shape[-1] // 2, dim=-1)
+        qkv = torch.cat([q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1)], dim=-1)
+        return qkv, z.reshape(T, -1), b.reshape(T, -1), a.reshape(T, -1)

@@ -23,8 +23,8 @@ from torch import Tensor, nn
 
 from actors.attention import Attention
 from actors.config import ModelConfig
-from actors.ffn import GraniteMoE, GraniteSharedMLP, NemotronMoE, ReluSquaredMLP, SwiGLU
-from actors.gdn import GatedDeltaNet
+from actors.ffn import GraniteMoE, GraniteSharedMLP, NemotronMoE, QwenNextMoE, ReluSquaredMLP, SwiGLU
+from actors.gdn import GatedDeltaNet, GatedDeltaNetNext
 from actors.mamba import Kernels, MambaMixer
 
 Call = Callable[[nn.Module, Tensor, Any, tuple[Tensor, ...], Kernels], Tensor]
@@ -59,7 +59,8 @@ KINDS: dict[str, KindSpec] = {
         lambda m, x, seq, st, kn: m.prefill(x, st[0], st[1], seq.mamba_slot, kn, seq.start),
         lambda m, x, b, st, kn: m.decode(x, st[0], st[1], b.mamba_slots, kn)),
     "gdn": KindSpec(
-        ("gdn_conv", "gdn_state"), GatedDeltaNet,
+        ("gdn_conv", "gdn_state"),
+        lambda c, dtype: (GatedDeltaNetNext if c.architecture == "qwen3_next" else GatedDeltaNet)(c, dtype),
         lambda m, x, seq, st, kn: m.prefill(x, st[0], st[1], seq.mamba_slot, kn, seq.start),
         lambda m, x, b, st, kn: m.decode(x, st[0], st[1], b.mamba_slots, kn)),
     "mlp": KindSpec((), _mlp, _feed_forward, _feed_forward),
@@ -94,11 +95,16 @@ LAYOUTS: dict[str, Layout] = {
     "qwen3_5_text": Layout("model.", {"final_layernorm": "norm"},
                            {"attention": "self_attn", "gdn": "linear_attn"},
                            ("input_layernorm", "post_attention_layernorm"), ("mlp",)),
+    "qwen3_next": Layout("model.", {"final_layernorm": "norm"},
+                         {"attention": "self_attn", "gdn": "linear_attn"},
+                         ("input_layernorm", "post_attention_layernorm"), ("mlp",)),
 }
 
 
-def build_ffn(config: ModelConfig, name: str, dtype: torch.dtype) -> nn.Module | None:
+def build_ffn(config: ModelConfig, name: str, dtype: torch.dtype, layer_id: int) -> nn.Module | None:
     """One feed-forward part of a two-sublayer block (None: absent in this config)."""
+    if config.architecture == "qwen3_next" and config.is_moe_layer(layer_id):
+        return QwenNextMoE(config, dtype)
     if name == "block_sparse_moe":
         return GraniteMoE(config, dtype) if config.has_experts else None
     if name == "shared_mlp":

@@ -1,4 +1,4 @@
-"""`HybridLM`: a hybrid language model (Bamba, GraniteMoeHybrid, NemotronH, Qwen3.5) in plain torch.
+"""`HybridLM`: a hybrid language model (Bamba, GraniteMoeHybrid, NemotronH, Qwen3.5, Qwen3-Next) in torch.
 
 Each layer is  h += mixer(norm(h));  h += feed_forward(norm(h))  (NemotronH: the first only),
 the mixer and feed-forward chosen by the layer's kind in `config.layer_types` from the registry
@@ -143,7 +143,7 @@ class DecoderLayer(nn.Module):
         setattr(self, self.mixer_name, self.spec.build(config, dtype))
         self.ffn_names = []
         for name in layout.ffn_names:
-            part = build_ffn(config, name, dtype)
+            part = build_ffn(config, name, dtype, layer_id)
             if part is not None:
                 setattr(self, name, part)
                 self.ffn_names.append(name)

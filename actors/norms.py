@@ -4,7 +4,7 @@ All normalise in fp32; they differ in where the weight is applied (they agree in
 (1 + w) offset, and differ in the last bits in bf16):
 - "bamba" (Bamba, GraniteMoeHybrid): weight * normed.to(dtype);
 - "fp32_weight" (NemotronH): (weight.float() * normed).to(dtype);
-- "offset" (Qwen3.5, Gemma-style): (normed * (1 + weight.float())).to(dtype); the stored weight
+- "offset" (Qwen3.5, Qwen3-Next, Gemma-style): (normed * (1 + weight.float())).to(dtype); the stored weight
   is around 0.
 """
 
@@ -15,7 +15,7 @@ from torch import Tensor, nn
 
 NORM_STYLES = ("bamba", "fp32_weight", "offset")
 ARCH_NORM_STYLE = {"bamba": "bamba", "granitemoehybrid": "bamba", "nemotron_h": "fp32_weight",
-                   "qwen3_5_text": "offset"}
+                   "qwen3_5_text": "offset", "qwen3_next": "offset"}
 
 
 def rms_normalize(x: Tensor, eps: float) -> Tensor:

@@ -4,7 +4,8 @@
 - `small`: for benchmarks (~37M parameters, 8 layers, attention at layers 2 and 5).
 - `tiny-granite`, `tiny-nemotronh`, `tiny-qwen35`: `tiny`-sized GraniteMoeHybrid (Mamba2 +
   attention, experts + shared MLP, multipliers), NemotronH (M * - E blocks) and Qwen3.5 (three
-  gated-delta-net layers then one gated attention layer); usable everywhere `tiny` is, and
+  gated-delta-net layers then one gated attention layer), `tiny-qwen3next` (the same with MoE
+  feed-forwards, layer 1 dense); usable everywhere `tiny` is, and
   saved in Hugging Face layout by `save_checkpoint` (transformers loads them).
 
 Random weights are drawn so that a greedy decode is well defined: unit-scale projections, an LM
@@ -63,6 +64,16 @@ PRESETS: dict[str, ModelConfig] = {
         attention_head_dim=32, attn_output_gate=True, qk_norm=True, linear_num_key_heads=2,
         linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
         name="tiny-qwen35"),
+    "tiny-qwen3next": ModelConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        attn_layer_indices=(3,), num_attention_heads=4, num_key_value_heads=2,
+        mamba_n_heads=1, mamba_d_head=128, mamba_n_groups=1, mamba_d_state=1,
+        max_position_embeddings=8192, rms_norm_eps=1e-6, partial_rotary_factor=0.25,
+        architecture="qwen3_next", layer_kinds=("gdn", "gdn", "gdn", "attention"),
+        attention_head_dim=32, attn_output_gate=True, qk_norm=True, linear_num_key_heads=2,
+        linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, shared_intermediate_size=96,
+        mlp_only_layers=(1,), name="tiny-qwen3next"),
 }
 
 
@@ -84,9 +95,9 @@ def _init_tensor(name: str, shape: tuple[int, ...], config: ModelConfig,
         return std * torch.randn(shape, generator=gen)
 
     leaf = name.rsplit(".", 1)[-1]
-    if name.endswith("norm.weight"):  # Qwen3.5's norms scale by (1 + w)
-        return uniform(-0.2, 0.2) if config.architecture == "qwen3_5_text" and "linear_attn" not in name \
-            else uniform(0.8, 1.2)
+    if name.endswith("norm.weight"):  # Qwen3.5's / Qwen3-Next's norms scale by (1 + w)
+        offset = config.architecture in ("qwen3_5_text", "qwen3_next") and "linear_attn" not in name
+        return uniform(-0.2, 0.2) if offset else uniform(0.8, 1.2)
     if leaf == "A_log":
         return uniform(1.0, 16.0).log()  # A in [-16, -1]
     if leaf == "D":

@@ -52,8 +52,20 @@ def _qwen35(n: int):
     return cfg, Qwen3_5ForCausalLM
 
 
-BUILDERS = {"granitemoehybrid": _granite, "nemotron_h": _nemotronh, "qwen3_5_text": _qwen35}
-NUM_LAYERS = {"granitemoehybrid": 4, "nemotron_h": 5, "qwen3_5_text": 4}
+def _qwen3next(n: int):
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    cfg = Qwen3NextConfig(
+        **COMMON, intermediate_size=48, num_hidden_layers=n, head_dim=16,
+        linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2,
+        linear_num_value_heads=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+        shared_expert_intermediate_size=24, mlp_only_layers=[1])
+    return cfg, Qwen3NextForCausalLM
+
+
+BUILDERS = {"granitemoehybrid": _granite, "nemotron_h": _nemotronh, "qwen3_5_text": _qwen35,
+            "qwen3_next": _qwen3next}
+NUM_LAYERS = {"granitemoehybrid": 4, "nemotron_h": 5, "qwen3_5_text": 4, "qwen3_next": 4}
 
 
 def make_hf_arch(tmp_path: Path, arch: str, seed: int) -> Path:

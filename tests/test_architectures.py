@@ -1,4 +1,4 @@
-"""GraniteMoeHybrid, NemotronH and Qwen3.5 (gated delta net): the same guarantees as Bamba.
+"""GraniteMoeHybrid, NemotronH, Qwen3.5 and Qwen3-Next (gated delta net): Bamba's guarantees.
 
 Per architecture:
 - parity with transformers 5.x (tiny seeded checkpoints, every 1-D weight perturbed): one ragged
@@ -32,9 +32,9 @@ from raysched.sampling import SamplingParams
 from tests.arch_reference import make_hf_arch
 from tests.hf_reference import greedy_generate, hf_greedy, hf_prefill_logits, load_hf
 
-ARCHS = ("granitemoehybrid", "nemotron_h", "qwen3_5_text")
+ARCHS = ("granitemoehybrid", "nemotron_h", "qwen3_5_text", "qwen3_next")
 PRESET = {"granitemoehybrid": "tiny-granite", "nemotron_h": "tiny-nemotronh",
-          "qwen3_5_text": "tiny-qwen35"}
+          "qwen3_5_text": "tiny-qwen35", "qwen3_next": "tiny-qwen3next"}
 PROMPT_LENS = (2, 7, 19, 70)  # d_conv 4; Mamba chunk 8; GDN chunk 64
 NUM_TOKENS = 32
 TOL = 1e-4
@@ -218,7 +218,8 @@ def _rewrite(path: Path, edit) -> None:
 
 TENSORS = {"granitemoehybrid": "model.layers.0.block_sparse_moe.input_linear.weight",
            "nemotron_h": "backbone.layers.1.mixer.gate.e_score_correction_bias",
-           "qwen3_5_text": "model.layers.0.linear_attn.in_proj_qkv.weight"}
+           "qwen3_5_text": "model.layers.0.linear_attn.in_proj_qkv.weight",
+           "qwen3_next": "model.layers.0.mlp.experts.3.down_proj.weight"}
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -242,6 +243,7 @@ def test_checkpoint_errors_name_the_tensor(tmp_path, arch):
     ("granitemoehybrid", "layer_types", ["linear_attention", "sliding"]),
     ("nemotron_h", "n_group", 2),
     ("qwen3_5_text", "linear_num_key_heads", "two"),
+    ("qwen3_next", "mlp_only_layers", "1"),
 ])
 def test_bad_config_json_names_the_key(tmp_path, arch, key, value):
     path = make_hf_arch(tmp_path, arch, seed=3)
