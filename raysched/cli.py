@@ -22,7 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="run prompts through the engine in this process (no Ray, no retraction)")
-    g.add_argument("--model", default="tiny", help="preset name (tiny, small, tiny-granite, tiny-nemotronh, tiny-qwen35) or checkpoint directory")
+    g.add_argument("--model", default="tiny", help="preset name (tiny, small, tiny-granite, tiny-nemotronh, tiny-qwen35, tiny-qwen3next) or checkpoint directory")
     g.add_argument("--prompt-ids", type=_ids, action="append", required=True, help="e.g. 5,17,42; repeatable")
     g.add_argument("--max-new-tokens", type=int, default=16)
     g.add_argument("--temperature", type=float, default=0.0)
