@@ -47,15 +47,24 @@ class Worker:
                      u.page_size)
 
     def running_ids(self) -> list[str]:
-        return sorted(self.engine.running)
+        """Requests holding slots here: decoding and prefilling."""
+        return sorted([*self.engine.running, *self.engine.prefilling])
 
     def is_idle(self) -> bool:
         """True when no request is running and every slot is back in the free lists."""
-        return not self.engine.running and self.engine.pool.is_empty()
+        return not self.running_ids() and self.engine.pool.is_empty()
 
     # ------------------------------------------------------------------ commands
     def retract(self, request_id: str) -> Snapshot:
-        """Snapshot the request and free its slots; the snapshot is this call's return value."""
+        """Snapshot the request and free its slots; the snapshot is this call's return value.
+
+        A request still prefilling has no snapshot to give: its slots are freed and the call
+        raises SnapshotError, so the scheduler resumes it by recompute.
+        """
+        if request_id in self.engine.prefilling:
+            seq = self.engine.release(request_id)
+            raise SnapshotError(f"request {request_id!r} was retracted mid-prefill ({seq.num_computed}"
+                                f" of {len(seq.token_ids)} tokens): released, recompute it")
         return self.engine.snapshot(request_id)
 
     def step(self, plan: StepPlan, *snapshots: Snapshot) -> StepResult:
@@ -63,12 +72,13 @@ class Worker:
         t0 = time.perf_counter()
         result = StepResult()
         for rid in plan.drop:
-            if rid in self.engine.running:
+            if rid in self.engine.running or rid in self.engine.prefilling:
                 self.engine.release(rid)
         out = StepOutput()
         self._resume(plan.resume, snapshots, result, out)
-        if plan.prefill:
-            out.merge(self.engine.prefill([_sequence(item) for item in plan.prefill]))
+        todo = [*self.engine.prefilling, *map(_sequence, plan.prefill)]  # continued ones first
+        if todo:
+            out.merge(self.engine.prefill(todo, plan.prefill_chunk_tokens or None))
         if plan.decode_steps:
             out.merge(self.engine.decode(plan.decode_steps))
         return self._result(result, out, time.perf_counter() - t0)
@@ -90,7 +100,7 @@ class Worker:
     def _result(self, result: StepResult, out: StepOutput, busy_s: float) -> StepResult:
         result.new_tokens, result.finished = out.new_tokens, out.finished
         result.stalled, result.not_admitted = out.stalled, out.not_admitted
-        result.allocated = {rid: self.engine.pool.kv.num_request_tokens(rid) for rid in self.engine.running}
+        result.allocated = {rid: self.engine.pool.kv.num_request_tokens(rid) for rid in self.running_ids()}
         result.usage = self.usage()
         result.busy_s = busy_s
         return result

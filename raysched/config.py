@@ -334,6 +334,8 @@ class SchedulerConfig:
     snapshot_budget_bytes: int | None = None  # bytes of waiting snapshots the scheduler keeps in
     #   the object store; past it, victims are retracted by recompute. None = half the store
     replace_failed_workers: bool = True  # start a new worker when one dies (if resources allow)
+    prefill_chunk_tokens: int = 512  # most prompt tokens a request prefills per worker call, so
+    #   a long prompt does not stall the decode steps of the others; 0 = whole prompts at once
 
     CHECKS: ClassVar[dict[str, Check]] = {
         "retract": check_one_of(RETRACT_MODES),
@@ -346,6 +348,7 @@ class SchedulerConfig:
         "max_batch_size": check_optional(check_positive_int),
         "snapshot_budget_bytes": check_optional(check_non_negative_int),
         "replace_failed_workers": check_bool,
+        "prefill_chunk_tokens": check_non_negative_int,
     }
 
     def __post_init__(self) -> None:

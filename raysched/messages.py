@@ -22,12 +22,18 @@ class PrefillItem:
 
 @dataclass(frozen=True)
 class StepPlan:
-    """What one worker does in one call, in this order: drop, resume, prefill, decode."""
+    """What one worker does in one call, in this order: drop, resume, prefill, decode.
+
+    The prefill continues every request the worker is still prefilling (its prompt longer than
+    earlier calls' chunks) and starts the new ones in `prefill`; decode runs the others.
+    """
 
     drop: tuple[str, ...] = ()  # free without snapshot (abort, retract-by-recompute)
     resume: tuple[str, ...] = ()  # restore from the snapshots passed alongside, same order
     prefill: tuple[PrefillItem, ...] = ()
     decode_steps: int = 0
+    prefill_chunk_tokens: int = 0  # each prefilling request (new or continued) advances by at
+    #   most this many tokens in this call; 0 = to the end of its prompt
 
     def is_empty(self) -> bool:
         return not (self.drop or self.resume or self.prefill or self.decode_steps)

@@ -265,11 +265,14 @@ class Scheduler:
         resume_snap = [r for r in plan.resume if not r.recompute]
         prefill = [_prefill_item(r) for r in plan.resume if r.recompute] + [_prefill_item(r) for r in plan.admit]
         self._mark_running(w, plan.resume + plan.admit)
-        step = StepPlan(tuple(drop), tuple(r.request_id for r in resume_snap), tuple(prefill), plan.decode_steps)
+        chunk = self.config.scheduler.prefill_chunk_tokens
+        step = StepPlan(tuple(drop), tuple(r.request_id for r in resume_snap), tuple(prefill),
+                        plan.decode_steps, chunk)
         retract_refs = [w.handle.retract.remote(r.request_id) for r in snap_victims]
         step_refs = [w.handle.step.remote(step, *[r.snapshot_ref for r in resume_snap])]
         if self._can_pipeline(w, plan):  # queue the next call now: the worker never waits for us
-            step_refs.append(w.handle.step.remote(StepPlan(decode_steps=plan.decode_steps)))
+            step_refs.append(w.handle.step.remote(StepPlan(decode_steps=plan.decode_steps,
+                                                           prefill_chunk_tokens=chunk)))
             self.counters.pipelined_calls += 1
         w.view.calls += len(step_refs)
         results = await asyncio.gather(*step_refs, *retract_refs, return_exceptions=True)

@@ -201,3 +201,58 @@ def test_chunked_prefill_matches_transformers_with_cache(tmp_path, split):
         cold = hf(input_ids=torch.tensor([prompt[split:]]),
                   position_ids=torch.arange(split, len(prompt))[None]).logits[0].float()
     assert (ours[1] - cold).abs().max().item() > 100 * TOL_HF
+
+
+# ---------------------------------------------------------------------------- worker: chunks + decode
+def _worker(chunk: int):
+    from actors.worker import Worker
+    from raysched.config import PoolConfig, SchedulerConfig, ServeConfig
+
+    cfg = ServeConfig(device="cpu", pool=PoolConfig(kv_tokens=256, mamba_slots=4),
+                      scheduler=SchedulerConfig(prefill_chunk_tokens=chunk))
+    return Worker(cfg, 0)
+
+
+def _item(rid: str, prompt: list[int], params: SamplingParams):
+    from raysched.messages import PrefillItem
+
+    return PrefillItem(rid, tuple(prompt), len(prompt), params.to_dict())
+
+
+def test_worker_decodes_others_while_a_long_prompt_prefills_in_chunks():
+    from raysched.messages import StepPlan
+
+    short, long_ = _prompt(8, 512, seed=20), _prompt(70, 512, seed=21)
+    params = SamplingParams(max_new_tokens=12)
+    worker = _worker(16)
+    plan = StepPlan(prefill=(_item("short", short, params), _item("long", long_, params)),
+                    decode_steps=1, prefill_chunk_tokens=16)
+    tokens = {"short": [], "long": []}
+    calls_without_long = 0
+    for _ in range(100):
+        result = worker.step(plan)
+        for rid, toks in result.new_tokens.items():
+            tokens[rid] += toks
+        if not tokens["long"]:
+            calls_without_long += 1
+            assert result.new_tokens.get("short"), "the short request stalled behind the long prompt"
+            assert "long" in result.allocated  # the prefilling request's slots are reported
+        plan = StepPlan(decode_steps=1, prefill_chunk_tokens=16)
+        if not worker.running_ids():
+            break
+    assert calls_without_long == 4  # 70 tokens in chunks of 16: the first token in call 5
+    ref = _engine().generate([short, long_], [params] * 2)
+    assert [tokens["short"], tokens["long"]] == ref
+    assert worker.is_idle()
+
+
+def test_worker_retract_mid_prefill_frees_the_request():
+    from raysched.messages import StepPlan
+
+    worker = _worker(16)
+    worker.step(StepPlan(prefill=(_item("long", _prompt(70, 512, seed=21), GREEDY),),
+                         prefill_chunk_tokens=16))
+    assert worker.running_ids() == ["long"]
+    with pytest.raises(SnapshotError, match="mid-prefill"):
+        worker.retract("long")
+    assert worker.is_idle()

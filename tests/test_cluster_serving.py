@@ -170,6 +170,16 @@ def test_auto_retract_mode_keeps_every_token(serve, reference) -> None:
     assert_clean(client)
 
 
+def test_chunked_prefill_mixed_with_decode_keeps_every_token(serve, reference) -> None:
+    """Prompts of 8-48 tokens prefilled 8 tokens per call between decode steps, with forced
+    retractions (some land mid-prefill and are recomputed): tokens equal the reference."""
+    client = serve(prefill_chunk_tokens=8, force_retract_every=3)
+    records = run_all(client)
+    assert mismatches(records, reference) == []
+    assert client.stats()["retractions"] > 0
+    assert_clean(client)
+
+
 def test_dropping_mamba_state_on_resume_is_caught(serve, reference) -> None:
     """Negative control: the broken debug mode must change some retracted request's tokens."""
     client = serve(force_retract_every=2, debug_drop_mamba_state=True)
