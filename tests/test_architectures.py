@@ -367,3 +367,13 @@ def test_gdn_chunked_matches_sequential_reference():
         torch.testing.assert_close(s, s_ref, atol=1e-5, rtol=1e-5)
     y0, _ = gdn_chunked(q, k, v, g, beta, 16)  # negative control: the initial state matters
     assert (y0 - y_ref).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_engine_chunked_prefill_keeps_greedy_tokens(arch):
+    """`Engine.generate` prefilling in chunks of 7 tokens (continuing on the stored state of
+    every layer kind) gives the same greedy tokens as whole-prompt prefill."""
+    prompts = [list(p) for p in PROMPTS]
+    params = [GREEDY] * len(prompts)
+    whole = _engine(PRESET[arch]).generate(prompts, params)
+    assert _engine(PRESET[arch]).generate(prompts, params, chunk_tokens=7) == whole
