@@ -112,6 +112,15 @@ class GraniteMoE(nn.Module):
         self.router.layer = _weight(E, H, dtype=dtype)
         self.input_linear = _weight(E, 2 * I, H, dtype=dtype)
         self.output_linear = _weight(E, H, I, dtype=dtype)
+        self._views: list[tuple[Tensor, Tensor]] = []
+
+    def expert_weights(self, e: int) -> tuple[Tensor, Tensor]:
+        """Expert e's (gate_up (2I, H), down (H, I)) as views made once, so kernels that cache
+        per weight tensor (prepacked tiles) see the same tensors on every call."""
+        if not self._views or self._views[0][0].data_ptr() != self.input_linear.weight.data_ptr():
+            self._views = [(self.input_linear.weight[i], self.output_linear.weight[i])
+                           for i in range(self.num_experts)]
+        return self._views[e]
 
     def forward(self, x: Tensor, kernels: Kernels = Kernels()) -> Tensor:
         """x (T, hidden) -> (T, hidden)."""
@@ -120,10 +129,10 @@ class GraniteMoE(nn.Module):
         weights = softmax_rows(logits.gather(1, index), kernels.pointwise).to(x.dtype)  # (T, k)
 
         def expert(e: int, rows: Tensor) -> Tensor:
-            gate_up = kernels.linear(rows, self.input_linear.weight[e], None)  # (n, 2I)
-            gate, up = gate_up.split(self.intermediate, dim=-1)
+            w_gate_up, w_down = self.expert_weights(e)
+            gate, up = kernels.linear(rows, w_gate_up, None).split(self.intermediate, dim=-1)
             act = kernels.pointwise(F.silu, gate) * up  # (n, I)
-            return kernels.linear(act, self.output_linear.weight[e], None)  # (n, H)
+            return kernels.linear(act, w_down, None)  # (n, H)
 
         return dispatch(x, index, weights, self.num_experts, expert, torch.zeros_like(x))
 

@@ -7,13 +7,25 @@ in `actors.layers` (Mamba2 `actors.mamba`, attention `actors.attention`, gated d
 recurrent state live in a pool whose tensors (`PoolTensors`) are passed to every forward together
 with a `ForwardBatch` naming the slots.
 
-Batch invariance: a sequence's logits are bit-identical whatever else is in the batch.
-- Prefill runs the whole stack once per sequence, so every matrix multiply sees only that
-  sequence's rows (a linear's row results depend on the number of rows M, nothing else).
-- Decode runs every linear through `tiled_linear`, on fixed tiles of `invariant_tile` rows, and
-  every nonlinear elementwise function through `actors.mamba.rowwise` (on the CPU an element's
-  rounding can depend on its offset in the tensor); everything else in decode is per row
-  (norms, conv/SSM step) or per request (attention).
+Batch invariance: a sequence's logits are bit-identical whatever else is in the batch. What is
+fixed-shape, and why:
+- Every matrix product goes through `TiledLinear`: calls of exactly `DECODE_TILE` (16) rows in
+  decode and `PREFILL_TILE` (128) rows in prefill, the last tile zero-padded. A BLAS kernel picks
+  its blocking (and so its summation order) from the shape; with one shape per call, a row's
+  result depends on nothing but that row (measured on MKL and in tests/test_batch_invariance.py,
+  which also shows that plain F.linear batching breaks it). A 16-row call costs about as much as
+  one row would (the weights are read once either way), and a batch of 32 is two calls; on the
+  CPU in fp32 the weights are prepacked once per tile shape.
+- Nonlinear elementwise functions go through `actors.mamba.rowwise` (on the CPU an element's
+  rounding can depend on its offset in the tensor); norms are per row; the conv/SSM decode step is
+  elementwise plus batched products of one fixed shape per (request, head); attention is per
+  request.
+- Prefill: a chunk of a sequence (or a whole one) runs the stack on its own rows only; because
+  its matrix products also use fixed tiles, chunking a prompt changes no matrix product's result,
+  only the SSD scan's and the attention kernel's split points (tests/test_chunked_prefill.py
+  bounds that within 1e-5).
+On a GPU the same tiles apply (cuBLAS also picks kernels by shape); a CUDA graph of the decode
+step at one padded batch shape is future work (see benchmarks/gpu_check.py for what is checked).
 
 Weights are created empty; load them with `actors.loader.load_hf_state_dict` (Hugging Face
 names) or build the model through `actors.loader.load_checkpoint` / `actors.presets.load_preset`.
@@ -281,7 +293,7 @@ class HybridLM(nn.Module):
         """Row-invariant kernels for prefill (tiles of PREFILL_TILE rows), or plain ones."""
         if self.invariant_tile is None:
             return Kernels()
-        return Kernels(linear=self._tiled(PREFILL_TILE, pack=False), pointwise=rowwise)
+        return Kernels(linear=self._tiled(PREFILL_TILE, pack=True), pointwise=rowwise)
 
     def _tiled(self, tile: int, pack: bool) -> TiledLinear:
         """One `TiledLinear` per (tile, pack), kept so its packed weights are made once."""
