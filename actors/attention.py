@@ -1,4 +1,9 @@
-"""Grouped-query attention of a Bamba layer, with partial rotary embeddings.
+"""Grouped-query attention of a hybrid layer, with partial rotary embeddings.
+
+Variants the config switches on (all off for Bamba): no RoPE (NemotronH, Granite without
+`position_embedding_type`), a softmax scale other than head_dim^-1/2 (Granite's
+`attention_multiplier`), per-head q/k RMSNorm before RoPE and a sigmoid output gate that
+`q_proj` yields next to each head's query (Qwen3.5).
 
 RoPE rotates only the first `rotary_dim` channels of each head, rotate-half style (channel i pairs
 with channel i + rotary_dim/2), with inv_freq = 1 / theta^(2j / rotary_dim); the remaining
@@ -18,6 +23,7 @@ from torch import Tensor, nn
 
 from actors.config import ModelConfig
 from actors.mamba import Kernels, Pointwise, whole
+from actors.norms import ARCH_NORM_STYLE, RMSNorm
 
 
 def rope_cos_sin(positions: Tensor, rotary_dim: int, theta: float, dtype: torch.dtype,
@@ -51,10 +57,15 @@ class Attention(nn.Module):
         super().__init__()
         c = self.config = config
         q_dim, kv_dim = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
-        self.q_proj = nn.Linear(c.hidden_size, q_dim, bias=c.attention_bias, dtype=dtype)
+        gated = 2 if c.attn_output_gate else 1
+        self.q_proj = nn.Linear(c.hidden_size, gated * q_dim, bias=c.attention_bias, dtype=dtype)
         self.k_proj = nn.Linear(c.hidden_size, kv_dim, bias=c.attention_bias, dtype=dtype)
         self.v_proj = nn.Linear(c.hidden_size, kv_dim, bias=c.attention_bias, dtype=dtype)
         self.o_proj = nn.Linear(q_dim, c.hidden_size, bias=c.attention_bias, dtype=dtype)
+        if c.qk_norm:
+            style = ARCH_NORM_STYLE[c.architecture]
+            self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype, style)
+            self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype, style)
 
     def prefill(self, h: Tensor, positions: Tensor, k_cache: Tensor, v_cache: Tensor,
                 out_slots: Tensor, kernels: Kernels = Kernels(),
@@ -66,7 +77,7 @@ class Attention(nn.Module):
         attend over the cached K/V of the S earlier tokens and causally over the new ones. None
         (or S = 0) means a fresh sequence.
         """
-        q, k, v = self._qkv(h, positions, kernels)  # (L, Hq, D), (L, Hkv, D), (L, Hkv, D)
+        q, k, v, gate = self._qkv(h, positions, kernels)  # (L, Hq, D), (L, Hkv, D) x2, gate
         k_cache[out_slots] = k
         v_cache[out_slots] = v
         L = q.shape[0]
@@ -76,7 +87,7 @@ class Attention(nn.Module):
             start = context_slots.shape[0] - L
             mask = torch.ones(L, start + L, dtype=torch.bool, device=q.device).tril(start)  # (L, S+L)
             out = self._sdpa(q, k_cache[context_slots], v_cache[context_slots], mask=mask)
-        return kernels.linear(out, self.o_proj.weight, self.o_proj.bias)  # (L, hidden)
+        return self._out(out, gate, kernels)  # (L, hidden)
 
     def decode(self, h: Tensor, positions: Tensor, k_cache: Tensor, v_cache: Tensor,
                out_slots: Tensor, kv_slots: list[Tensor], kernels: Kernels) -> Tensor:
@@ -85,22 +96,38 @@ class Attention(nn.Module):
         h (R, hidden), positions (R,); kv_slots[i] (L_i,) lists request i's token slots, the new
         one last. Returns (R, hidden).
         """
-        q, k, v = self._qkv(h, positions, kernels)  # (R, Hq, D), (R, Hkv, D), (R, Hkv, D)
+        q, k, v, gate = self._qkv(h, positions, kernels)  # (R, Hq, D), (R, Hkv, D) x2, gate
         k_cache[out_slots] = k
         v_cache[out_slots] = v
         outs = [self._sdpa(q[i:i + 1], k_cache[s], v_cache[s], causal=False)  # (1, Hq*D)
                 for i, s in enumerate(kv_slots)]
-        return kernels.linear(torch.cat(outs), self.o_proj.weight, self.o_proj.bias)  # (R, hidden)
+        return self._out(torch.cat(outs), gate, kernels)  # (R, hidden)
 
-    def _qkv(self, h: Tensor, positions: Tensor, kernels: Kernels) -> tuple[Tensor, Tensor, Tensor]:
-        """Project and rotate: q (T, Hq, D), k (T, Hkv, D) after RoPE, v (T, Hkv, D)."""
+    def _qkv(self, h: Tensor, positions: Tensor,
+             kernels: Kernels) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+        """Project, normalise, rotate: q (T, Hq, D), k (T, Hkv, D), v (T, Hkv, D), gate (T, Hq*D)
+        or None."""
         c, T, linear = self.config, h.shape[0], kernels.linear
-        q = linear(h, self.q_proj.weight, self.q_proj.bias).view(T, -1, c.head_dim)  # (T, Hq, D)
+        q = linear(h, self.q_proj.weight, self.q_proj.bias).view(T, c.num_attention_heads, -1)
+        gate = None
+        if c.attn_output_gate:  # each head's projection is [query | gate]
+            q, gate = q.split(c.head_dim, dim=-1)  # (T, Hq, D) each
+            gate = gate.reshape(T, -1)  # (T, Hq*D)
         k = linear(h, self.k_proj.weight, self.k_proj.bias).view(T, -1, c.head_dim)  # (T, Hkv, D)
         v = linear(h, self.v_proj.weight, self.v_proj.bias).view(T, -1, c.head_dim)  # (T, Hkv, D)
-        cos, sin = rope_cos_sin(positions, c.rotary_dim, c.rope_theta, h.dtype,
-                                kernels.pointwise)  # (T, rd) each
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+        if c.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if c.use_rope:
+            cos, sin = rope_cos_sin(positions, c.rotary_dim, c.rope_theta, h.dtype,
+                                    kernels.pointwise)  # (T, rd) each
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        return q, k, v, gate
+
+    def _out(self, attn: Tensor, gate: Tensor | None, kernels: Kernels) -> Tensor:
+        """Output gate (if any) and o_proj: attn (T, Hq*D) -> (T, hidden)."""
+        if gate is not None:
+            attn = attn * kernels.pointwise(torch.sigmoid, gate)  # (T, Hq*D)
+        return kernels.linear(attn, self.o_proj.weight, self.o_proj.bias)  # (T, hidden)
 
     def _sdpa(self, q: Tensor, k: Tensor, v: Tensor, causal: bool = False,
               mask: Tensor | None = None) -> Tensor:
@@ -111,5 +138,5 @@ class Attention(nn.Module):
         qh, kh, vh = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # (1, heads, T, D)
         out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, is_causal=causal,
                                              enable_gqa=True,
-                                             scale=self.config.head_dim ** -0.5)  # (1, Hq, Tq, D)
+                                             scale=self.config.attention_scale)  # (1, Hq, Tq, D)
         return out[0].transpose(0, 1).reshape(q.shape[0], -1)  # (Tq, Hq*D)

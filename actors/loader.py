@@ -1,9 +1,13 @@
-"""Checkpoints: Hugging Face Bamba weights (safetensors) in and out of a `HybridLM`.
+"""Checkpoints: Hugging Face weights (safetensors) in and out of a `HybridLM`.
 
-A checkpoint directory holds `config.json` (a `BambaForCausalLM` config) and either
-`model.safetensors` or shards listed in `model.safetensors.index.json`. Tensor names are
-Hugging Face's (`model.layers.3.mamba.in_proj.weight`, `lm_head.weight`, ...). Every problem with
-a checkpoint raises `CheckpointError`, whose message names the file or tensor at fault.
+A checkpoint directory holds `config.json` (a `BambaForCausalLM`, `GraniteMoeHybridForCausalLM`,
+`NemotronHForCausalLM` or `Qwen3_5ForCausalLM` config) and either `model.safetensors` or shards
+listed in `model.safetensors.index.json`. Tensor names are Hugging Face's as `save_pretrained`
+writes them (`model.layers.3.mamba.in_proj.weight`, `backbone.layers.1.mixer.experts.0.up_proj.weight`,
+`model.layers.0.linear_attn.in_proj_qkv.weight`, `lm_head.weight`, ...); the per-architecture
+prefix and top-level renames are in `actors.layers.LAYOUTS`. Multi-token-prediction weights
+(`mtp.*`) are ignored. Every problem with a checkpoint raises `CheckpointError`, whose message
+names the file or tensor at fault.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from actors.config import ConfigError, ModelConfig
+from actors.layers import LAYOUTS
 from actors.model import HybridLM
 
 CONFIG_FILE = "config.json"
@@ -28,14 +33,22 @@ class CheckpointError(ValueError):
     """A checkpoint cannot be used; the message names the missing/unexpected/misshapen thing."""
 
 
-def hf_name(param_name: str) -> str:
-    """Hugging Face name of a `HybridLM` parameter: "layers.0.mamba.D" -> "model.layers.0.mamba.D"."""
-    return param_name if param_name.startswith("lm_head.") else f"model.{param_name}"
+IGNORED_PREFIXES = ("mtp.",)  # multi-token-prediction heads: not used for serving
+
+
+def hf_name(param_name: str, config: ModelConfig | None = None) -> str:
+    """Hugging Face name of a `HybridLM` parameter: "layers.0.mamba.D" -> "model.layers.0.mamba.D"
+    (Bamba; the architecture's prefix and renames otherwise, e.g. NemotronH's "backbone.")."""
+    if param_name.startswith("lm_head."):
+        return param_name
+    layout = LAYOUTS[config.architecture if config is not None else "bamba"]
+    top, _, rest = param_name.partition(".")
+    return f"{layout.prefix}{layout.renames.get(top, top)}.{rest}"
 
 
 def hf_state_dict(model: HybridLM) -> dict[str, Tensor]:
     """The model's parameters under Hugging Face names (views, not copies)."""
-    return {hf_name(name): p for name, p in model.named_parameters()}
+    return {hf_name(name, model.config): p for name, p in model.named_parameters()}
 
 
 def load_hf_state_dict(model: HybridLM, state_dict: dict[str, Tensor]) -> None:
@@ -46,6 +59,7 @@ def load_hf_state_dict(model: HybridLM, state_dict: dict[str, Tensor]) -> None:
     """
     expected = hf_state_dict(model)
     ignorable = {"lm_head.weight"} if model.config.tie_word_embeddings else set()
+    ignorable |= {n for n in state_dict if n.startswith(IGNORED_PREFIXES)}
     _check_names(expected, state_dict, ignorable)
     for name, param in expected.items():
         if tuple(state_dict[name].shape) != tuple(param.shape):
@@ -81,7 +95,7 @@ def weights_fingerprint(state_dict: dict[str, Tensor], config: ModelConfig | Non
 
 def load_checkpoint(path: str | Path, dtype: torch.dtype,
                     device: torch.device | str = "cpu") -> tuple[HybridLM, ModelConfig]:
-    """Build a `HybridLM` from a Hugging Face Bamba checkpoint directory.
+    """Build a `HybridLM` from a Hugging Face checkpoint directory (any supported architecture).
 
     Example:
         model, config = load_checkpoint("ckpt/bamba-tiny", torch.bfloat16, "cuda")

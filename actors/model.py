@@ -1,9 +1,11 @@
-"""`HybridLM`: a Bamba-style hybrid language model (Mamba2 and attention layers) in plain torch.
+"""`HybridLM`: a hybrid language model (Bamba, GraniteMoeHybrid, NemotronH, Qwen3.5, Qwen3-Next) in torch.
 
-Each layer is  h += mixer(norm(h));  h += SwiGLU(norm(h)),  the mixer being Mamba2
-(`actors.mamba`) or GQA attention (`actors.attention`) as `config.attn_layer_indices` says. The
-model keeps no state of its own: K/V, conv and SSM states live in a pool whose tensors
-(`PoolTensors`) are passed to every forward together with a `ForwardBatch` naming the slots.
+Each layer is  h += mixer(norm(h));  h += feed_forward(norm(h))  (NemotronH: the first only),
+the mixer and feed-forward chosen by the layer's kind in `config.layer_types` from the registry
+in `actors.layers` (Mamba2 `actors.mamba`, attention `actors.attention`, gated delta net
+`actors.gdn`, MLP / MoE `actors.ffn`). The model keeps no state of its own: K/V and every
+recurrent state live in a pool whose tensors (`PoolTensors`) are passed to every forward together
+with a `ForwardBatch` naming the slots.
 
 Batch invariance: a sequence's logits are bit-identical whatever else is in the batch. What is
 fixed-shape, and why:
@@ -26,8 +28,7 @@ On a GPU the same tiles apply (cuBLAS also picks kernels by shape); a CUDA graph
 step at one padded batch shape is future work (see benchmarks/gpu_check.py for what is checked).
 
 Weights are created empty; load them with `actors.loader.load_hf_state_dict` (Hugging Face
-Bamba names) or build the model through `actors.loader.load_checkpoint` /
-`actors.presets.load_preset`.
+names) or build the model through `actors.loader.load_checkpoint` / `actors.presets.load_preset`.
 """
 
 from __future__ import annotations
@@ -39,24 +40,24 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from actors.attention import Attention
 from actors.batch import ForwardBatch
 from actors.config import ModelConfig
-from actors.mamba import Kernels, MambaMixer, rowwise
+from actors.ffn import SwiGLU  # noqa: F401  (re-exported: it lived here)
+from actors.layers import KINDS, LAYOUTS, build_ffn
+from actors.mamba import Kernels, rowwise
+from actors.norms import ARCH_NORM_STYLE, RMSNorm
 
 
 class PoolTensors(Protocol):
     """The state tensors a forward reads and writes (see `actors.pools`).
 
-    k, v:  (num_attention_layers, num_token_slots, num_key_value_heads, head_dim), model dtype.
-    conv:  (num_mamba_layers, num_mamba_slots, conv_dim, d_conv - 1), model dtype.
-    ssm:   (num_mamba_layers, num_mamba_slots, mamba_n_heads, mamba_d_head, mamba_d_state), fp32.
+    tensor("k"), tensor("v"): (num_attention_layers, num_token_slots, kv_heads, head_dim).
+    tensor(name) for each of `config.state_tensors`: (layers of its kind, num_slots, *shape), e.g.
+    "conv" (num_mamba_layers, slots, conv_dim, d_conv - 1) and "ssm" (.., heads, head_dim,
+    d_state) fp32; "gdn_conv" and "gdn_state" (.., v_heads, d_k, d_v) fp32.
     """
 
-    k: Tensor
-    v: Tensor
-    conv: Tensor
-    ssm: Tensor
+    def tensor(self, name: str) -> Tensor: ...
 
 
 DECODE_TILE = 16  # rows per matrix-kernel call in decode (see `tiled_linear`)
@@ -133,83 +134,64 @@ class _Sequence:
         return self.context_slots.shape[0] - self.input_ids.shape[0]
 
 
-class RMSNorm(nn.Module):
-    """RMSNorm as Bamba computes it: normalise in fp32, cast back, then scale by the weight."""
-
-    def __init__(self, size: int, eps: float, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(size, dtype=dtype))
-        self.eps = eps
-
-    def forward(self, x: Tensor) -> Tensor:
-        """x (T, size) -> (T, size) in the input dtype."""
-        h = x.float()  # (T, size)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)  # (T, size)
-        return self.weight * h.to(x.dtype)
-
-
-class SwiGLU(nn.Module):
-    """down(silu(gate(x)) * up(x)), under Bamba's `feed_forward.*` names."""
-
-    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
-        super().__init__()
-        H, I, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
-        self.gate_proj = nn.Linear(H, I, bias=bias, dtype=dtype)
-        self.up_proj = nn.Linear(H, I, bias=bias, dtype=dtype)
-        self.down_proj = nn.Linear(I, H, bias=bias, dtype=dtype)
-
-    def forward(self, x: Tensor, kernels: Kernels = Kernels()) -> Tensor:
-        """x (T, hidden) -> (T, hidden)."""
-        linear = kernels.linear
-        gate = linear(x, self.gate_proj.weight, self.gate_proj.bias)  # (T, I)
-        up = linear(x, self.up_proj.weight, self.up_proj.bias)  # (T, I)
-        act = kernels.pointwise(F.silu, gate) * up  # (T, I)
-        return linear(act, self.down_proj.weight, self.down_proj.bias)  # (T, hidden)
-
-
 class DecoderLayer(nn.Module):
-    """norm -> mixer -> residual -> norm -> SwiGLU -> residual.
+    """norm -> mixer -> residual [-> norm -> feed-forward -> residual], by kind and architecture.
 
-    `pool_index` is the layer's index among the layers of its kind (into pool.k/v or
-    pool.conv/ssm).
+    `kind` is the layer's entry of `config.layer_types`; `pool_index` its index among the layers
+    of its kind (into the pool tensors that kind declares).
     """
 
     def __init__(self, config: ModelConfig, layer_id: int, dtype: torch.dtype) -> None:
         super().__init__()
-        self.is_attention = layer_id in config.attn_layer_indices
-        kind = config.attn_layer_indices if self.is_attention else config.mamba_layer_indices
-        self.pool_index = kind.index(layer_id)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.pre_ff_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.feed_forward = SwiGLU(config, dtype)
-        if self.is_attention:
-            self.self_attn = Attention(config, dtype)
-        else:
-            self.mamba = MambaMixer(config, dtype)
+        layout = LAYOUTS[config.architecture]
+        self.kind = config.layer_types[layer_id]
+        self.spec = KINDS[self.kind]
+        self.pool_index = config.layers_of_kind(self.kind).index(layer_id)
+        self.residual_multiplier = config.residual_multiplier
+        self.mixer_name, self.norm_names = layout.mixer_names[self.kind], layout.norm_names
+        style = ARCH_NORM_STYLE[config.architecture]
+        for name in self.norm_names:
+            setattr(self, name, RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, style))
+        setattr(self, self.mixer_name, self.spec.build(config, dtype))
+        self.ffn_names = []
+        for name in layout.ffn_names:
+            part = build_ffn(config, name, dtype, layer_id)
+            if part is not None:
+                setattr(self, name, part)
+                self.ffn_names.append(name)
+
+    @property
+    def is_attention(self) -> bool:
+        return self.kind == "attention"
+
+    def _state(self, pool: PoolTensors) -> tuple[Tensor, ...]:
+        return tuple(pool.tensor(name)[self.pool_index] for name in self.spec.state)
 
     def prefill(self, h: Tensor, seq: _Sequence, pool: PoolTensors, kernels: Kernels) -> Tensor:
         """One sequence's next L tokens (on top of its `seq.start` earlier ones). h (L, hidden)."""
-        x, i = self.input_layernorm(h), self.pool_index
-        if self.is_attention:
-            mixed = self.self_attn.prefill(x, seq.positions, pool.k[i], pool.v[i], seq.out_slots,
-                                           kernels, seq.context_slots)
-        else:
-            mixed = self.mamba.prefill(x, pool.conv[i], pool.ssm[i], seq.mamba_slot, kernels,
-                                       seq.start)
-        return self._feed_forward(h + mixed, kernels)
+        x = getattr(self, self.norm_names[0])(h)
+        mixed = self.spec.prefill(getattr(self, self.mixer_name), x, seq, self._state(pool), kernels)
+        return self._feed_forward(self._residual(h, mixed), kernels)
 
     def decode(self, h: Tensor, batch: ForwardBatch, pool: PoolTensors, kernels: Kernels) -> Tensor:
         """One token per request. h (R, hidden) -> (R, hidden)."""
-        x, i = self.input_layernorm(h), self.pool_index
-        if self.is_attention:
-            mixed = self.self_attn.decode(x, batch.positions, pool.k[i], pool.v[i],
-                                          batch.out_slots, batch.kv_slots, kernels)
-        else:
-            mixed = self.mamba.decode(x, pool.conv[i], pool.ssm[i], batch.mamba_slots, kernels)
-        return self._feed_forward(h + mixed, kernels)
+        x = getattr(self, self.norm_names[0])(h)
+        mixed = self.spec.decode(getattr(self, self.mixer_name), x, batch, self._state(pool), kernels)
+        return self._feed_forward(self._residual(h, mixed), kernels)
+
+    def _residual(self, h: Tensor, update: Tensor) -> Tensor:
+        if self.residual_multiplier != 1.0:
+            update = update * self.residual_multiplier
+        return h + update  # (T, hidden)
 
     def _feed_forward(self, h: Tensor, kernels: Kernels) -> Tensor:
-        return h + self.feed_forward(self.pre_ff_layernorm(h), kernels)  # (T, hidden)
+        if not self.ffn_names:
+            return h
+        x = getattr(self, self.norm_names[1])(h)
+        out = getattr(self, self.ffn_names[0])(x, kernels)  # (T, hidden)
+        for name in self.ffn_names[1:]:
+            out = out + getattr(self, name)(x, kernels)
+        return self._residual(h, out)  # (T, hidden)
 
 
 class HybridLM(nn.Module):
@@ -237,7 +219,8 @@ class HybridLM(nn.Module):
             self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
             self.layers = nn.ModuleList(DecoderLayer(config, i, dtype)
                                         for i in range(config.num_hidden_layers))
-            self.final_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+            self.final_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype,
+                                           ARCH_NORM_STYLE[config.architecture])
             if not config.tie_word_embeddings:
                 self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False,
                                          dtype=dtype)
@@ -285,7 +268,7 @@ class HybridLM(nn.Module):
     def _prefill_one(self, seq: _Sequence, pool: PoolTensors, last_only: bool) -> Tensor:
         """The whole stack over one sequence; logits (1 or L, vocab)."""
         kernels = self.prefill_kernels()
-        h = F.embedding(seq.input_ids, self.embed_tokens.weight)  # (L, hidden)
+        h = self._embed(seq.input_ids)  # (L, hidden)
         for layer in self.layers:
             h = layer.prefill(h, seq, pool, kernels)  # (L, hidden)
         return self._logits(h[-1:] if last_only else h, kernels)
@@ -295,7 +278,7 @@ class HybridLM(nn.Module):
         if batch.kv_slots is None and self.config.num_attention_layers:
             raise ValueError("decode batch needs kv_slots for the attention layers")
         kernels = self.decode_kernels()
-        h = F.embedding(batch.input_ids, self.embed_tokens.weight)  # (R, hidden)
+        h = self._embed(batch.input_ids)  # (R, hidden)
         for layer in self.layers:
             h = layer.decode(h, batch, pool, kernels)  # (R, hidden)
         return self._logits(h, kernels)
@@ -319,6 +302,14 @@ class HybridLM(nn.Module):
             lin = self._linears[(tile, pack)] = TiledLinear(tile, pack)
         return lin
 
+    def _embed(self, input_ids: Tensor) -> Tensor:
+        """(T,) -> (T, hidden), times Granite's embedding multiplier."""
+        h = F.embedding(input_ids, self.embed_tokens.weight)  # (T, hidden)
+        m = self.config.embedding_multiplier
+        return h if m == 1.0 else h * m
+
     def _logits(self, h: Tensor, kernels: Kernels) -> Tensor:
-        """Final norm and LM head: h (T, hidden) -> fp32 logits (T, vocab)."""
-        return kernels.linear(self.final_layernorm(h), self.lm_head_weight, None).float()
+        """Final norm and LM head: h (T, hidden) -> fp32 logits (T, vocab) (/ Granite's scaling)."""
+        logits = kernels.linear(self.final_layernorm(h), self.lm_head_weight, None)
+        scaling = self.config.logits_scaling
+        return (logits if scaling == 1.0 else logits / scaling).float()

@@ -1,4 +1,4 @@
-"""The hybrid memory pool: a paged KV pool for attention layers and a Mamba pool for SSM layers.
+"""The hybrid memory pool: a paged KV pool for attention layers and a state pool for the others.
 
 Ownership rules
 - A request owns a list of KV pages (its token slots, in order) and exactly one Mamba slot.
@@ -8,10 +8,13 @@ Ownership rules
 
 Tensor layout (what the model reads and writes)
 - `k`, `v`: (num_attention_layers, num_pages * page_size, kv_heads, head_dim), model dtype.
-- `conv`:   (num_mamba_layers, num_slots, conv_dim, d_conv - 1), model dtype.
-- `ssm`:    (num_mamba_layers, num_slots, mamba_heads, mamba_head_dim, d_state), float32.
-A model with no attention (or no Mamba) layers gets zero-sized tensors; the slot accounting
-stays the same, so the scheduler reasons about every model alike.
+- one tensor per entry of `config.state_tensors` (what each recurrent layer kind declares):
+  (num_layers_of_kind, num_slots, *shape), fp32 or model dtype. Mamba2: `conv`
+  (conv_dim, d_conv - 1) and `ssm` (heads, head_dim, d_state) fp32; gated delta net: `gdn_conv`
+  (2 * key_dim + value_dim, k - 1) and `gdn_state` (v_heads, d_k, d_v) fp32.
+A request's one state slot indexes every state tensor. A model with no attention (or no
+recurrent) layers gets zero-sized tensors; the slot accounting stays the same, so the scheduler
+reasons about every model alike. `HybridPool.tensor(name)` is the one accessor the model uses.
 """
 
 from __future__ import annotations
@@ -119,19 +122,22 @@ class KVPool:
         return slots[:num_tokens]
 
 
-class MambaPool:
-    """One slot per running request: conv + SSM state of every Mamba layer."""
+class StatePool:
+    """One slot per running request: every per-request state tensor of every recurrent layer.
+
+    `tensors[name]`: (layers of the tensor's kind, num_slots, *shape) for each entry of
+    `config.state_tensors`.
+    """
 
     def __init__(self, config: ModelConfig, num_slots: int, dtype: torch.dtype,
                  device: torch.device) -> None:
         if num_slots <= 0:
-            raise ValueError(f"MambaPool: num_slots must be > 0, got {num_slots}")
-        n = config.num_mamba_layers
+            raise ValueError(f"StatePool: num_slots must be > 0, got {num_slots}")
         self.num_slots = num_slots
-        self.conv = torch.zeros((n, num_slots, config.conv_dim, config.mamba_d_conv - 1),
-                                dtype=dtype, device=device)
-        self.ssm = torch.zeros((n, num_slots, config.mamba_n_heads, config.mamba_d_head,
-                                config.mamba_d_state), dtype=torch.float32, device=device)
+        self.tensors = {
+            t.name: torch.zeros((len(config.layers_of_kind(t.kind)), num_slots, *t.shape),
+                                dtype=torch.float32 if t.fp32 else dtype, device=device)
+            for t in config.state_tensors}
         self._free = list(range(num_slots - 1, -1, -1))
         self._slot_of: dict[str, int] = {}
 
@@ -143,21 +149,25 @@ class MambaPool:
         """A slot for the request (zeroed unless the caller overwrites it, e.g. a restore), or
         None when all slots are taken."""
         if request_id in self._slot_of:
-            raise PoolError(f"MambaPool: request {request_id!r} already holds slot {self._slot_of[request_id]}")
+            raise PoolError(f"StatePool: request {request_id!r} already holds slot {self._slot_of[request_id]}")
         if not self._free:
             return None
         slot = self._free.pop()
         if zero:
-            self.conv[:, slot].zero_()
-            self.ssm[:, slot].zero_()
+            self.zero(slot)
         self._slot_of[request_id] = slot
         return slot
+
+    def zero(self, slot: int) -> None:
+        """Reset every state tensor at `slot`."""
+        for t in self.tensors.values():
+            t[:, slot].zero_()
 
     def slot(self, request_id: str) -> int:
         try:
             return self._slot_of[request_id]
         except KeyError:
-            raise PoolError(f"MambaPool: request {request_id!r} holds no Mamba slot (double free?)") from None
+            raise PoolError(f"StatePool: request {request_id!r} holds no state slot (double free?)") from None
 
     def free(self, request_id: str) -> None:
         self._free.append(self.slot(request_id))
@@ -175,7 +185,7 @@ class HybridPool:
         device = torch.device(device)
         self.config = config
         self.kv = KVPool(config, kv_tokens, page_size, dtype, device)
-        self.mamba = MambaPool(config, mamba_slots, dtype, device)
+        self.mamba = StatePool(config, mamba_slots, dtype, device)  # state slots (all kinds)
 
     @classmethod
     def from_budget(cls, config: ModelConfig, budget_bytes: int, mamba_slots: int,
@@ -201,11 +211,21 @@ class HybridPool:
 
     @property
     def conv(self) -> torch.Tensor:
-        return self.mamba.conv
+        return self.mamba.tensors["conv"]
 
     @property
     def ssm(self) -> torch.Tensor:
-        return self.mamba.ssm
+        return self.mamba.tensors["ssm"]
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """A pool tensor by name: "k", "v" or a state tensor's name (`config.state_tensors`)."""
+        if name in ("k", "v"):
+            return getattr(self.kv, name)
+        try:
+            return self.mamba.tensors[name]
+        except KeyError:
+            raise PoolError(f"pool has no tensor {name!r}; it has k, v, "
+                            f"{', '.join(self.mamba.tensors)}") from None
 
     def can_admit(self, num_tokens: int) -> bool:
         return self.mamba.num_free_slots > 0 and self.kv.can_allocate(num_tokens)

@@ -4,7 +4,8 @@ A `Snapshot` holds everything a request needs to continue as if it had never sto
 - token history (prompt + generated) and the sampling parameters; the sampler is counter-based
   (see `actors.sampler`), so its state is the number of generated tokens;
 - K/V of every attention layer for every cached token;
-- conv state and SSM state of every Mamba layer;
+- one part per per-request state tensor the model's layer kinds declare (`config.state_tensors`):
+  conv + SSM state of every Mamba2 layer, conv + recurrent state of every gated-delta-net layer;
 - the model fingerprint, each part's dtype and shape, and a checksum of the payload.
 
 The cached tokens are all but the last one: the last sampled token has not been fed to the model
@@ -13,8 +14,11 @@ yet (its K/V does not exist). Getting this off by one is a classic bug (SGLang #
 The payload is ONE contiguous uint8 numpy buffer (parts at 64-byte aligned offsets, bf16 kept as
 raw 16-bit), so Ray moves it zero-copy. Layout of the parts:
 - "kv":   (2, num_attention_layers, num_cached, kv_heads, head_dim) model dtype; [0]=K, [1]=V
-- "conv": (num_mamba_layers, conv_dim, d_conv - 1) model dtype
-- "ssm":  (num_mamba_layers, mamba_heads, mamba_head_dim, d_state) float32
+- then per state tensor, under its name: (layers of its kind, *shape), fp32 or model dtype;
+  e.g. "conv" (num_mamba_layers, conv_dim, d_conv - 1), "ssm" (num_mamba_layers, heads,
+  head_dim, d_state) float32, "gdn_conv", "gdn_state" (num_gdn_layers, v_heads, d_k, d_v) float32.
+One code path gathers, scatters and checks every architecture; restore refuses a part list that
+differs from this model's.
 """
 
 from __future__ import annotations
@@ -121,12 +125,10 @@ def model_fingerprint(config: ModelConfig, weights_fingerprint: str, dtype: torc
 def part_specs(config: ModelConfig, dtype: torch.dtype, num_cached: int) -> tuple[PartSpec, ...]:
     """The parts a snapshot of `num_cached` tokens must have, in payload order."""
     name = str(dtype).removeprefix("torch.")
-    shapes = [
-        ("kv", name, (2, config.num_attention_layers, num_cached, config.num_key_value_heads, config.head_dim)),
-        ("conv", name, (config.num_mamba_layers, config.conv_dim, config.mamba_d_conv - 1)),
-        ("ssm", "float32", (config.num_mamba_layers, config.mamba_n_heads, config.mamba_d_head,
-                            config.mamba_d_state)),
-    ]
+    shapes = [("kv", name, (2, config.num_attention_layers, num_cached, config.num_key_value_heads,
+                            config.head_dim))]
+    shapes += [(t.name, "float32" if t.fp32 else name, (len(config.layers_of_kind(t.kind)), *t.shape))
+               for t in config.state_tensors]
     specs, offset = [], 0
     for part, dt, shape in shapes:
         nbytes = int(np.prod(shape)) * torch.empty(0, dtype=getattr(torch, dt)).element_size()
@@ -163,8 +165,8 @@ def gather_state(pool: HybridPool, request_id: str, num_cached: int,
     else:
         _gather_tokens(pool.k, slots, views["kv"][0])
         _gather_tokens(pool.v, slots, views["kv"][1])
-        views["conv"].copy_(pool.conv[:, slot])
-        views["ssm"].copy_(pool.ssm[:, slot])
+        for name, tensor in pool.mamba.tensors.items():
+            views[name].copy_(tensor[:, slot])
     return buf
 
 
@@ -195,8 +197,8 @@ def _gather_cuda(pool: HybridPool, slots: torch.Tensor, slot: int, views: dict) 
             span = contiguous_run(slots)
             rows = src.narrow(1, *span) if span else src.index_select(1, slots.to(src.device))
             dst.copy_(rows, non_blocking=True)
-        views["conv"].copy_(pool.conv[:, slot], non_blocking=True)
-        views["ssm"].copy_(pool.ssm[:, slot], non_blocking=True)
+        for name, tensor in pool.mamba.tensors.items():
+            views[name].copy_(tensor[:, slot], non_blocking=True)
         done = torch.cuda.Event()
         done.record(side)
     done.synchronize()
@@ -211,8 +213,8 @@ def scatter_state(pool: HybridPool, request_id: str, snap: Snapshot) -> None:
     kv = views["kv"].to(device, non_blocking=True)
     _scatter_tokens(pool.k, slots, kv[0])
     _scatter_tokens(pool.v, slots, kv[1])
-    pool.conv[:, slot].copy_(views["conv"], non_blocking=True)
-    pool.ssm[:, slot].copy_(views["ssm"], non_blocking=True)
+    for name, tensor in pool.mamba.tensors.items():
+        tensor[:, slot].copy_(views[name], non_blocking=True)
 
 
 def check_compatible(snap: Snapshot, config: ModelConfig, dtype: torch.dtype, fingerprint: str) -> None:

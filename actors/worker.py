@@ -193,9 +193,7 @@ class Worker:
             if not ok:
                 out.not_admitted.append(rid)
             elif self.drop_mamba_state:  # deliberately broken mode: the negative control
-                slot = self.engine.pool.mamba.slot(rid)
-                self.engine.pool.conv[:, slot].zero_()
-                self.engine.pool.ssm[:, slot].zero_()
+                self.engine.pool.mamba.zero(self.engine.pool.mamba.slot(rid))
 
     def _result(self, result: StepResult, out: StepOutput, busy_s: float) -> StepResult:
         result.new_tokens, result.finished = out.new_tokens, out.finished

@@ -24,7 +24,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="run prompts through the engine in this process (no Ray, no retraction)")
-    g.add_argument("--model", default="tiny", help="preset name (tiny, small) or checkpoint directory")
+    g.add_argument("--model", default="tiny", help="preset name (tiny, small, tiny-granite, tiny-nemotronh, "
+                   "tiny-qwen35, tiny-qwen3next) or checkpoint directory")
     prompts = g.add_mutually_exclusive_group(required=True)
     prompts.add_argument("--prompt-ids", type=_ids, action="append", help="e.g. 5,17,42; repeatable")
     prompts.add_argument("--prompt", action="append", help="text, encoded with the model's tokenizer; repeatable")

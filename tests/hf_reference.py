@@ -47,23 +47,33 @@ def make_hf_bamba(tmp_path: Path, attn_layer_indices: list[int], num_layers: int
 def _perturb(model: torch.nn.Module, seed: int) -> None:
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for name, p in [*model.named_parameters(), *model.named_buffers()]:
             leaf = name.rsplit(".", 1)[-1]
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
+            if name.endswith("norm.weight"):  # away from its init (1, or 0 for (1 + w) norms)
+                p.copy_(p + 0.2 * torch.randn(p.shape, generator=gen))
             elif leaf in ("D", "dt_bias"):
                 p.copy_(0.5 + torch.rand(p.shape, generator=gen))
             elif leaf == "A_log":
                 p.copy_((0.5 + 4 * torch.rand(p.shape, generator=gen)).log())
-            elif leaf == "bias":
+            elif leaf in ("bias", "e_score_correction_bias"):
                 p.copy_(0.1 * torch.randn(p.shape, generator=gen))
 
 
 def load_hf(path: Path) -> torch.nn.Module:
-    """The transformers reference model of a checkpoint dir, fp32, eval mode."""
-    from transformers import BambaForCausalLM
+    """The transformers reference model of a checkpoint dir (any supported architecture), fp32."""
+    import json
 
-    return BambaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    import transformers
+
+    arch = json.loads((Path(path) / "config.json").read_text())["architectures"][0]
+    return getattr(transformers, arch).from_pretrained(path, dtype=torch.float32).eval()
+
+
+def _has_attention(config) -> bool:
+    kinds = getattr(config, "layers_block_type", None) or getattr(config, "layer_types", None)
+    if kinds is None:
+        return bool(config.attn_layer_indices)
+    return "full_attention" in kinds
 
 
 @torch.no_grad()
@@ -82,7 +92,7 @@ def hf_greedy(hf: torch.nn.Module, prompt: list[int],
     model without attention layers: transformers 5.24 cannot build its causal mask from a cache
     holding only Mamba layers, so there every step recomputes the whole sequence.
     """
-    if not hf.config.attn_layer_indices:
+    if not _has_attention(hf.config):
         return _hf_greedy_uncached(hf, prompt, num_tokens)
     out = hf(input_ids=torch.tensor([prompt]), use_cache=True)
     cache, tokens, step_logits = out.cache, [int(out.logits[0, -1].argmax())], []
@@ -109,12 +119,20 @@ def _hf_greedy_uncached(hf: torch.nn.Module, prompt: list[int],
 # ---------------------------------------------------------------------------- stand-in pool
 @dataclass
 class StandInPool:
-    """Plain pool tensors with the layout `HybridLM` expects (see `actors.model.PoolTensors`)."""
+    """Plain pool tensors with the layout `HybridLM` expects (see `actors.model.PoolTensors`):
+    "k", "v" (attn layers, token slots, kv heads, head_dim) and each of `config.state_tensors`
+    (layers of its kind, state slots, *shape)."""
 
-    k: Tensor  # (attn layers, token slots, kv heads, head_dim)
-    v: Tensor  # (attn layers, token slots, kv heads, head_dim)
-    conv: Tensor  # (mamba layers, mamba slots, conv_dim, d_conv - 1)
-    ssm: Tensor  # (mamba layers, mamba slots, heads, head_dim, d_state) fp32
+    tensors: dict[str, Tensor]
+
+    def tensor(self, name: str) -> Tensor:
+        return self.tensors[name]
+
+    def __getattr__(self, name: str) -> Tensor:  # pool.k, pool.conv, ... as on HybridPool
+        try:
+            return self.__dict__["tensors"][name]
+        except KeyError:
+            raise AttributeError(name) from None
 
 
 def make_pool(config: ModelConfig, num_token_slots: int, num_mamba_slots: int,
@@ -122,10 +140,11 @@ def make_pool(config: ModelConfig, num_token_slots: int, num_mamba_slots: int,
     """Zeroed pool tensors (slot 0 of each is left as padding by the drivers below)."""
     c = config
     kv = (c.num_attention_layers, num_token_slots, c.num_key_value_heads, c.head_dim)
-    conv = (c.num_mamba_layers, num_mamba_slots, c.conv_dim, c.mamba_d_conv - 1)
-    ssm = (c.num_mamba_layers, num_mamba_slots, c.mamba_n_heads, c.mamba_d_head, c.mamba_d_state)
-    return StandInPool(torch.zeros(kv, dtype=dtype), torch.zeros(kv, dtype=dtype),
-                       torch.zeros(conv, dtype=dtype), torch.zeros(ssm, dtype=torch.float32))
+    tensors = {"k": torch.zeros(kv, dtype=dtype), "v": torch.zeros(kv, dtype=dtype)}
+    for t in c.state_tensors:
+        shape = (len(c.layers_of_kind(t.kind)), num_mamba_slots, *t.shape)
+        tensors[t.name] = torch.zeros(shape, dtype=torch.float32 if t.fp32 else dtype)
+    return StandInPool(tensors)
 
 
 # ---------------------------------------------------------------------------- greedy driver

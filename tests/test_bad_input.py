@@ -199,7 +199,8 @@ def test_checkpoint_of_another_architecture(client, tmp_path):
         raysched.launch({"model": str(ckpt), "workers": 1})
     assert str(info.value) == (
         f"serve config: model '{ckpt}': worker 0 could not start: CheckpointError: {ckpt}/config.json: "
-        "unsupported architecture ['LlamaForCausalLM']; supported: ['BambaForCausalLM']")
+        "unsupported architecture ['LlamaForCausalLM']; supported: ['BambaForCausalLM', "
+        "'GraniteMoeHybridForCausalLM', 'NemotronHForCausalLM', 'Qwen3_5ForCausalLM', 'Qwen3NextForCausalLM']")
     assert_still_serving(client)
 
 
