@@ -29,6 +29,7 @@ from torch import Tensor
 from actors.config import ModelConfig
 from actors.loader import CheckpointError, hf_state_dict, load_checkpoint, load_hf_state_dict, save_checkpoint
 from actors.model import HybridLM
+from raysched.tokenizer import preset_tokenizer_dir
 
 PRESETS: dict[str, ModelConfig] = {
     "tiny": ModelConfig(
@@ -138,7 +139,6 @@ def load_preset(name: str, dtype: torch.dtype, device: torch.device | str = "cpu
     return model, config
 
 
-TOKENIZERS = Path(__file__).resolve().parent / "tokenizers"  # <preset>/tokenizer.json, tokenizer_config.json
 
 
 def save_preset(name: str, path: str | Path, seed: int = 0) -> Path:
@@ -147,7 +147,7 @@ def save_preset(name: str, path: str | Path, seed: int = 0) -> Path:
     if name not in PRESETS:
         raise CheckpointError(f"unknown preset {name!r}; presets: {', '.join(PRESETS)}")
     root = save_checkpoint(path, PRESETS[name], init_state_dict(PRESETS[name], seed))
-    for file in sorted((TOKENIZERS / name).glob("*.json")):
+    for file in sorted(preset_tokenizer_dir(name).glob("*.json")):
         shutil.copyfile(file, root / file.name)
     return root
 

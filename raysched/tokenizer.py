@@ -196,9 +196,15 @@ def _token_text(value: Any) -> str | None:
     return value if isinstance(value, str) else None
 
 
+def preset_tokenizer_dir(name: str) -> Path:
+    """Where a preset's committed tokenizer lives: the tiny presets of every architecture
+    (`tiny-granite`, ...) share `tiny`'s, which fits their vocabulary."""
+    return PRESET_TOKENIZERS / name.split("-", 1)[0]
+
+
 def tokenizer_dir(model: str) -> Path | None:
     """Where the tokenizer files of `model` (a preset name or a checkpoint dir) live, if any."""
-    preset = PRESET_TOKENIZERS / model
+    preset = preset_tokenizer_dir(model)
     if "/" not in model and (preset / TOKENIZER_FILE).is_file():
         return preset
     path = Path(model)
