@@ -91,17 +91,18 @@ def _measure(a: Any, b: Any, n: int, rounds: int, vocab: int) -> dict:
     history = prompt + first.new_tokens[rid]
     snapshot_rounds, src, dst = [], a, b
     for _ in range(rounds):
+        resumed_from = tuple(history)  # what this round's resume continues (and the recompute)
         snapshot_rounds.append(_snapshot_round(src, dst, rid))
         history.append(snapshot_rounds[-1]["token"])
         src, dst = dst, src
     last = snapshot_rounds[-1]
     _step(src, StepPlan(drop=(rid,)))  # src now holds the request (the last destination)
     recompute_s, result = timed(lambda: _step(b, StepPlan(prefill=(
-        PrefillItem(rid, tuple(history), len(prompt), sampling),))))
+        PrefillItem(rid, resumed_from, len(prompt), sampling),))))
     _step(b, StepPlan(drop=(rid,)))
     best = min(snapshot_rounds, key=lambda r: r["total_s"])
     recompute_token = result.new_tokens[rid][0]
-    return {"tokens": len(history), "snapshot_bytes": best["bytes"],
+    return {"tokens": len(resumed_from), "snapshot_bytes": best["bytes"],
             "snapshot_s": best["total_s"], "retract_s": best["retract_s"],
             "restore_decode_s": best["restore_decode_s"], "restore_busy_s": best["restore_busy_s"],
             "snapshot_rounds_s": [r["total_s"] for r in snapshot_rounds],

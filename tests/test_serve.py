@@ -171,6 +171,27 @@ def test_chat_streams_with_role_first_and_matches_the_template(running: Running,
     assert whole.choices[0].message.content == ref["text"]
 
 
+def test_second_chat_turn_restores_the_first_turns_state(running: Running) -> None:
+    """The turn cache through the OpenAI endpoint: turn 2 resends turn 1's history, re-rendered by
+    the chat template; its usage reports the prompt tokens restored instead of prefilled. The same
+    first turn with another system prompt (nothing parked for it) reports none: the control."""
+    api = running.openai()
+    system = "You answer in one short line, and never more than that. " * 6  # > min_tokens (64)
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": "Name a colour."}]
+    first = api.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0)
+    prompt_1 = load_tokenizer("tiny").chat_prompt(messages)
+    assert first.usage.prompt_tokens >= 64, first.usage
+    messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                 {"role": "user", "content": "And another one?"}]
+    assert load_tokenizer("tiny").chat_prompt(messages).startswith(prompt_1)
+    second = api.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0)
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert first.usage.prompt_tokens - 1 <= cached < second.usage.prompt_tokens, second.usage
+    other = [{"role": "system", "content": system.upper()}, messages[1]]
+    fresh = api.chat.completions.create(model="tiny", messages=other, max_tokens=8, temperature=0)
+    assert fresh.usage.prompt_tokens_details.cached_tokens == 0, fresh.usage
+
+
 def test_stop_string_cuts_text_and_ends_early(running: Running) -> None:
     api = running.openai()
     full = api.completions.create(model="tiny", prompt="The", max_tokens=40, temperature=0,
