@@ -23,7 +23,7 @@ import signal
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -249,17 +249,21 @@ class Server:
 
 
 def start_server(config: ServeConfig, host: str = "127.0.0.1", port: int = 8000, address: str | None = None,
-                 api_key: str | None = None, name: str = DEFAULT_NAME, num_cpus: int | None = None) -> Server:
+                 api_key: str | None = None, name: str = DEFAULT_NAME, num_cpus: int | None = None,
+                 on_ray_up: Callable[[], None] | None = None) -> Server:
     """Start (or reuse) the named scheduler and the HTTP server; returns once both answer.
 
     With `address` (or RAY_ADDRESS) it joins that cluster and the scheduler it starts is detached
     (it outlives this server; `raysched stop` ends it); an existing scheduler of that name is
     used as is. Without, an embedded local Ray instance holds everything, and `stop` ends it.
+    `on_ray_up` runs once Ray is connected (its core worker installs signal handlers of its own).
     """
     from raysched.client import _init_ray
 
     owns_ray = _init_ray(config, address, num_cpus)
     try:
+        if on_ray_up is not None:
+            on_ray_up()
         existed = find_scheduler(name) is not None
         # detached in any case: a job's own named actors are invisible to the Serve replicas' job
         start_scheduler(config, name, detached=True, exist_ok=True)
@@ -281,11 +285,15 @@ def deploy_app(scheduler_name: str = DEFAULT_NAME, api_key: str | None = None, a
 
 def run_server(config: ServeConfig, host: str, port: int, address: str | None, api_key: str | None,
                name: str = DEFAULT_NAME) -> None:
-    """`raysched serve`: start, print where, serve until SIGTERM or Ctrl-C, then shut down cleanly."""
-    server = start_server(config, host, port, address, api_key, name)
+    """`raysched serve`: start, print where, serve until SIGTERM or Ctrl-C, then shut down cleanly
+    (a signal that comes during start-up is honoured as soon as the server is up)."""
     stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+
+    def on_signals() -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: stop.set())
+
+    server = start_server(config, host, port, address, api_key, name, on_ray_up=on_signals)
     print(f"raysched serve: {server.url}/v1 (model {served_model_name(config.model)!r}, "
           f"scheduler {name!r}, API key {'required' if api_key else 'off'})", flush=True)
     try:

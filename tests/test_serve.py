@@ -357,7 +357,8 @@ def test_raysched_serve_exits_cleanly_on_sigterm(tmp_path) -> None:
             except httpx.HTTPError:
                 return proc.poll() is not None  # it died: stop polling, the asserts below say so
         wait_until(up, 240, "raysched serve to answer /health")
-        assert proc.poll() is None
+        if proc.poll() is not None:
+            pytest.fail(f"raysched serve exited with {proc.returncode}:\n{proc.stdout.read()[-4000:]}")
         r = httpx.post(f"{url}/v1/completions", json={"prompt": "Hi", "max_tokens": 3},
                        headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
