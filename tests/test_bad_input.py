@@ -17,6 +17,7 @@ import pytest
 import ray
 
 import raysched
+from actors.presets import PRESETS
 from raysched import cli
 from raysched.config import ConfigError, ServeConfig, load_serve_config
 from raysched.messages import PrefillItem, StepPlan, StepResult, Usage
@@ -186,7 +187,8 @@ def test_missing_checkpoint_directory(client, tmp_path, capsys):
     assert cli.main(["run", "--config", str(serve), "--workload", str(workload), "--quiet"]) == 2
     err = capsys.readouterr().err
     assert (f"raysched run: error: serve config: model '{missing}': worker 0 could not start: "
-            f"CheckpointError: model '{missing}' is neither a preset (tiny, small) nor a checkpoint directory") in err
+            f"CheckpointError: model '{missing}' is neither a preset ({', '.join(PRESETS)}) nor a checkpoint "
+            f"directory") in err
     assert "Traceback" not in err
     assert_still_serving(client)
 
