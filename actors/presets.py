@@ -19,6 +19,7 @@ random, so text output is gibberish, but every text path runs end to end.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import shutil
 from pathlib import Path
@@ -30,6 +31,16 @@ from actors.config import ModelConfig
 from actors.loader import CheckpointError, hf_state_dict, load_checkpoint, load_hf_state_dict, save_checkpoint
 from actors.model import HybridLM
 from raysched.tokenizer import preset_tokenizer_dir
+
+_TINY_QWEN35 = ModelConfig(
+    vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+    attn_layer_indices=(3,), num_attention_heads=4, num_key_value_heads=2,
+    mamba_n_heads=1, mamba_d_head=128, mamba_n_groups=1, mamba_d_state=1,
+    max_position_embeddings=8192, rms_norm_eps=1e-6, partial_rotary_factor=0.25,
+    architecture="qwen3_5_text", layer_kinds=("gdn", "gdn", "gdn", "attention"),
+    attention_head_dim=32, attn_output_gate=True, qk_norm=True, linear_num_key_heads=2,
+    linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+    name="tiny-qwen35")
 
 PRESETS: dict[str, ModelConfig] = {
     "tiny": ModelConfig(
@@ -60,25 +71,11 @@ PRESETS: dict[str, ModelConfig] = {
         attention_head_dim=16, use_rope=False, mlp_activation="relu2", num_experts=4,
         num_experts_per_tok=2, moe_intermediate_size=64, shared_intermediate_size=96,
         routed_scaling_factor=1.3, name="tiny-nemotronh"),
-    "tiny-qwen35": ModelConfig(
-        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-        attn_layer_indices=(3,), num_attention_heads=4, num_key_value_heads=2,
-        mamba_n_heads=1, mamba_d_head=128, mamba_n_groups=1, mamba_d_state=1,
-        max_position_embeddings=8192, rms_norm_eps=1e-6, partial_rotary_factor=0.25,
-        architecture="qwen3_5_text", layer_kinds=("gdn", "gdn", "gdn", "attention"),
-        attention_head_dim=32, attn_output_gate=True, qk_norm=True, linear_num_key_heads=2,
-        linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
-        name="tiny-qwen35"),
-    "tiny-qwen3next": ModelConfig(
-        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-        attn_layer_indices=(3,), num_attention_heads=4, num_key_value_heads=2,
-        mamba_n_heads=1, mamba_d_head=128, mamba_n_groups=1, mamba_d_state=1,
-        max_position_embeddings=8192, rms_norm_eps=1e-6, partial_rotary_factor=0.25,
-        architecture="qwen3_next", layer_kinds=("gdn", "gdn", "gdn", "attention"),
-        attention_head_dim=32, attn_output_gate=True, qk_norm=True, linear_num_key_heads=2,
-        linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
-        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, shared_intermediate_size=96,
-        mlp_only_layers=(1,), name="tiny-qwen3next"),
+    "tiny-qwen35": _TINY_QWEN35,
+    "tiny-qwen3next": dataclasses.replace(  # Qwen3.5's layout, with sparse experts
+        _TINY_QWEN35, architecture="qwen3_next", num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=64, shared_intermediate_size=96, mlp_only_layers=(1,),
+        name="tiny-qwen3next"),
 }
 
 

@@ -115,6 +115,14 @@ def print_table(title: str, columns: Sequence[Column], rows: Sequence[dict]) -> 
         print("  ".join(v.rjust(w) for v, w in zip(r, widths)))
 
 
+
+def print_targets(targets: dict[str, dict]) -> None:
+    """One line per target (`met` True/False) or informational figure (`met` None)."""
+    for name, t in targets.items():
+        verdict = "" if t["met"] is None else ("met" if t["met"] else "MISSED")
+        value = "-" if t["value"] is None else f"{t['value']:.3g}"
+        print(f"{'target' if t['met'] is not None else 'info'} {name}: {value} (want {t['target']}) {verdict}")
+
 def _cell(value: Any, col: Column) -> str:
     if value is None:
         return "-"

@@ -30,8 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from statistics import mean
 
-from benchmarks.common import (Column, actor_pids, cpu_seconds, load_average, local_ray, machine, print_table, pyplot, save_figure,
-                               write_json)
+from benchmarks.common import (Column, actor_pids, cpu_seconds, load_average, local_ray, machine, print_table,
+                               print_targets, pyplot, save_figure, write_json)
 from raysched.config import PoolConfig, SchedulerConfig, ServeConfig
 from raysched.workload import RequestSpec, WorkloadConfig, build_requests
 
@@ -241,10 +241,7 @@ def _print(result: dict) -> None:
     rows = [{**r, "split": f"{r['retractions_snapshot']:g}/{r['retractions_recompute']:g}"}
             for r in result["modes"]]
     print_table("", cols, rows)
-    for name, t in result["targets"].items():
-        verdict = "" if t["met"] is None else ("met" if t["met"] else "MISSED")
-        value = "-" if t["value"] is None else f"{t['value']:.3g}"
-        print(f"{'target' if t['met'] is not None else 'info'} {name}: {value} (want {t['target']}) {verdict}")
+    print_targets(result["targets"])
 
 
 def _binned(rows: list[tuple], bin_s: float) -> tuple[list[float], list[float], list[float]]:

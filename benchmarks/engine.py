@@ -28,7 +28,6 @@ import cProfile
 import importlib.util
 import pstats
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks.common import (Column, load_average, local_ray, machine, measured_client, percentile,
-                               print_table, pyplot, save_figure, warm_up, write_json)
+                               print_table, print_targets, pyplot, save_figure, warm_up, write_json)
 from raysched.config import PoolConfig, SchedulerConfig, ServeConfig
 from raysched.sampling import SamplingParams
 from raysched.workload import RequestSpec
@@ -163,10 +163,7 @@ def _print(result: dict) -> None:
             Column("retract", "retractions", "d"), Column("worker busy s", "worker_busy_s", ".1f"),
             Column("worker CPU s", "worker_cpu_s", ".1f"), Column("mismatches", "mismatches", "d")]
     print_table("", cols, result["modes"])
-    for name, t in result["targets"].items():
-        verdict = "" if t["met"] is None else ("met" if t["met"] else "MISSED")
-        value = "-" if t["value"] is None else f"{t['value']:.3g}"
-        print(f"{'target' if t['met'] is not None else 'info'} {name}: {value} (want {t['target']}) {verdict}")
+    print_targets(result["targets"])
 
 
 def _plot(result: dict, out_dir: Path) -> None:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks.common import (Column, load_average, local_ray, machine, measured_client, percentile,
-                               print_table, pyplot, save_figure, warm_up, write_json)
+                               print_table, print_targets, pyplot, save_figure, warm_up, write_json)
 from raysched.config import PoolConfig, ServeConfig, StateCacheConfig
 
 MODES = ("cache_on", "cache_off")
@@ -207,10 +207,7 @@ def _print(result: dict) -> None:
     rows = [{**r, "split": f"{r['state_cache_hits_finished']}/{r['state_cache_hits_prompt']}",
              "parked_mb": r["state_cache_bytes"] / 1e6} for r in result["modes"]]
     print_table("", cols, rows)
-    for name, t in result["targets"].items():
-        verdict = "" if t["met"] is None else ("met" if t["met"] else "MISSED")
-        value = "-" if t["value"] is None else f"{t['value']:.3g}"
-        print(f"{'target' if t['met'] is not None else 'info'} {name}: {value} (want {t['target']}) {verdict}")
+    print_targets(result["targets"])
 
 
 def _plot(result: dict, out_dir: Path) -> None:

@@ -331,7 +331,6 @@ def test_scheduler_gone_is_a_503(running: Running) -> None:
         assert http.get(f"{running.server.url}/health").status_code == 503
 
 
-@pytest.mark.serve_slow
 def test_raysched_serve_exits_cleanly_on_sigterm(tmp_path) -> None:
     """The CLI in its own process (own embedded Ray and Serve): answers with the key, then a
     SIGTERM shuts down Serve, the scheduler and Ray, and the process exits with status 0."""
