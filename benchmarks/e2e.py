@@ -25,12 +25,11 @@ a mode needed, which that load moves much less.
 from __future__ import annotations
 
 import dataclasses
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from statistics import mean
 
-from benchmarks.common import (Column, actor_pids, cpu_seconds, load_average, local_ray, machine, print_table,
+from benchmarks.common import (Column, load_average, local_ray, machine, measured_client, print_table,
                                print_targets, pyplot, save_figure, write_json)
 from raysched.config import PoolConfig, SchedulerConfig, ServeConfig
 from raysched.workload import RequestSpec, WorkloadConfig, build_requests
@@ -85,39 +84,20 @@ def main(out_dir: Path = Path("bench-out"), quick: bool = False) -> dict:
 
 def run_mode(setup: Setup, mode: str) -> dict:
     """Launch scheduler + 2 workers, run the workload, return summary, outputs, timeline and the
-    CPU time the worker and scheduler processes spent on it."""
-    import raysched
+    CPU time the worker and scheduler processes spent on it (`measured_client`)."""
     from raysched.runner import run_workload
 
-    client = raysched.launch(serve_config(setup, mode))
-    try:
-        workers, scheduler = actor_pids("Worker"), actor_pids("Scheduler")
+    with measured_client(serve_config(setup, mode)) as (client, costs):
         specs = build_requests(setup.workload, client.vocab_size())
         start_s = client.stats()["uptime_s"]  # the timeline counts from the scheduler's start
-        cpu0 = cpu_seconds(workers), cpu_seconds(scheduler)
-        busy0 = client.stats()["busy_s"]
         report = run_workload(client, specs, progress=False)
-        cpu = cpu_seconds(workers) - cpu0[0], cpu_seconds(scheduler) - cpu0[1]
-        busy = client.stats()["busy_s"] - busy0
+        cost = costs()
         timeline = [(t - start_s, *rest) for t, *rest in client.timeline()]
-    finally:
-        client.shutdown()
-        _wait_for_no_workers()
     s = report["summary"]
     print(f"{mode:>10}: {s['tokens_per_s']} tokens/s in {s['duration_s']:.1f} s, "
-          f"{s['retractions']} retractions, worker CPU {cpu[0]:.1f} s", flush=True)
+          f"{s['retractions']} retractions, worker CPU {cost['worker_cpu_s'] or 0:.1f} s", flush=True)
     return {"summary": s, "outputs": {r["request_id"]: r["token_ids"] for r in report["requests"]},
-            "timeline": timeline, "workload": _describe(specs),
-            "worker_cpu_s": cpu[0] if len(workers) == 2 else None, "scheduler_cpu_s": cpu[1],
-            "worker_busy_s": busy}
-
-
-def _wait_for_no_workers(timeout_s: float = 30.0) -> None:
-    """Until the GCS lists no live Worker actor: the next mode gets the CPUs, and its process
-    ids are the only ones found."""
-    deadline = time.monotonic() + timeout_s
-    while actor_pids("Worker") and time.monotonic() < deadline:
-        time.sleep(0.2)  # polling the actor table, not a synchronisation guess
+            "timeline": timeline, "workload": _describe(specs), **cost}
 
 
 def _describe(specs: list[RequestSpec]) -> dict:

@@ -200,3 +200,20 @@ def greedy_generate(model: HybridLM, prompts: list[list[int]], num_tokens: int) 
             run.tokens[i].append(int(row.argmax()))
         lengths = [n + 1 for n in lengths]
     return run
+
+
+def parity_with_hf(hf: torch.nn.Module, model: HybridLM, prompts: list[list[int]],
+                   num_tokens: int) -> tuple[float, float]:
+    """Run `prompts` through ours (one ragged prefill, then batched greedy decode) and through
+    transformers one at a time; assert identical greedy tokens and return the largest
+    |logit difference| of the prefill and of the decode steps."""
+    run = greedy_generate(model, prompts, num_tokens)
+    prefill_diff = decode_diff = 0.0
+    for i, prompt in enumerate(prompts):
+        ref_prefill = hf_prefill_logits(hf, prompt)  # (L, vocab)
+        prefill_diff = max(prefill_diff, (ref_prefill - run.prefill_logits[i]).abs().max().item())
+        ref_tokens, ref_steps = hf_greedy(hf, prompt, num_tokens)
+        assert run.tokens[i] == ref_tokens, f"prompt {i} (length {len(prompt)}): greedy tokens differ"
+        steps = torch.stack(run.step_logits[i]) - torch.stack(ref_steps)  # (num_tokens-1, vocab)
+        decode_diff = max(decode_diff, steps.abs().max().item())
+    return prefill_diff, decode_diff

@@ -30,7 +30,7 @@ from actors.loader import CheckpointError, load_checkpoint
 from actors.presets import load_preset
 from raysched.sampling import SamplingParams
 from tests.arch_reference import make_hf_arch
-from tests.hf_reference import greedy_generate, hf_greedy, hf_prefill_logits, load_hf
+from tests.hf_reference import greedy_generate, hf_greedy, hf_prefill_logits, load_hf, parity_with_hf
 
 ARCHS = ("granitemoehybrid", "nemotron_h", "qwen3_5_text", "qwen3_next")
 PRESET = {"granitemoehybrid": "tiny-granite", "nemotron_h": "tiny-nemotronh",
@@ -63,15 +63,7 @@ def test_prefill_and_greedy_match_transformers(checkpoints, arch):
     assert config.architecture == arch
     gen = torch.Generator().manual_seed(11)
     prompts = [torch.randint(0, config.vocab_size, (n,), generator=gen).tolist() for n in PROMPT_LENS]
-    run = greedy_generate(model, prompts, NUM_TOKENS)  # one ragged prefill, then batched decode
-    prefill_diff = decode_diff = 0.0
-    for i, prompt in enumerate(prompts):
-        ref_prefill = hf_prefill_logits(hf, prompt)  # (L, vocab)
-        prefill_diff = max(prefill_diff, (ref_prefill - run.prefill_logits[i]).abs().max().item())
-        ref_tokens, ref_steps = hf_greedy(hf, prompt, NUM_TOKENS)
-        assert run.tokens[i] == ref_tokens, f"prompt {i} (length {len(prompt)}): greedy tokens differ"
-        steps = torch.stack(run.step_logits[i]) - torch.stack(ref_steps)
-        decode_diff = max(decode_diff, steps.abs().max().item())
+    prefill_diff, decode_diff = parity_with_hf(hf, model, prompts, NUM_TOKENS)
     print(f"\n{arch}: max |logit diff| prefill {prefill_diff:.3g}, decode {decode_diff:.3g}, "
           f"{NUM_TOKENS} greedy tokens identical for {len(prompts)} prompts")
     assert prefill_diff <= TOL

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from actors.loader import load_checkpoint
-from tests.hf_reference import greedy_generate, hf_greedy, hf_prefill_logits, load_hf, make_hf_bamba
+from tests.hf_reference import load_hf, make_hf_bamba, parity_with_hf
 
 PROMPT_LENS = (2, 7, 19, 33)  # d_conv = 4, chunk = 8
 NUM_TOKENS = 32
@@ -40,15 +40,7 @@ def test_prefill_and_greedy_match_transformers(tmp_path, case):
     hf = load_hf(path)
     model, config = load_checkpoint(path, torch.float32)
     prompts = _prompts(config.vocab_size, seed=11)
-    run = greedy_generate(model, prompts, NUM_TOKENS)
-    prefill_diff = decode_diff = 0.0
-    for i, prompt in enumerate(prompts):
-        ref_prefill = hf_prefill_logits(hf, prompt)  # (L, vocab)
-        prefill_diff = max(prefill_diff, (ref_prefill - run.prefill_logits[i]).abs().max().item())
-        ref_tokens, ref_steps = hf_greedy(hf, prompt, NUM_TOKENS)
-        assert run.tokens[i] == ref_tokens, f"prompt {i} (length {len(prompt)}): greedy tokens differ"
-        steps = torch.stack(run.step_logits[i]) - torch.stack(ref_steps)  # (NUM_TOKENS-1, vocab)
-        decode_diff = max(decode_diff, steps.abs().max().item())
+    prefill_diff, decode_diff = parity_with_hf(hf, model, prompts, NUM_TOKENS)
     print(f"\n{case}: max |logit diff| prefill {prefill_diff:.3g}, decode {decode_diff:.3g}")
     assert prefill_diff <= TOL
     assert decode_diff <= TOL
