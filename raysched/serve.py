@@ -81,6 +81,21 @@ async def _json_body(request: Request) -> Any:
         raise APIError(400, f"request body is not valid JSON: {err}") from None
 
 
+class ClosingStreamingResponse(StreamingResponse):
+    """A StreamingResponse that closes its body iterator however the response ends. Starlette
+    leaves the iterator suspended at a `yield` when the disconnect (a cancellation or an OSError)
+    lands in `send`, and its `finally` then waits for the garbage collector: the request would run
+    to its last token with nobody reading. Closing it here runs that `finally` (the abort) at once."""
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            close = getattr(self.body_iterator, "aclose", None)
+            if close is not None:
+                await close()
+
+
 def _sse(data: dict) -> str:
     return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
 
@@ -142,7 +157,7 @@ class OpenAIServer:
                 raise
             if req.stream:
                 owned = False
-                return StreamingResponse(self._events(req, rid), media_type="text/event-stream")
+                return ClosingStreamingResponse(self._events(req, rid), media_type="text/event-stream")
             record = await self._call(self.scheduler.wait.remote(rid))
             owned = False
         finally:

@@ -252,6 +252,52 @@ def test_client_disconnect_aborts_and_frees_slots(running: Running) -> None:
     _wait_idle(running.client)
 
 
+@pytest.mark.parametrize("spec", ["2.0", "2.4"])
+@pytest.mark.parametrize("closing", [True, False], ids=["closing", "plain-starlette"])
+def test_disconnect_in_send_runs_the_stream_cleanup(spec: str, closing: bool) -> None:
+    """The disconnect lands while the response awaits `send` (the body generator sits at a
+    `yield`): ClosingStreamingResponse runs the generator's `finally` (the abort) before it returns;
+    Starlette's own StreamingResponse leaves it to the garbage collector (negative control)."""
+    from fastapi.responses import StreamingResponse
+
+    from raysched.serve import ClosingStreamingResponse
+
+    cleaned: list[bool] = []
+
+    async def body():
+        try:
+            for i in range(1000):
+                yield f"data: {i}\n\n"
+        finally:
+            cleaned.append(True)
+
+    async def run() -> None:
+        in_send = asyncio.Event()
+
+        async def send(message: dict) -> None:
+            if message["type"] == "http.response.body":
+                in_send.set()
+                await asyncio.sleep(3600)  # a slow client: the body chunk is still being written
+
+        async def receive() -> dict:
+            await asyncio.sleep(3600)  # no disconnect message: only the cancellation says so
+            return {"type": "http.disconnect"}
+
+        gen = body()
+        response = (ClosingStreamingResponse if closing else StreamingResponse)(gen, media_type="text/event-stream")
+        task = asyncio.create_task(response({"type": "http", "asgi": {"spec_version": spec}}, receive, send))
+        await in_send.wait()
+        task.cancel()  # what Serve does to the handler when the proxy sees the client go
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        if not closing and cleaned:
+            pytest.skip("this Starlette closes the body iterator itself")
+        assert cleaned == ([True] if closing else [])  # `gen` is still referenced here
+        await gen.aclose()
+
+    asyncio.run(run())
+
+
 def test_bench_serve_measures_both_sides_with_equal_tokens(running: Running) -> None:
     """`raysched bench serve`'s measuring functions, on this module's server (its own smoke run,
     which starts another Serve, is behind the serve_slow marker)."""
