@@ -263,14 +263,16 @@ class Engine:
     def snapshot(self, request_id: str) -> Snapshot:
         """Take the request's complete state out of the pool and free its slots, in one step.
 
-        Only decoding requests: a prefilling one raises SnapshotError (nothing changes), since a
-        snapshot always covers all tokens but the last; release it and prefill it again instead.
+        A decoding request's snapshot covers all its tokens but the last. A prefilling one's
+        covers the `num_computed` tokens fed so far (a chunk boundary: the state is exact there)
+        and is marked `computed`; `restore` puts it back into `prefilling`, to go on from there.
+        One with nothing computed yet raises SnapshotError (nothing changes): prefill it again.
         """
-        if request_id in self.prefilling:
-            s = self.prefilling[request_id]
-            raise SnapshotError(f"request {request_id!r} is mid-prefill ({s.num_computed} of "
-                                f"{len(s.token_ids)} tokens computed): cannot snapshot it")
-        snap = self.copy_state(request_id)
+        seq = self.prefilling.get(request_id)
+        if seq is not None and seq.num_computed == 0:
+            raise SnapshotError(f"request {request_id!r} has not started its prefill (0 of "
+                                f"{len(seq.token_ids)} tokens computed): nothing to snapshot")
+        snap = self.copy_state(request_id) if seq is None else self._copy(seq, seq.num_computed)
         self.release(request_id)
         return snap
 
@@ -280,10 +282,16 @@ class Engine:
         seq = self.running.get(request_id) or self.held.get(request_id)
         if seq is None:
             raise KeyError(f"request {request_id!r} is not running on this engine")
-        specs = part_specs(self.config, self.dtype, seq.num_cached)
-        payload = gather_state(self.pool, request_id, seq.num_cached, specs).numpy()
-        return Snapshot(request_id, self.fingerprint, tuple(seq.token_ids), seq.prompt_len,
-                        seq.sampling.to_dict(), specs, checksum(payload), payload)
+        return self._copy(seq, None)
+
+    def _copy(self, seq: Sequence, computed: int | None) -> Snapshot:
+        """Gather `seq`'s state: `computed` tokens of a prefilling request, or (None) all but
+        the last of a decoding one."""
+        num_cached = seq.num_cached if computed is None else computed
+        specs = part_specs(self.config, self.dtype, num_cached)
+        payload = gather_state(self.pool, seq.request_id, num_cached, specs).numpy()
+        return Snapshot(seq.request_id, self.fingerprint, tuple(seq.token_ids), seq.prompt_len,
+                        seq.sampling.to_dict(), specs, checksum(payload), payload, computed=computed)
 
     def check_snapshot(self, snap: Snapshot) -> None:
         """Raise SnapshotError if `snap` cannot be restored here (nothing changes)."""
@@ -298,11 +306,12 @@ class Engine:
         self.check_snapshot(snap)
         rid = request_id or snap.request_id
         self._check_new(rid)
+        seq = Sequence(rid, list(snap.token_ids), snap.prompt_len, SamplingParams.from_dict(snap.sampling))
+        if snap.mid_prefill:  # back into `prefilling`: the next prefill goes on from `computed`
+            return self._restore_prefilling(snap, seq)
         if not self.pool.admit(rid, snap.num_cached_tokens, zero_state=False):
             return False
         scatter_state(self.pool, rid, snap)
-        sampling = SamplingParams.from_dict(snap.sampling)
-        seq = Sequence(rid, list(snap.token_ids), snap.prompt_len, sampling)
         seq.num_computed = seq.num_cached
         self.running[rid] = seq
         return True
@@ -323,6 +332,12 @@ class Engine:
         if len(seq.token_ids) <= n or tuple(seq.token_ids[:n]) != snap.token_ids[:n]:
             raise SnapshotError(f"request {seq.request_id!r}: its tokens do not extend the "
                                 f"{n} cached tokens of snapshot {snap.request_id!r}")
+        return self._restore_prefilling(snap, seq)
+
+    def _restore_prefilling(self, snap: Snapshot, seq: Sequence) -> bool:
+        """Slots for all of `seq`'s tokens, the (checked) snapshot's state written into its first
+        ones, `seq` into `prefilling` with `num_computed` = the tokens the snapshot covers."""
+        n = snap.num_cached_tokens
         if not self.pool.admit(seq.request_id, len(seq.token_ids), zero_state=False):
             return False
         scatter_state(self.pool, seq.request_id, snap)

@@ -67,10 +67,16 @@ class Snapshot:
     checksum: int
     payload: np.ndarray = field(repr=False)  # (nbytes,) uint8, contiguous
     version: int = SNAPSHOT_VERSION
+    computed: int | None = None  # mid-prefill: the state covers token_ids[:computed] (a chunk
+    #   boundary) and the rest is still to prefill; None: decoding, the state covers all but the last
 
     @property
     def num_cached_tokens(self) -> int:
-        return decode_cached(len(self.token_ids))
+        return decode_cached(len(self.token_ids)) if self.computed is None else self.computed
+
+    @property
+    def mid_prefill(self) -> bool:
+        return self.computed is not None
 
     @property
     def num_generated(self) -> int:
@@ -229,6 +235,9 @@ def check_compatible(snap: Snapshot, config: ModelConfig, dtype: torch.dtype, fi
     if not 1 <= snap.prompt_len <= len(snap.token_ids):
         raise SnapshotError(f"snapshot of {snap.request_id!r}: prompt_len {snap.prompt_len} does not fit "
                             f"{len(snap.token_ids)} tokens")
+    if snap.computed is not None and not 1 <= snap.computed < len(snap.token_ids):
+        raise SnapshotError(f"snapshot of {snap.request_id!r}: mid-prefill state of {snap.computed} tokens "
+                            f"does not fit {len(snap.token_ids)} tokens")
     expected = part_specs(config, dtype, snap.num_cached_tokens)
     if tuple(snap.parts) != expected:
         raise SnapshotError(f"snapshot of {snap.request_id!r}: parts {_describe(snap.parts)} do not match "

@@ -66,13 +66,16 @@ class Worker:
     def retract(self, request_id: str) -> Snapshot:
         """Snapshot the request and free its slots; the snapshot is this call's return value.
 
-        A request still prefilling has no snapshot to give: its slots are freed and the call
-        raises SnapshotError, so the scheduler resumes it by recompute.
+        A request mid-prefill gives the state of the chunks it has fed (`Snapshot.computed`);
+        its resume goes on prefilling from there. One that has not fed a chunk yet has nothing
+        to give: its slots are freed and the call raises SnapshotError (the scheduler resumes
+        it by recompute, which here costs nothing more).
         """
-        if request_id in self.engine.prefilling:
-            seq = self.engine.release(request_id)
-            raise SnapshotError(f"request {request_id!r} was retracted mid-prefill ({seq.num_computed}"
-                                f" of {len(seq.token_ids)} tokens): released, recompute it")
+        seq = self.engine.prefilling.get(request_id)
+        if seq is not None and seq.num_computed == 0:
+            self.engine.release(request_id)
+            raise SnapshotError(f"request {request_id!r} was retracted before its prefill started "
+                                f"(0 of {len(seq.token_ids)} tokens): released, recompute it")
         return self.engine.snapshot(request_id)
 
     def retract_pending(self, request_id: str, corrupt: bool = False,
@@ -104,9 +107,9 @@ class Worker:
         self.engine.hold_finished = plan.park_min_tokens > 0
         n = len(plan.resume)
         self._resume(plan, snapshots[:n], result, out)
-        out.merge(self._prefill(plan, snapshots[n:], result))
-        if plan.prefill:
-            self._park_prompts(plan, result)
+        prefilled = self._prefill(plan, snapshots[n:], result)
+        self._park_prompts(prefilled, plan.park_min_tokens, result)
+        out.merge(prefilled)
         if plan.decode_steps:
             out.merge(self._decode(plan))
         self._park_finished(plan, result)
@@ -149,13 +152,12 @@ class Worker:
             result.cached[seq.request_id] = seq.num_computed
         return ok  # no room: the plain prefill reports it not admitted
 
-    def _park_prompts(self, plan: StepPlan, result: StepResult) -> None:
-        """Copy the state at the end of each new prompt whose prefill completed."""
-        for item in plan.prefill:
-            rid = item.request_id
+    def _park_prompts(self, prefilled: StepOutput, min_tokens: int, result: StepResult) -> None:
+        """Copy the state at the end of each prompt whose prefill completed in this call (in
+        whichever call its last chunk ran), unless it was a recompute (history with outputs)."""
+        for rid in prefilled.new_tokens:
             seq = self.engine.running.get(rid) or self.engine.held.get(rid)
-            if plan.park_min_tokens and seq is not None and len(item.token_ids) == item.prompt_len \
-                    and item.prompt_len >= plan.park_min_tokens:
+            if min_tokens and seq is not None and seq.num_generated == 1 and seq.prompt_len >= min_tokens:
                 self._park(rid, "prompt", seq.prompt_len, result)
 
     def _park_finished(self, plan: StepPlan, result: StepResult) -> None:

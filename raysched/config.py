@@ -374,11 +374,14 @@ class StateCacheConfig:
     budget_bytes: int | None = None  # parked bytes kept; None = a quarter of the scheduler
     #   node's object store
     min_tokens: int = 64  # states covering fewer tokens are not parked
+    inline_budget_bytes: int = 8 << 20  # of which states under Ray's inline-return size (100 KiB),
+    #   which live in the scheduler's own memory, not the object store
 
     CHECKS: ClassVar[dict[str, Check]] = {
         "enabled": check_bool,
         "budget_bytes": check_optional(check_non_negative_int),
         "min_tokens": check_positive_int,
+        "inline_budget_bytes": check_non_negative_int,
     }
 
     def __post_init__(self) -> None:

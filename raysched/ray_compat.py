@@ -13,11 +13,26 @@ made-up number.
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 from typing import Any
 
 import ray
+
+INLINE_RETURN_DEFAULT_BYTES = 100 * 1024  # Ray's default `max_direct_call_object_size`
+
+
+def inline_return_bytes() -> int:
+    """Task and actor-call results smaller than this are returned inline, into the caller's own
+    process memory, instead of the object store (Ray's `max_direct_call_object_size`).
+
+    Not exposed to Python: read from `RAY_max_direct_call_object_size` (how Ray takes system
+    config from the environment) where set. Fallback: Ray's default, 100 KiB.
+    """
+    raw = os.environ.get("RAY_max_direct_call_object_size", "")
+    return int(raw) if raw.isdigit() else INLINE_RETURN_DEFAULT_BYTES
+
 
 SPILL_PATTERNS = (("object_store_spilled_mib", r"Spilled (\d+) MiB"),
                   ("object_store_restored_mib", r"Restored (\d+) MiB"))

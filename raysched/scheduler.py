@@ -36,7 +36,7 @@ from raysched.faults import FaultInjector
 from raysched.messages import SNAPSHOT_LOST, FaultPoint, PrefillItem, StepPlan, StepResult, Usage, WorkerInfo
 from raysched.planner import Plan, WorkerView, decode_need, plan_step
 from raysched.policy import choose_retract_mode
-from raysched.ray_compat import object_store_stats
+from raysched.ray_compat import inline_return_bytes, object_store_stats
 from raysched.request import Request, State, enqueue
 from raysched.sampling import RequestError, SamplingParams, check_priority, validate_prompt
 from raysched.state_cache import Parked, StateCache
@@ -87,7 +87,8 @@ class Scheduler:
         self._snapshot_budget = config.scheduler.snapshot_budget_bytes or 0
         self._node_id: str | None = None  # the scheduler's node (for bytes-moved accounting)
         cache_cfg = config.state_cache
-        self.state_cache = StateCache(cache_cfg.budget_bytes or 0, cache_cfg.min_tokens) if cache_cfg.enabled else None
+        self.state_cache = (StateCache(cache_cfg.budget_bytes or 0, cache_cfg.min_tokens, cache_cfg.inline_budget_bytes,
+                                       inline_return_bytes()) if cache_cfg.enabled else None)
         self._prefix_of: dict[str, Parked] = {}  # admitted request id -> parked state it restores
 
     # ================================================================== lifecycle
@@ -297,6 +298,7 @@ class Scheduler:
         d["state_cache_entries"] = len(cache) if cache else 0
         d["state_cache_evictions"] = cache.evictions if cache else 0
         d["state_cache_budget_bytes"] = cache.budget_bytes if cache else 0
+        d["state_cache_inline_bytes"] = cache.inline_bytes if cache else 0  # in the scheduler's memory
         d["faults_fired"] = list(self._faults.fired)
         d["scheduler_restarted"] = self.restarted
         if detail:

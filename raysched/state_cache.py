@@ -9,9 +9,14 @@ than it restores that state on any worker and prefills only the rest. A parked s
 parked when used (the worker copies it into its own slots), so several forks of one turn all
 hit. Entries are evicted least recently used when the parked bytes exceed the budget.
 
+Small states are special: Ray returns a call's results under `inline_limit` bytes (100 KiB by
+default) into the caller's own memory, not the object store, so parked states that small live in
+the scheduler's process. They have a budget of their own, `inline_budget_bytes` (a few MiB, so the
+scheduler stays small), on top of counting against `budget_bytes`.
+
 Pure bookkeeping (no Ray, no torch): the refs are opaque values here.
 
-    cache = StateCache(budget_bytes=1 << 30, min_tokens=64)
+    cache = StateCache(budget_bytes=1 << 30, min_tokens=64, inline_budget_bytes=8 << 20)
     cache.park(tuple(range(100)), ref, nbytes=4096, kind="finished", node="n1")
     hit = cache.lookup(tuple(range(150)))   # -> the entry above (100 tokens restored)
 """
@@ -39,9 +44,13 @@ class Parked:
 class StateCache:
     """Parked states keyed by the exact token tuple they cover, LRU order, bounded in bytes."""
 
-    def __init__(self, budget_bytes: int, min_tokens: int) -> None:
+    def __init__(self, budget_bytes: int, min_tokens: int, inline_budget_bytes: int | None = None,
+                 inline_limit: int = 100 * 1024) -> None:
         self.budget_bytes = budget_bytes
         self.min_tokens = min_tokens
+        self.inline_budget_bytes = budget_bytes if inline_budget_bytes is None else inline_budget_bytes
+        self.inline_limit = inline_limit  # states under this size live in the scheduler's memory
+        self.inline_bytes = 0
         self._entries: OrderedDict[tuple[int, ...], Parked] = OrderedDict()  # oldest use first
         self._lengths: dict[int, int] = {}  # covered length -> how many entries have it
         self.bytes = 0
@@ -60,17 +69,30 @@ class StateCache:
         recently used entries past the budget and returns them (their refs are dropped here)."""
         if kind not in KINDS:
             raise ValueError(f"unknown parked-state kind {kind!r}; choose from {list(KINDS)}")
-        if not self.wants(len(tokens)) or nbytes > self.budget_bytes:
+        if not self.wants(len(tokens)) or nbytes > self._budget_for(nbytes):
             return []
         self.drop(tokens)
         self._entries[tokens] = Parked(tokens, ref, nbytes, kind, node)
         self._lengths[len(tokens)] = self._lengths.get(len(tokens), 0) + 1
-        self.bytes += nbytes
+        self._count(nbytes, +1)
         evicted = []
-        while self.bytes > self.budget_bytes:
-            evicted.append(self._pop(next(iter(self._entries))))
+        while self.bytes > self.budget_bytes or self.inline_bytes > self.inline_budget_bytes:
+            over_inline = self.bytes <= self.budget_bytes
+            oldest = next(t for t, e in self._entries.items() if not over_inline or self._inline(e.nbytes))
+            evicted.append(self._pop(oldest))
             self.evictions += 1
         return evicted
+
+    def _inline(self, nbytes: int) -> bool:
+        return nbytes < self.inline_limit
+
+    def _budget_for(self, nbytes: int) -> int:
+        return min(self.budget_bytes, self.inline_budget_bytes) if self._inline(nbytes) else self.budget_bytes
+
+    def _count(self, nbytes: int, sign: int) -> None:
+        self.bytes += sign * nbytes
+        if self._inline(nbytes):
+            self.inline_bytes += sign * nbytes
 
     def lookup(self, prompt: tuple[int, ...]) -> Parked | None:
         """The entry with the longest key that `prompt` starts with and extends by at least one
@@ -89,11 +111,11 @@ class StateCache:
     def clear(self) -> None:
         self._entries.clear()
         self._lengths.clear()
-        self.bytes = 0
+        self.bytes = self.inline_bytes = 0
 
     def _pop(self, tokens: tuple[int, ...]) -> Parked:
         entry = self._entries.pop(tokens)
-        self.bytes -= entry.nbytes
+        self._count(entry.nbytes, -1)
         self._lengths[len(tokens)] -= 1
         if not self._lengths[len(tokens)]:
             del self._lengths[len(tokens)]

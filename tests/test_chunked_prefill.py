@@ -88,8 +88,6 @@ def test_engine_prefill_continues_by_id_and_samples_only_at_the_end():
     seq = Sequence("a", _prompt(30, 512, seed=1), 30, GREEDY)
     out = eng.prefill([seq], chunk_tokens=12)
     assert out.new_tokens == {} and seq.num_computed == 12 and "a" in eng.prefilling
-    with pytest.raises(SnapshotError, match="mid-prefill"):
-        eng.snapshot("a")
     assert eng.prefill(["a"], chunk_tokens=12).new_tokens == {}
     out = eng.prefill([seq], chunk_tokens=12)  # the same object continues too
     assert list(out.new_tokens) == ["a"] and "a" in eng.running and seq.num_computed == 30
@@ -246,13 +244,65 @@ def test_worker_decodes_others_while_a_long_prompt_prefills_in_chunks():
     assert worker.is_idle()
 
 
-def test_worker_retract_mid_prefill_frees_the_request():
+def _run_to_end(eng: Engine, rid: str, chunk: int) -> list[int]:
+    """Prefill (in chunks) and decode `rid` on `eng` until it finishes; its new tokens."""
+    tokens = []
+    while rid in eng.prefilling:
+        tokens += eng.prefill([rid], chunk_tokens=chunk).new_tokens.get(rid, [])
+    while rid in eng.running:
+        tokens += eng.decode(1).new_tokens.get(rid, [])
+    return tokens
+
+
+@pytest.mark.parametrize("fed_chunks", [1, 3])
+def test_a_request_snapshotted_mid_prefill_resumes_on_another_engine_exactly(fed_chunks):
+    """Retracted at a chunk boundary, the snapshot holds the state of the tokens fed so far; a
+    fresh engine restores it and goes on prefilling: tokens identical and every logit
+    `torch.equal` to the uninterrupted run with the same chunks (seeded sampling: the draw
+    counter continues too). Negative control: the same snapshot with its SSM state zeroed."""
+    prompt, chunk = _prompt(70, 512, seed=21), 16
+    params = SamplingParams(max_new_tokens=12, temperature=0.9, seed=11)
+    ref = _engine()
+    ref_tokens = ref.generate([prompt], [params], chunk_tokens=chunk)[0]
+    src = _engine()
+    for i in range(fed_chunks):
+        src.prefill([Sequence("gen-0", list(prompt), len(prompt), params) if i == 0 else "gen-0"], chunk)
+    snap = src.snapshot("gen-0")
+    assert snap.mid_prefill and snap.num_cached_tokens == fed_chunks * chunk and src.pool.is_empty()
+    dst = _engine()
+    assert dst.restore(snap) and "gen-0" in dst.prefilling
+    assert _run_to_end(dst, "gen-0", chunk) == ref_tokens
+    assert len(dst.logits["gen-0"]) == len(ref.logits["gen-0"])
+    assert all(torch.equal(a, b) for a, b in zip(dst.logits["gen-0"], ref.logits["gen-0"]))
+    broken = _engine()
+    assert broken.restore(snap) and "gen-0" in broken.prefilling
+    broken.pool.mamba.zero(broken.pool.mamba.slot("gen-0"))
+    _run_to_end(broken, "gen-0", chunk)
+    assert (broken.logits["gen-0"][0] - ref.logits["gen-0"][0]).abs().max().item() > 100 * TOL_CHUNKED
+
+
+def test_worker_retract_mid_prefill_gives_the_fed_chunks_and_frees_the_request():
     from raysched.messages import StepPlan
 
     worker = _worker(16)
-    worker.step(StepPlan(prefill=(_item("long", _prompt(70, 512, seed=21), GREEDY),),
-                         prefill_chunk_tokens=16))
+    prompt = _prompt(70, 512, seed=21)
+    worker.step(StepPlan(prefill=(_item("long", prompt, GREEDY),), prefill_chunk_tokens=16))
     assert worker.running_ids() == ["long"]
-    with pytest.raises(SnapshotError, match="mid-prefill"):
-        worker.retract("long")
+    snap = worker.retract("long")
+    assert snap.mid_prefill and snap.num_cached_tokens == 16 and snap.token_ids == tuple(prompt)
+    assert worker.is_idle()
+    other = _worker(16)  # resumes it: the step's prefill goes on from token 16
+    tokens = other.step(StepPlan(resume=("long",), prefill_chunk_tokens=16), snap).new_tokens.get("long", [])
+    while other.running_ids():
+        tokens += other.step(StepPlan(decode_steps=1, prefill_chunk_tokens=16)).new_tokens.get("long", [])
+    assert tokens == _engine().generate([prompt], [GREEDY])[0]
+    assert other.is_idle()
+
+
+def test_worker_retract_before_the_first_chunk_frees_the_request_and_refuses():
+    worker = _worker(16)
+    worker.engine.pool.admit("new", 40)  # admitted, nothing fed (as if the call were cut short)
+    worker.engine.prefilling["new"] = Sequence("new", _prompt(40, 512, seed=2), 40, GREEDY)
+    with pytest.raises(SnapshotError, match="before its prefill started"):
+        worker.retract("new")
     assert worker.is_idle()

@@ -62,6 +62,23 @@ def test_short_states_and_oversized_ones_are_not_parked() -> None:
     assert len(cache) == 1 and cache.bytes == 20 and cache.lookup((1, 2, 3, 4, 5)).ref == "new"
 
 
+def test_states_small_enough_to_live_in_the_scheduler_have_their_own_budget() -> None:
+    """States under the inline limit are returned into the scheduler's memory: at most
+    `inline_budget_bytes` of them, evicted oldest-inline-first; larger ones are not touched."""
+    cache = StateCache(budget_bytes=1000, min_tokens=1, inline_budget_bytes=25, inline_limit=50)
+    cache.park((1,), "big-old", 60, "finished")  # object store: counts against budget_bytes only
+    evicted = [e.ref for i in range(2, 5) for e in cache.park((i,), f"small{i}", 10, "finished")]
+    evicted += [e.ref for e in cache.park((9,), "small9", 10, "prompt")]
+    assert evicted == ["small2", "small3"]  # the oldest small ones; big-old, older still, stays
+    assert cache.inline_bytes == 20 and cache.bytes == 80
+    assert cache.lookup((1, 0)).ref == "big-old" and cache.lookup((4, 0)).ref == "small4"
+    assert cache.park((8,), "too-big-inline", 30, "prompt") == [] and cache.lookup((8, 0)) is None
+    uncapped = StateCache(budget_bytes=1000, min_tokens=1, inline_limit=50)  # negative control
+    for i in range(2, 6):
+        uncapped.park((i,), f"small{i}", 10, "finished")
+    assert uncapped.inline_bytes == 40 and len(uncapped) == 4
+
+
 # ---------------------------------------------------------------------------- through the worker
 
 
@@ -104,6 +121,27 @@ def turn1():
     assert parked["prompt"].num_cached_tokens == len(p1)
     assert w.is_idle()
     return w, p1, out, parked
+
+
+def test_a_prompt_prefilled_in_chunks_parks_its_end_state_in_the_call_that_finishes_it(turn1) -> None:
+    """A prompt longer than a chunk finishes its prefill in a later call than the one that
+    admitted it: its prompt-end state is parked then, the same state as an unchunked prefill's
+    (within the chunking tolerance); a recompute (a history with outputs) parks none."""
+    _, p1, _, parked = turn1
+    w = make_worker()
+    item = PrefillItem("long", tuple(p1), len(p1), GREEDY.to_dict())
+    plan, calls = StepPlan(prefill=(item,), park_min_tokens=16, prefill_chunk_tokens=32), []
+    while not calls or not calls[-1].new_tokens:
+        calls.append(w.step(plan))
+        plan = StepPlan(park_min_tokens=16, prefill_chunk_tokens=32)
+    assert len(calls) == 3 and [c.parked for c in calls[:2]] == [[], []]  # 80 tokens: 32 + 32 + 16
+    assert [(k, n) for _, k, n, _ in calls[-1].parked] == [("prompt", len(p1))]
+    chunked = w.take_parked([("long", "prompt")])
+    assert chunked.num_cached_tokens == len(p1) and chunked.token_ids[:len(p1)] == tuple(p1)
+    assert (chunked.part("kv") - parked["prompt"].part("kv")).abs().max().item() <= TOL
+    w.step(StepPlan(drop=("long",)))
+    redo = PrefillItem("redo", tuple(p1) + (5, 6), len(p1), GREEDY.to_dict())  # prompt + 2 outputs
+    assert w.step(StepPlan(prefill=(redo,), park_min_tokens=16)).parked == []
 
 
 def test_a_finished_turn_restored_matches_a_full_prefill_of_the_history(turn1) -> None:
