@@ -9,13 +9,16 @@ with a `ForwardBatch` naming the slots.
 
 Batch invariance: a sequence's logits are bit-identical whatever else is in the batch. What is
 fixed-shape, and why:
-- Every matrix product goes through `TiledLinear`: calls of exactly `DECODE_TILE` (16) rows in
-  decode and `PREFILL_TILE` (128) rows in prefill, the last tile zero-padded. A BLAS kernel picks
-  its blocking (and so its summation order) from the shape; with one shape per call, a row's
-  result depends on nothing but that row (measured on MKL and in tests/test_batch_invariance.py,
-  which also shows that plain F.linear batching breaks it). A 16-row call costs about as much as
-  one row would (the weights are read once either way), and a batch of 32 is two calls; on the
-  CPU in fp32 the weights are prepacked once per tile shape.
+- Every matrix product goes through `TiledLinear`. On the CPU in fp32 each weight is packed once
+  for MKL's packed GEMM, and a call of M rows is one M-row call: a row's result there is
+  bit-identical whatever M is and wherever the row sits (measured: the summation order follows
+  the packing, not the call), so nothing is padded. That is not MKL's documented contract, so it
+  is probed per weight shape at first use, and a shape that fails the probe (and every other
+  device or dtype) falls back to calls of exactly `DECODE_TILE` (16) rows in decode and
+  `PREFILL_TILE` (128) in prefill, the last tile zero-padded: a BLAS kernel picks its blocking
+  (and so its summation order) from the shape, so one shape per call makes a row's result depend
+  on nothing but that row. tests/test_batch_invariance.py holds either path, and shows that plain
+  F.linear batching breaks it.
 - Nonlinear elementwise functions go through `actors.mamba.rowwise` (on the CPU an element's
   rounding can depend on its offset in the tensor); norms are per row; the conv/SSM decode step is
   elementwise plus batched products of one fixed shape per (request, head); attention is per
@@ -75,23 +78,40 @@ def tiled_linear(x: Tensor, weight: Tensor, bias: Tensor | None, tile: int) -> T
     return TiledLinear(tile, pack=False)(x, weight, bias)
 
 
-class TiledLinear:
-    """`tiled_linear` with, on the CPU in fp32, each weight prepacked once for the tile shape.
+PACK_ROWS = 128  # MKL packs each fp32 weight once, for calls of this many rows
+MAX_CALL_ROWS = 256  # a row-free call takes at most this many rows (all of them probed)
+PROBE_ROWS = (1, 2, 3, 5, 7, 8, 13, 16, 17, 31, 32, 33, 64, 100, 128, 129, 200, 256)
+_ROWS_FREE: dict[tuple[int, int], bool] = {}  # (out, in) -> probed: are packed rows row-free here?
 
-    Prepacking (MKL's packed GEMM, `torch.ops.mkl._mkl_linear`) saves re-packing the weight on
-    every call, which at few rows costs as much as the product itself; it keeps one packed copy
-    of every weight the kernel has seen (about the model's fp32 size again). Calls still have
-    exactly `tile` rows, so rows stay independent of each other.
+
+class TiledLinear:
+    """`tiled_linear`, faster on the CPU in fp32: each weight prepacked once (MKL's packed GEMM,
+    `torch.ops.mkl._mkl_linear`), and where a probe shows it safe, no tiles at all.
+
+    Packing saves re-packing the weight on every call, which at few rows costs as much as the
+    product itself. Measured here (MKL, fp32): with a weight packed once for `PACK_ROWS` rows, a
+    call of *any* row count gives every row bit-identical to a `tile`-row call's (the packed
+    kernel's summation order depends on the packing, not on the call's rows; packing for 1, 3,
+    5, 6 or 7 rows would not). So a batch of M rows is one M-row call: no padding (batch 1 costs
+    one row, not 16) and no split (batch 32 is one call). This is not documented by MKL, so it
+    is probed once per weight shape in this process (`PROBE_ROWS` against `tile`-row calls, at
+    two row offsets; calls are split at `MAX_CALL_ROWS`): where any probe differs, that shape
+    falls back to exact `tile`-row calls. The packed copies cost about the model's fp32 size again.
     """
 
-    def __init__(self, tile: int, pack: bool = True) -> None:
+    def __init__(self, tile: int, pack: bool = True, packs: dict | None = None) -> None:
         if tile < 1:
             raise ValueError(f"tile must be >= 1, got {tile}")
         self.tile, self.pack = tile, pack and _mkl_packed_available()
-        self._packed: dict[int, tuple[Tensor, Tensor]] = {}  # id(weight) -> (weight, packed)
+        self._packed = packs if packs is not None else {}  # id(weight) -> (weight, packed)
 
     def __call__(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         """x (M, in) -> (M, out), contiguous."""
+        if self.pack and x.device.type == "cpu" and x.dtype == torch.float32 and self._rows_free(weight):
+            packed = self._packed_weight(weight)
+            outs = [torch.ops.mkl._mkl_linear(part, packed, weight, bias, part.shape[0])
+                    for part in x.contiguous().split(MAX_CALL_ROWS)]  # (<=MAX_CALL_ROWS, out)
+            return outs[0] if len(outs) == 1 else torch.cat(outs)
         M = x.shape[0]
         padded = F.pad(x, (0, 0, 0, (-M) % self.tile))  # (ceil(M/tile)*tile, in)
         outs = [self._one_tile(t, weight, bias) for t in padded.split(self.tile)]  # (tile, out)
@@ -107,9 +127,33 @@ class TiledLinear:
     def _packed_weight(self, weight: Tensor) -> Tensor:
         entry = self._packed.get(id(weight))
         if entry is None or entry[0] is not weight:
-            entry = (weight, torch.ops.mkl._mkl_reorder_linear_weight(weight, self.tile))
+            entry = (weight, torch.ops.mkl._mkl_reorder_linear_weight(weight, PACK_ROWS))
             self._packed[id(weight)] = entry
         return entry[1]
+
+    def _rows_free(self, weight: Tensor) -> bool:
+        shape = (weight.shape[0], weight.shape[1])
+        if shape not in _ROWS_FREE:
+            _ROWS_FREE[shape] = _probe_rows_free(*shape, self.tile)
+        return _ROWS_FREE[shape]
+
+
+def _probe_rows_free(out_features: int, in_features: int, tile: int) -> bool:
+    """Do packed calls of every `PROBE_ROWS` count, at row offsets 0 and 3, give rows
+    bit-identical to `tile`-row calls on a random (out, in) weight?"""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(out_features, in_features, generator=g)
+    x = torch.randn(max(PROBE_ROWS) + 3, in_features, generator=g)
+    ref = TiledLinear(tile, pack=True)  # exact tile-row calls on the same packing
+    ref._rows_free = lambda weight: False  # type: ignore[method-assign]
+    expected = ref(x, w, None)  # (rows, out)
+    packed = ref._packed_weight(w)
+    for m in PROBE_ROWS:
+        for at in (0, 3):
+            got = torch.ops.mkl._mkl_linear(x[at:at + m].contiguous(), packed, w, None, m)
+            if not torch.equal(got, expected[at:at + m]):
+                return False
+    return True
 
 
 def _mkl_packed_available() -> bool:
@@ -227,6 +271,7 @@ class HybridLM(nn.Module):
         self.to_empty(device=device)
         self.requires_grad_(False)
         self._linears: dict[tuple[int, bool], TiledLinear] = {}
+        self._packs: dict[int, tuple[Tensor, Tensor]] = {}  # packed weights, shared by the kernels
 
     @property
     def device(self) -> torch.device:
@@ -299,7 +344,7 @@ class HybridLM(nn.Module):
         """One `TiledLinear` per (tile, pack), kept so its packed weights are made once."""
         lin = self._linears.get((tile, pack))
         if lin is None:
-            lin = self._linears[(tile, pack)] = TiledLinear(tile, pack)
+            lin = self._linears[(tile, pack)] = TiledLinear(tile, pack, self._packs)
         return lin
 
     def _embed(self, input_ids: Tensor) -> Tensor:
