@@ -99,8 +99,11 @@ class Attention(nn.Module):
         q, k, v, gate = self._qkv(h, positions, kernels)  # (R, Hq, D), (R, Hkv, D) x2, gate
         k_cache[out_slots] = k
         v_cache[out_slots] = v
-        outs = [self._sdpa(q[i:i + 1], k_cache[s], v_cache[s], causal=False)  # (1, Hq*D)
-                for i, s in enumerate(kv_slots)]
+        lengths = [s.shape[0] for s in kv_slots]
+        flat = torch.cat(kv_slots)  # (sum L_i,): one gather per tensor, split per request
+        keys, values = k_cache[flat].split(lengths), v_cache[flat].split(lengths)  # (L_i, Hkv, D) each
+        outs = [self._sdpa(q[i:i + 1], keys[i], values[i], causal=False)  # (1, Hq*D)
+                for i in range(len(kv_slots))]
         return self._out(torch.cat(outs), gate, kernels)  # (R, hidden)
 
     def _qkv(self, h: Tensor, positions: Tensor,

@@ -244,8 +244,13 @@ def causal_conv_step(conv_state: Tensor, slots: Tensor, xBC: Tensor, weight: Ten
     conv_state (S, D, K-1) (one Mamba layer of the pool), slots (R,), xBC (R, D),
     weight (D, 1, K), bias (D,). Returns (R, D).
     """
-    window = torch.cat([conv_state[slots], xBC.unsqueeze(-1)], dim=-1)  # (R, D, K)
-    conv_state[slots] = window[:, :, 1:]
+    run = contiguous_run(slots) if slots.device.type == "cpu" else None
+    old = conv_state.narrow(0, run[0], xBC.shape[0]) if run else conv_state[slots]  # (R, D, K-1)
+    window = torch.cat([old, xBC.unsqueeze(-1)], dim=-1)  # (R, D, K)
+    if run:  # the slots are one ascending run: shift the pool's rows in place
+        old.copy_(window[:, :, 1:])
+    else:
+        conv_state[slots] = window[:, :, 1:]
     out = (window * weight[:, 0, :]).sum(-1)  # (R, D)
     if bias is not None:
         out = out + bias  # (R, D)
