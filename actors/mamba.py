@@ -116,7 +116,8 @@ def segment_sum(a: Tensor) -> Tensor:
     """out[..., i, j] = a[..., j+1] + ... + a[..., i] for i >= j, and -inf above the diagonal.
 
     a (..., l) -> (..., l, l). Built from a masked cumsum (no differences of large sums), so
-    exp(out) is the decay from step j to step i, exactly 1 on the diagonal.
+    exp(out) is the decay from step j to step i, exactly 1 on the diagonal. (The reference form;
+    `ssd_chunked` takes differences of the chunk's cumulative sums, like the fused kernels.)
     """
     l = a.shape[-1]
     strict = torch.tril(torch.ones(l, l, dtype=torch.bool, device=a.device), diagonal=-1)  # (l, l)
@@ -133,22 +134,28 @@ def ssd_chunked(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, chunk_si
     x (L, H, P), dt (L, H), A (H,), B and C (L, G, N). Within a chunk the output is a masked
     "attention" C_l B_s^T decay(s->l) dt_s x_s; across chunks the state is carried by a short
     recurrence over chunk boundaries. Returns y (L, H, P) and the final state (H, P, N), fp32.
+
+    B and C stay per group (G of them, each shared by K = H/G heads): C_l B_s^T is computed once
+    per group, and heads are viewed as (G, K) wherever they meet B or C, never expanded.
     """
-    L, H, _ = x.shape
-    xc, ac, Bc, Cc = _into_chunks(x, dt, A, B, C, chunk_size)  # (c,l,H,P) (c,H,l) (c,l,H,N) x2
+    L, H, P = x.shape
+    G = B.shape[-2]
+    xc, ac, Bc, Cc = _into_chunks(x, dt, A, B, C, chunk_size)  # (c,l,H,P) (c,H,l) (c,l,G,N) x2
+    c, l = ac.shape[0], ac.shape[-1]
     a_cum = torch.cumsum(ac, dim=-1)  # (c, H, l)
-    y_diag = _intra_chunk(xc, ac, Bc, Cc)  # (c, l, H, P)
-    local = _chunk_states(xc, a_cum, Bc)  # (c, H, P, N): each chunk's own contribution at its end
+    xg = xc.view(c, l, G, H // G, P)  # (c, l, G, K, P)
+    y_diag = _intra_chunk(xg, a_cum, Bc, Cc)  # (c, l, G, K, P)
+    local = _chunk_states(xg, a_cum, Bc).reshape(c, H, P, -1)  # (c, H, P, N)
     starts, final = _carry_states(local, a_cum[..., -1], _start_state(x, B, initial_state))
-    y_off = torch.einsum("clhn,chpn->clhp", Cc, starts)  # (c, l, H, P)
-    y_off = y_off * torch.exp(a_cum).permute(0, 2, 1)[..., None]  # (c, l, H, P)
-    y = (y_diag + y_off).reshape(-1, H, x.shape[2])[:L]  # (L, H, P)
+    y_off = torch.einsum("clgn,cgkpn->clgkp", Cc, starts.view(c, G, H // G, P, -1))  # (c, l, G, K, P)
+    y_off = y_off.reshape(c, l, H, P) * torch.exp(a_cum).permute(0, 2, 1)[..., None]  # (c, l, H, P)
+    y = (y_diag.reshape(c, l, H, P) + y_off).reshape(-1, H, P)[:L]  # (L, H, P)
     return y, final
 
 
 def _into_chunks(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,
                  chunk_size: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Discretise (x*dt, dt*A), give heads their groups, zero-pad to whole chunks and split.
+    """Discretise (x*dt, dt*A), zero-pad to whole chunks and split (B and C stay per group).
 
     Padded steps have dt = 0: no input and decay 1, so they leave the final state unchanged.
     """
@@ -156,26 +163,31 @@ def _into_chunks(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,
     pad = (-L) % chunk_size
     xdt = x.float() * dt.float()[..., None]  # (L, H, P)
     a = dt.float() * A.float()  # (L, H)
-    Bh, Ch = expand_groups(B.float(), H), expand_groups(C.float(), H)  # (L, H, N) each
-    xdt, a, Bh, Ch = (F.pad(t, (0, 0) * (t.dim() - 1) + (0, pad)) for t in (xdt, a, Bh, Ch))
+    xdt, a, Bf, Cf = (F.pad(t, (0, 0) * (t.dim() - 1) + (0, pad)) for t in (xdt, a, B.float(), C.float()))
     n = (L + pad) // chunk_size
     xc = xdt.view(n, chunk_size, H, P)  # (c, l, H, P)
     ac = a.view(n, chunk_size, H).permute(0, 2, 1)  # (c, H, l)
-    return xc, ac, Bh.view(n, chunk_size, H, -1), Ch.view(n, chunk_size, H, -1)
+    return xc, ac, Bf.view(n, chunk_size, *B.shape[1:]), Cf.view(n, chunk_size, *C.shape[1:])
 
 
-def _intra_chunk(xc: Tensor, ac: Tensor, Bc: Tensor, Cc: Tensor) -> Tensor:
-    """Output from inputs of the same chunk (the diagonal blocks): (c, l, H, P)."""
-    decay = torch.exp(segment_sum(ac))  # (c, H, l, s)
-    scores = torch.einsum("clhn,cshn->chls", Cc, Bc) * decay  # (c, H, l, s)
-    return torch.einsum("chls,cshp->clhp", scores, xc)  # (c, l, H, P)
+def _intra_chunk(xg: Tensor, a_cum: Tensor, Bc: Tensor, Cc: Tensor) -> Tensor:
+    """Output from inputs of the same chunk (the diagonal blocks): (c, l, G, K, P).
+
+    xg (c, l, G, K, P), a_cum (c, H, l) with H = G*K, Bc and Cc (c, l, G, N)."""
+    c, l, G, K, _ = xg.shape
+    causal = torch.tril(torch.ones(l, l, dtype=torch.bool, device=a_cum.device))  # (l, s)
+    decay = (a_cum[..., :, None] - a_cum[..., None, :]).masked_fill_(~causal, float("-inf")).exp_()  # (c,H,l,s)
+    CB = torch.einsum("clgn,csgn->cgls", Cc, Bc)  # (c, G, l, s): once per group
+    scores = decay.view(c, G, K, l, l).mul_(CB[:, :, None])  # (c, G, K, l, s)
+    return torch.einsum("cgkls,csgkp->clgkp", scores, xg)  # (c, l, G, K, P)
 
 
-def _chunk_states(xc: Tensor, a_cum: Tensor, Bc: Tensor) -> Tensor:
-    """State each chunk builds from its own inputs, decayed to the chunk's end: (c, H, P, N)."""
+def _chunk_states(xg: Tensor, a_cum: Tensor, Bc: Tensor) -> Tensor:
+    """State each chunk builds from its own inputs, decayed to the chunk's end: (c, G, K, P, N)."""
+    c, l, G, K, _ = xg.shape
     to_end = torch.exp(a_cum[..., -1:] - a_cum)  # (c, H, l)
-    B_decayed = Bc * to_end.permute(0, 2, 1)[..., None]  # (c, l, H, N)
-    return torch.einsum("clhn,clhp->chpn", B_decayed, xc)  # (c, H, P, N)
+    x_decayed = xg * to_end.permute(0, 2, 1).reshape(c, l, G, K, 1)  # (c, l, G, K, P)
+    return torch.einsum("clgn,clgkp->cgkpn", Bc, x_decayed)  # (c, G, K, P, N)
 
 
 def _carry_states(local: Tensor, chunk_log_decay: Tensor, state: Tensor) -> tuple[Tensor, Tensor]:
