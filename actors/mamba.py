@@ -243,10 +243,15 @@ def causal_conv_prefill(xBC: Tensor, weight: Tensor, bias: Tensor | None,
     inputs of [initial | xBC], oldest first.
     """
     L, D, K = xBC.shape[0], xBC.shape[1], weight.shape[-1]
-    left = initial if initial is not None else xBC.new_zeros(D, K - 1)  # (D, K-1)
-    window = torch.cat([left.to(xBC.dtype), xBC.t()], dim=1)  # (D, K-1+L)
-    out = F.conv1d(window.unsqueeze(0), weight, bias, groups=D)[0]  # (D, L)
-    return pointwise(F.silu, out.t()), window[:, L:].clone()  # (L, D), (D, K-1)
+    left = initial.t().to(xBC.dtype) if initial is not None else xBC.new_zeros(K - 1, D)  # (K-1, D)
+    window = torch.cat([left, xBC])  # (K-1+L, D): time-major, no transposes of the long side
+    taps = weight[:, 0, :].t()  # (K, D)
+    out = window[:L] * taps[0]  # (L, D): tap k meets input t + k of the window
+    for k in range(1, K):
+        out.addcmul_(window[k:k + L], taps[k])
+    if bias is not None:
+        out += bias
+    return pointwise(F.silu, out), window[L:].t().contiguous()  # (L, D), (D, K-1)
 
 
 def causal_conv_step(conv_state: Tensor, slots: Tensor, xBC: Tensor, weight: Tensor,

@@ -23,10 +23,11 @@ fixed-shape, and why:
   rounding can depend on its offset in the tensor); norms are per row; the conv/SSM decode step is
   elementwise plus batched products of one fixed shape per (request, head); attention is per
   request.
-- Prefill: a chunk of a sequence (or a whole one) runs the stack on its own rows only; because
-  its matrix products also use fixed tiles, chunking a prompt changes no matrix product's result,
-  only the SSD scan's and the attention kernel's split points (tests/test_chunked_prefill.py
-  bounds that within 1e-5).
+- Prefill: a chunk of a sequence (or a whole one) runs the stack on its own rows only, so no
+  other request can change its bits; elementwise functions there run on the whole chunk. The
+  same chunk boundaries give the same bits (a request snapshotted mid-prefill resumes exactly);
+  other boundaries move the SSD scan's and the attention kernel's split points and elementwise
+  rounding (tests/test_chunked_prefill.py bounds that within 1e-5).
 On a GPU the same tiles apply (cuBLAS also picks kernels by shape); a CUDA graph of the decode
 step at one padded batch shape is future work (see benchmarks/gpu_check.py for what is checked).
 
@@ -47,7 +48,7 @@ from actors.batch import ForwardBatch
 from actors.config import ModelConfig
 from actors.ffn import SwiGLU  # noqa: F401  (re-exported: it lived here)
 from actors.layers import KINDS, LAYOUTS, build_ffn
-from actors.mamba import Kernels, rowwise
+from actors.mamba import Kernels, rowwise, whole
 from actors.norms import ARCH_NORM_STYLE, RMSNorm
 
 
@@ -335,10 +336,13 @@ class HybridLM(nn.Module):
         return Kernels(linear=self._tiled(self.invariant_tile, pack=True), pointwise=rowwise)
 
     def prefill_kernels(self) -> Kernels:
-        """Row-invariant kernels for prefill (tiles of PREFILL_TILE rows), or plain ones."""
+        """Row-invariant matrix products for prefill (tiles of PREFILL_TILE rows where the
+        packed kernel is not row-free), or plain ones. Elementwise functions run on the whole
+        chunk: a prefill forward holds one sequence's chunk only, so its bits depend on that
+        chunk alone, never on other requests (rows of one tensor come from one sequence)."""
         if self.invariant_tile is None:
             return Kernels()
-        return Kernels(linear=self._tiled(PREFILL_TILE, pack=True), pointwise=rowwise)
+        return Kernels(linear=self._tiled(PREFILL_TILE, pack=True), pointwise=whole)
 
     def _tiled(self, tile: int, pack: bool) -> TiledLinear:
         """One `TiledLinear` per (tile, pack), kept so its packed weights are made once."""
