@@ -9,7 +9,7 @@ snapshots waiting. The object store gets Ray's minimum (75 MiB).
   completes with the reference tokens and Ray reports spilled MiB.
 - Default budget (half the store): back-pressure; victims past the budget are retracted by
   recompute (`store_pressure_fallbacks`) and nothing is spilled.
-Slow (minutes on a 2-core machine: ~900 requests of a 37M-parameter model, plus the reference),
+Slow (minutes on a 2-core machine: ~1,200 requests of a 37M-parameter model, plus the reference),
 so excluded from the default run (pyproject: addopts -m 'not soak and not slow'). The default
 suite's cheap variant is `test_small_object_store_with_many_large_snapshots_loses_nothing` in
 tests/test_faults.py (tiny preset, never spills).
@@ -27,7 +27,7 @@ from tests.exactness import assert_exactly_once, assert_idle, reference
 pytestmark = pytest.mark.slow
 
 STORE_BYTES = 75 << 20  # the smallest object store Ray accepts
-REQUESTS = 900
+REQUESTS = 1200
 SMALL_VOCAB = 8192
 
 
