@@ -101,8 +101,14 @@ class Engine:
         return self.pool.can_admit(num_tokens)
 
     # ------------------------------------------------------------------ prefill
-    def prefill(self, seqs: list[Sequence | str], chunk_tokens: int | None = None) -> StepOutput:
+    def prefill(self, seqs: list[Sequence | str], chunk_tokens: int | None = None,
+                budget_tokens: int | None = None) -> StepOutput:
         """Advance each sequence by up to `chunk_tokens` tokens (None: to its end), in one forward.
+
+        `budget_tokens` (None: no limit) caps the tokens this call feeds: sequences advance in
+        the given order, each by its whole chunk, until the budget is spent (the first always
+        advances); the rest are admitted but wait for a later call. A sequence's chunk
+        boundaries therefore never depend on what else is prefilling.
 
         An item is either a new `Sequence` (admitted here: a Mamba slot and KV slots for all of
         its `token_ids` are taken at once, so a started prefill never runs out of room; its
@@ -115,12 +121,20 @@ class Engine:
         """
         if chunk_tokens is not None and chunk_tokens < 1:
             raise ValueError(f"chunk_tokens must be >= 1 or None, got {chunk_tokens}")
+        if budget_tokens is not None and budget_tokens < 1:
+            raise ValueError(f"budget_tokens must be >= 1 or None, got {budget_tokens}")
         out = StepOutput()
-        active = [s for s in map(self._prefill_item, seqs) if self._admit(s, out)]
+        admitted = [s for s in map(self._prefill_item, seqs) if self._admit(s, out)]
+        active, counts, spent = [], [], 0
+        for s in admitted:
+            if budget_tokens is not None and active and spent >= budget_tokens:
+                break
+            n = s.num_uncomputed if chunk_tokens is None else min(chunk_tokens, s.num_uncomputed)
+            active.append(s)
+            counts.append(n)
+            spent += n
         if not active:
             return out
-        counts = [s.num_uncomputed if chunk_tokens is None else min(chunk_tokens, s.num_uncomputed)
-                  for s in active]
         logits = self._forward(self._prefill_batch(active, counts))  # (B, vocab)
         done = [i for i, (s, n) in enumerate(zip(active, counts)) if n == s.num_uncomputed]
         for s, n in zip(active, counts):

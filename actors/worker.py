@@ -123,13 +123,16 @@ class Worker:
 
     # ------------------------------------------------------------------ turn cache
     def _prefill(self, plan: StepPlan, prefixes: tuple, result: StepResult) -> StepOutput:
-        """Advance every prefilling request, then the plan's new items, in one forward, each by at
-        most `plan.prefill_chunk_tokens` (0: to the end of its prompt). New items with a parked
-        prefix restore it first (`Engine.restore_prefix`) and feed only the rest of their prompt."""
+        """Start the plan's new items, then continue every request still prefilling (oldest
+        first), in one forward: each by at most `plan.prefill_chunk_tokens` (0: to the end of its
+        prompt), in all at most `plan.prefill_budget_tokens` (0: no cap; whole chunks, see
+        `Engine.prefill`). New items with a parked prefix restore it first
+        (`Engine.restore_prefix`) and feed only the rest of their prompt."""
         if len(plan.prefix) != len(prefixes):
             raise ValueError(f"step plan names {len(plan.prefix)} prefixes but {len(prefixes)} snapshots came")
         by_id = dict(zip(plan.prefix, prefixes))
-        items: list[Sequence | str] = list(self.engine.prefilling)  # continued ones first
+        waiting = list(self.engine.prefilling)  # before this call's new ones join
+        items: list[Sequence | str] = []
         for item in plan.prefill:
             seq = _sequence(item)
             snap = by_id.get(item.request_id)
@@ -137,7 +140,10 @@ class Worker:
                 items.append(seq.request_id)  # continues from the restored state
             else:
                 items.append(seq)
-        return self.engine.prefill(items, plan.prefill_chunk_tokens or None) if items else StepOutput()
+        items += waiting
+        if not items:
+            return StepOutput()
+        return self.engine.prefill(items, plan.prefill_chunk_tokens or None, plan.prefill_budget_tokens or None)
 
     def _restore_prefix(self, snap: Snapshot | list, seq: Sequence, result: StepResult) -> bool:
         try:

@@ -338,6 +338,9 @@ class SchedulerConfig:
     preemption: bool = True  # a more urgent request that finds no room retracts less urgent ones
     prefill_chunk_tokens: int = 512  # most prompt tokens a request prefills per worker call, so
     #   a long prompt does not stall the decode steps of the others; 0 = whole prompts at once
+    prefill_budget_tokens: int = 512  # most prompt tokens a worker call feeds in all: new prompts
+    #   first, then those still prefilling, oldest first, each by a whole chunk (so a call stays
+    #   short and an urgent prompt waits for one chunk, not for every long prompt's); 0 = no cap
 
     CHECKS: ClassVar[dict[str, Check]] = {
         "retract": check_one_of(RETRACT_MODES),
@@ -352,6 +355,7 @@ class SchedulerConfig:
         "replace_failed_workers": check_bool,
         "preemption": check_bool,
         "prefill_chunk_tokens": check_non_negative_int,
+        "prefill_budget_tokens": check_non_negative_int,
     }
 
     def __post_init__(self) -> None:

@@ -27,8 +27,9 @@ class PrefillItem:
 class StepPlan:
     """What one worker does in one call, in this order: drop, resume, prefill, decode.
 
-    The prefill continues every request the worker is still prefilling (its prompt longer than
-    earlier calls' chunks) and starts the new ones in `prefill`; decode runs the others.
+    The prefill starts the new requests in `prefill`, then continues those the worker is still
+    prefilling (prompts longer than earlier calls' chunks), oldest first, each by one chunk,
+    until `prefill_budget_tokens` are fed; decode runs the others.
     """
 
     drop: tuple[str, ...] = ()  # free without snapshot (abort, retract-by-recompute)
@@ -42,6 +43,8 @@ class StepPlan:
     fault: FaultPoint | None = None  # fault injection only: die inside this call
     prefill_chunk_tokens: int = 0  # each prefilling request (new or continued) advances by at
     #   most this many tokens in this call; 0 = to the end of its prompt
+    prefill_budget_tokens: int = 0  # most prompt tokens this call feeds, in whole chunks (at
+    #   least one request advances); 0 = every prefilling request advances
 
     def is_empty(self) -> bool:
         return not (self.drop or self.resume or self.prefill or self.decode_steps)

@@ -356,11 +356,11 @@ class Scheduler:
         cross_node = self._cross_node(resume_snap[0], w) if resume_snap else None
         self._mark_running(w, plan.resume + plan.admit)
         prefixes = self._prefix_hits(plan.admit)
-        chunk = self.config.scheduler.prefill_chunk_tokens
+        cfg = self.config.scheduler
+        chunk = dict(prefill_chunk_tokens=cfg.prefill_chunk_tokens, prefill_budget_tokens=cfg.prefill_budget_tokens)
         step = StepPlan(tuple(drop), tuple(r.request_id for r in resume_snap), tuple(prefill), plan.decode_steps,
                         tuple(r.request_id for r, _ in prefixes), self._park_min_tokens(),
-                        fault=self._step_fault(w, w.view.calls, plan.decode_steps, cross_node),
-                        prefill_chunk_tokens=chunk)
+                        fault=self._step_fault(w, w.view.calls, plan.decode_steps, cross_node), **chunk)
         retract_refs = [self._retract_call(w, r) for r in snap_victims]  # queued: others may resume them
         step_refs = [w.handle.step.remote(step, *[[r.snapshot_ref] for r in resume_snap],
                                           *[[e.ref] for _, e in prefixes])]
@@ -369,7 +369,7 @@ class Scheduler:
             fault = self._step_fault(w, w.view.calls + 1, plan.decode_steps, None, pipelined=True)
             step_refs.append(w.handle.step.remote(StepPlan(decode_steps=plan.decode_steps,
                                                            park_min_tokens=self._park_min_tokens(),
-                                                           fault=fault, prefill_chunk_tokens=chunk)))
+                                                           fault=fault, **chunk)))
             self.counters.pipelined_calls += 1
         w.view.calls += len(step_refs)
         results = await asyncio.gather(*step_refs, *[call[1] for call in retract_refs], return_exceptions=True)

@@ -306,3 +306,40 @@ def test_worker_retract_before_the_first_chunk_frees_the_request_and_refuses():
     with pytest.raises(SnapshotError, match="before its prefill started"):
         worker.retract("new")
     assert worker.is_idle()
+
+
+def test_a_prefill_budget_feeds_whole_chunks_in_order_and_changes_no_bits():
+    """With a budget of one chunk per call, prompts advance one after another (the first
+    always; the others wait, admitted); chunk boundaries stay the same, so every logit is
+    `torch.equal` to the run where every prompt advances each call."""
+    prompts = [_prompt(40, 512, seed=s) for s in (31, 32)]
+    free, capped = _engine(), _engine()
+    for eng in (free, capped):
+        seqs = [Sequence(f"p{i}", list(p), len(p), GREEDY) for i, p in enumerate(prompts)]
+        budget = None if eng is free else 16
+        fed = []
+        out = eng.prefill(seqs, chunk_tokens=16, budget_tokens=budget)
+        fed.append([s.num_computed for s in seqs])
+        while eng.prefilling:
+            eng.prefill(list(eng.prefilling), chunk_tokens=16, budget_tokens=budget)
+            fed.append([s.num_computed for s in seqs])
+        eng.decode(GREEDY.max_new_tokens)
+        eng.fed = fed
+    assert free.fed == [[16, 16], [32, 32], [40, 40]]
+    assert capped.fed == [[16, 0], [32, 0], [40, 16], [40, 32], [40, 40]]  # p0's last 8 leave room
+    for rid in ("p0", "p1"):
+        assert all(torch.equal(a, b) for a, b in zip(capped.logits[rid], free.logits[rid]))
+    assert out.not_admitted == [] and capped.pool.is_empty()
+
+
+def test_worker_starts_new_prompts_before_continuing_long_ones():
+    from raysched.messages import StepPlan
+
+    worker = _worker(16)
+    long_, short = _prompt(70, 512, seed=21), _prompt(16, 512, seed=22)  # one whole chunk
+    worker.step(StepPlan(prefill=(_item("long", long_, GREEDY),), prefill_chunk_tokens=16, prefill_budget_tokens=16))
+    assert worker.engine.prefilling["long"].num_computed == 16
+    result = worker.step(StepPlan(prefill=(_item("short", short, GREEDY),), prefill_chunk_tokens=16,
+                                  prefill_budget_tokens=16))
+    assert list(result.new_tokens) == ["short"]  # its whole prompt first; the budget is spent
+    assert worker.engine.prefilling["long"].num_computed == 16
