@@ -59,7 +59,7 @@ class SwiGLU(nn.Module):
         linear = kernels.linear
         gate = linear(x, self.gate_proj.weight, self.gate_proj.bias)  # (T, I)
         up = linear(x, self.up_proj.weight, self.up_proj.bias)  # (T, I)
-        act = kernels.pointwise(F.silu, gate) * up  # (T, I)
+        act = kernels.pointwise(F.silu, gate).mul_(up)  # (T, I), a fresh tensor either way
         return linear(act, self.down_proj.weight, self.down_proj.bias)  # (T, hidden)
 
 

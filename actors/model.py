@@ -100,18 +100,22 @@ class TiledLinear:
     falls back to exact `tile`-row calls. The packed copies cost about the model's fp32 size again.
     """
 
-    def __init__(self, tile: int, pack: bool = True, packs: dict | None = None) -> None:
+    def __init__(self, tile: int, pack: bool = True, packs: dict | None = None,
+                 max_rows: int | None = MAX_CALL_ROWS) -> None:
         if tile < 1:
             raise ValueError(f"tile must be >= 1, got {tile}")
         self.tile, self.pack = tile, pack and _mkl_packed_available()
+        self.max_rows = max_rows  # row-free calls are split here (None: never; prefill, whose
+        #   rows all belong to one sequence's chunk, needs no invariance across row counts)
         self._packed = packs if packs is not None else {}  # id(weight) -> (weight, packed)
 
     def __call__(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         """x (M, in) -> (M, out), contiguous."""
         if self.pack and x.device.type == "cpu" and x.dtype == torch.float32 and self._rows_free(weight):
             packed = self._packed_weight(weight)
+            parts = x.contiguous().split(self.max_rows) if self.max_rows else (x.contiguous(),)
             outs = [torch.ops.mkl._mkl_linear(part, packed, weight, bias, part.shape[0])
-                    for part in x.contiguous().split(MAX_CALL_ROWS)]  # (<=MAX_CALL_ROWS, out)
+                    for part in parts]  # (<= max_rows, out)
             return outs[0] if len(outs) == 1 else torch.cat(outs)
         M = x.shape[0]
         padded = F.pad(x, (0, 0, 0, (-M) % self.tile))  # (ceil(M/tile)*tile, in)
@@ -148,6 +152,8 @@ def _probe_rows_free(out_features: int, in_features: int, tile: int) -> bool:
     ref = TiledLinear(tile, pack=True)  # exact tile-row calls on the same packing
     ref._rows_free = lambda weight: False  # type: ignore[method-assign]
     expected = ref(x, w, None)  # (rows, out)
+    if not torch.allclose(expected, F.linear(x, w), rtol=1e-4, atol=1e-3):
+        return False  # not even the tile calls agree with a plain product: trust nothing here
     packed = ref._packed_weight(w)
     for m in PROBE_ROWS:
         for at in (0, 3):
@@ -271,7 +277,7 @@ class HybridLM(nn.Module):
                                          dtype=dtype)
         self.to_empty(device=device)
         self.requires_grad_(False)
-        self._linears: dict[tuple[int, bool], TiledLinear] = {}
+        self._linears: dict[tuple, TiledLinear] = {}
         self._packs: dict[int, tuple[Tensor, Tensor]] = {}  # packed weights, shared by the kernels
 
     @property
@@ -333,7 +339,7 @@ class HybridLM(nn.Module):
         """Batch-invariant kernels for decode, or plain ones when invariant_tile is None."""
         if self.invariant_tile is None:
             return Kernels()
-        return Kernels(linear=self._tiled(self.invariant_tile, pack=True), pointwise=rowwise)
+        return Kernels(linear=self._tiled(self.invariant_tile, True, MAX_CALL_ROWS), pointwise=rowwise)
 
     def prefill_kernels(self) -> Kernels:
         """Row-invariant matrix products for prefill (tiles of PREFILL_TILE rows where the
@@ -342,13 +348,17 @@ class HybridLM(nn.Module):
         chunk alone, never on other requests (rows of one tensor come from one sequence)."""
         if self.invariant_tile is None:
             return Kernels()
-        return Kernels(linear=self._tiled(PREFILL_TILE, pack=True), pointwise=whole)
+        # one call per matrix product whatever the chunk's length: no invariance across row
+        # counts is needed when every row comes from one sequence's chunk
+        return Kernels(linear=self._tiled(PREFILL_TILE, True, None), pointwise=whole)
 
-    def _tiled(self, tile: int, pack: bool) -> TiledLinear:
-        """One `TiledLinear` per (tile, pack), kept so its packed weights are made once."""
-        lin = self._linears.get((tile, pack))
+    def _tiled(self, tile: int, pack: bool, max_rows: int | None) -> TiledLinear:
+        """One `TiledLinear` per (tile, pack, max_rows), kept so its packed weights are made once
+        (and shared between decode's and prefill's)."""
+        key = (tile, pack, max_rows)
+        lin = self._linears.get(key)
         if lin is None:
-            lin = self._linears[(tile, pack)] = TiledLinear(tile, pack, self._packs)
+            lin = self._linears[key] = TiledLinear(tile, pack, self._packs, max_rows)
         return lin
 
     def _embed(self, input_ids: Tensor) -> Tensor:
