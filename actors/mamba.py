@@ -148,9 +148,9 @@ def ssd_chunked(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, chunk_si
     local = _chunk_states(xg, a_cum, Bc).reshape(c, H, P, -1)  # (c, H, P, N)
     starts, final = _carry_states(local, a_cum[..., -1], _start_state(x, B, initial_state))
     y_off = torch.einsum("clgn,cgkpn->clgkp", Cc, starts.view(c, G, H // G, P, -1))  # (c, l, G, K, P)
-    y_off = y_off.reshape(c, l, H, P) * torch.exp(a_cum).permute(0, 2, 1)[..., None]  # (c, l, H, P)
-    y = (y_diag.reshape(c, l, H, P) + y_off).reshape(-1, H, P)[:L]  # (L, H, P)
-    return y, final
+    y_off.mul_(torch.exp(a_cum).permute(0, 2, 1).reshape(c, l, G, H // G, 1))  # decayed from the chunk start
+    y = torch.add(y_diag, y_off, out=xg.new_empty(c, l, G, H // G, P))  # (c, l, G, K, P), one pass
+    return y.view(-1, H, P)[:L], final  # (L, H, P)
 
 
 def _into_chunks(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,
@@ -295,10 +295,10 @@ def gated_rms_norm(y: Tensor, z: Tensor, weight: Tensor, group_size: int, eps: f
     y, z (T, I), weight (I,). Returns (T, I) in the weight's dtype.
     """
     T = y.shape[0]
-    h = y.float() * pointwise(F.silu, z.float())  # (T, I)
+    h = pointwise(F.silu, z.float()).mul_(y.float())  # (T, I), a fresh tensor: in place from here
     g = h.view(T, -1, group_size)  # (T, G, I/G)
-    g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + eps)  # (T, G, I/G)
-    return (weight.float() * g.view(T, -1)).to(weight.dtype)  # (T, I)
+    g.mul_(torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + eps))  # (T, G, I/G)
+    return h.mul_(weight.float()).to(weight.dtype)  # (T, I)
 
 
 # ---------------------------------------------------------------------------- the mixer
