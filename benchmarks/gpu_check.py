@@ -55,7 +55,7 @@ def check_parity() -> str:
         from tests.hf_reference import make_pool
 
         pool = make_pool(config, 64, 2)
-        pool = type(pool)(*(t.to(DEV) for t in (pool.k, pool.v, pool.conv, pool.ssm)))
+        pool = type(pool)({name: t.to(DEV) for name, t in pool.tensors.items()})
         batch = prefill_batch([prompt], [torch.arange(1, 40)], [1])
         batch = _batch_to(batch, DEV)
         ours = model.forward_all_logits(batch, pool).cpu()
