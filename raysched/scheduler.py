@@ -226,18 +226,22 @@ class Scheduler:
                                f"it could never finish")
         return tuple(int(t) for t in prompt_ids)
 
-    async def abort(self, request_id: str) -> bool:
-        """Abort a request at any stage; False if it had already ended."""
+    async def abort(self, request_id: str, forget: bool = False) -> bool:
+        """Abort a request at any stage; False if it had already ended. `forget`: also move it
+        out of the live tables (as `wait` would; the record stays readable for a while), for a
+        caller that will not read it, such as an HTTP handler whose client went away."""
         req = self.requests.get(request_id)
-        if req is None or req.state.is_done:
-            return False
-        if req.state is State.WAITING:
-            self.waiting.remove(req)
-        elif req.state is State.RETRACTED and req in self.retracted:
-            self.retracted.remove(req)
-        req.snapshot_ref = None  # releases the snapshot from the object store
-        self._finish(req, State.ABORTED, "abort")
-        return True
+        aborted = req is not None and not req.state.is_done
+        if aborted:
+            if req.state is State.WAITING:
+                self.waiting.remove(req)
+            elif req.state is State.RETRACTED and req in self.retracted:
+                self.retracted.remove(req)
+            req.snapshot_ref = None  # releases the snapshot from the object store
+            self._finish(req, State.ABORTED, "abort")
+        if forget and req is not None:
+            self._forget(req)
+        return aborted
 
     async def wait(self, request_id: str, timeout: float | None = None) -> dict:
         """Wait for the request to end; returns its record and forgets it (see `_forget`)."""

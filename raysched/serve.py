@@ -205,11 +205,18 @@ class OpenAIServer:
         return usage(len(req.prompt_ids), len(record["token_ids"]), record.get("cached_tokens") or 0)
 
     def _abort(self, rid: str) -> None:
+        """Abort `rid` and have the scheduler forget it (its reader is gone). Sent from a thread
+        of its own: Serve cancels a disconnected request's task *recursively*, and a call
+        submitted from that task (even in its `finally`) may be cancelled with it, leaving the
+        request running with nobody to read it. A new thread submits as no task's child."""
         self.metrics.disconnects += 1
-        # fire and forget (the handler may be cancelled already): abort, then read the ended record
-        # once, so the scheduler forgets it (the cancelled reader never will)
-        self.scheduler.abort.remote(rid)
-        self.scheduler.wait.remote(rid)
+        threading.Thread(target=self._send_abort, args=(rid,), name=f"abort-{rid}", daemon=True).start()
+
+    def _send_abort(self, rid: str) -> None:
+        try:
+            ray.get(self.scheduler.abort.remote(rid, True), timeout=60)
+        except Exception as err:  # the scheduler is gone or restarting: nothing left to free
+            print(f"raysched serve: abort of {rid} failed: {err!r}", flush=True)
 
     def _authorize(self, request: Request) -> None:
         if self.api_key is None:

@@ -252,6 +252,24 @@ def test_client_disconnect_aborts_and_frees_slots(running: Running) -> None:
     _wait_idle(running.client)
 
 
+def test_abort_with_forget_leaves_no_record_behind(running: Running) -> None:
+    """What the HTTP handler sends when its client goes away: the request ends and leaves the
+    live tables at once, though nobody reads it; a plain abort (the control) keeps it there
+    until it is read. Both records stay readable."""
+    from raysched.deployment import find_scheduler
+
+    sched = find_scheduler(NAME)
+    sampling = SamplingParams(max_new_tokens=4000).to_dict()
+    before = running.client.check_idle()["tables"]["requests"]
+    for rid, forget in (("plain-abort", False), ("forget-abort", True)):
+        ray.get(sched.submit.remote([1, 2, 3], sampling, rid))
+        assert ray.get(sched.abort.remote(rid, forget)) is True
+    assert running.client.check_idle()["tables"]["requests"] == before + 1  # the plain one only
+    assert ray.get(sched.wait.remote("plain-abort"))["finish_reason"] == "abort"
+    assert ray.get(sched.wait.remote("forget-abort"))["finish_reason"] == "abort"
+    _wait_idle(running.client)
+
+
 @pytest.mark.parametrize("spec", ["2.0", "2.4"])
 @pytest.mark.parametrize("closing", [True, False], ids=["closing", "plain-starlette"])
 def test_disconnect_in_send_runs_the_stream_cleanup(spec: str, closing: bool) -> None:
