@@ -113,6 +113,9 @@ def build_report(records: list[dict], stats: dict, duration_s: float, idle: dict
     summary["idle_after"] = idle
     summary.update({k: v for k, v in stats.items() if k.startswith("object_store")})
     records.sort(key=lambda r: r["request_id"])
+    moved = [r for r in records if len(set(r.get("workers") or ())) > 1]
+    summary["moved_examples"] = [f"{r['request_id']} on workers {' -> '.join(map(str, r['workers']))}"
+                                 for r in moved[:3]]
     return {"summary": summary, "requests": records}
 
 
@@ -123,6 +126,7 @@ def format_summary(summary: dict, echo: Callable[[str], None] = print) -> None:
             ("retractions", f"{summary['retractions']} (snapshot {summary['retractions_snapshot']}, "
                             f"recompute {summary['retractions_recompute']})"),
             ("migrations", f"{summary['migrations']} ({summary['cross_node_migrations']} across nodes)"),
+            ("resumed elsewhere", ", ".join(summary.get("moved_examples") or ()) or "-"),
             ("snapshot bytes", summary["snapshot_bytes"]),
             ("store fallbacks", summary["store_pressure_fallbacks"]),
             ("latency p50 / p99", _pair(summary["latency_p50_s"], summary["latency_p99_s"])),
