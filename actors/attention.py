@@ -90,20 +90,19 @@ class Attention(nn.Module):
         return self._out(out, gate, kernels)  # (L, hidden)
 
     def decode(self, h: Tensor, positions: Tensor, k_cache: Tensor, v_cache: Tensor,
-               out_slots: Tensor, kv_slots: list[Tensor], kernels: Kernels) -> Tensor:
-        """One token per request: store its K/V at `out_slots` (R,), attend over `kv_slots[i]`.
+               out_slots: Tensor, kv_flat: tuple[Tensor, list[int]], kernels: Kernels) -> Tensor:
+        """One token per request: store its K/V at `out_slots` (R,), attend over its slots.
 
-        h (R, hidden), positions (R,); kv_slots[i] (L_i,) lists request i's token slots, the new
-        one last. Returns (R, hidden).
+        h (R, hidden), positions (R,); kv_flat = (every request's token slots, new one last, in
+        one tensor (sum L_i,); the counts L_i), as `ForwardBatch.kv_flat`. Returns (R, hidden).
         """
         q, k, v, gate = self._qkv(h, positions, kernels)  # (R, Hq, D), (R, Hkv, D) x2, gate
         k_cache[out_slots] = k
         v_cache[out_slots] = v
-        lengths = [s.shape[0] for s in kv_slots]
-        flat = torch.cat(kv_slots)  # (sum L_i,): one gather per tensor, split per request
+        flat, lengths = kv_flat  # one gather per tensor, split per request
         keys, values = k_cache[flat].split(lengths), v_cache[flat].split(lengths)  # (L_i, Hkv, D) each
         outs = [self._sdpa(q[i:i + 1], keys[i], values[i], causal=False)  # (1, Hq*D)
-                for i in range(len(kv_slots))]
+                for i in range(len(lengths))]
         return self._out(torch.cat(outs), gate, kernels)  # (R, hidden)
 
     def _qkv(self, h: Tensor, positions: Tensor,

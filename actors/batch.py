@@ -18,6 +18,7 @@ Two kinds:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -39,6 +40,13 @@ class ForwardBatch:
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
+
+    @cached_property
+    def kv_flat(self) -> tuple[torch.Tensor, list[int]]:
+        """Every sequence's token slots in one tensor (sum S_i + L_i,) and each one's count:
+        built once per batch, shared by all attention layers (one gather each)."""
+        assert self.kv_slots is not None
+        return torch.cat(self.kv_slots), [s.shape[0] for s in self.kv_slots]
 
 
 def contiguous_run(slots: torch.Tensor) -> tuple[int, int] | None:

@@ -284,8 +284,8 @@ class Engine:
         """
         seq = self.prefilling.get(request_id)
         if seq is not None and seq.num_computed == 0:
-            raise SnapshotError(f"request {request_id!r} has not started its prefill (0 of "
-                                f"{len(seq.token_ids)} tokens computed): nothing to snapshot")
+            raise SnapshotError(f"request {request_id!r}: nothing to snapshot before its prefill started "
+                                f"(0 of {len(seq.token_ids)} tokens computed); prefill it again")
         snap = self.copy_state(request_id) if seq is None else self._copy(seq, seq.num_computed)
         self.release(request_id)
         return snap

@@ -53,7 +53,7 @@ KINDS: dict[str, KindSpec] = {
         ("k", "v"), Attention,
         lambda m, x, seq, st, kn: m.prefill(x, seq.positions, st[0], st[1], seq.out_slots, kn,
                                             seq.context_slots),
-        lambda m, x, b, st, kn: m.decode(x, b.positions, st[0], st[1], b.out_slots, b.kv_slots, kn)),
+        lambda m, x, b, st, kn: m.decode(x, b.positions, st[0], st[1], b.out_slots, b.kv_flat, kn)),
     "mamba": KindSpec(
         ("conv", "ssm"), MambaMixer,
         lambda m, x, seq, st, kn: m.prefill(x, st[0], st[1], seq.mamba_slot, kn, seq.start),

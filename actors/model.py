@@ -103,10 +103,11 @@ class TiledLinear:
     """
 
     def __init__(self, tile: int, pack: bool = True, packs: dict | None = None,
-                 max_rows: int | None = MAX_CALL_ROWS) -> None:
+                 max_rows: int | None = MAX_CALL_ROWS, row_free: bool = True) -> None:
         if tile < 1:
             raise ValueError(f"tile must be >= 1, got {tile}")
         self.tile, self.pack = tile, pack and _mkl_packed_available()
+        self.row_free = row_free  # False: always exact tile calls (the probe's reference)
         self.max_rows = max_rows  # row-free calls are split here (None: never; prefill, whose
         #   rows all belong to one sequence's chunk, needs no invariance across row counts)
         self._packed = packs if packs is not None else {}  # id(weight) -> (weight, packed)
@@ -139,6 +140,8 @@ class TiledLinear:
         return entry[1]
 
     def _rows_free(self, weight: Tensor) -> bool:
+        if not self.row_free:
+            return False
         shape = (weight.shape[0], weight.shape[1])
         if shape not in _ROWS_FREE:
             _ROWS_FREE[shape] = _probe_rows_free(*shape, self.tile)
@@ -151,8 +154,7 @@ def _probe_rows_free(out_features: int, in_features: int, tile: int) -> bool:
     g = torch.Generator().manual_seed(0)
     w = torch.randn(out_features, in_features, generator=g)
     x = torch.randn(max(PROBE_ROWS) + 3, in_features, generator=g)
-    ref = TiledLinear(tile, pack=True)  # exact tile-row calls on the same packing
-    ref._rows_free = lambda weight: False  # type: ignore[method-assign]
+    ref = TiledLinear(tile, pack=True, row_free=False)  # exact tile-row calls on the same packing
     expected = ref(x, w, None)  # (rows, out)
     if not torch.allclose(expected, F.linear(x, w), rtol=1e-4, atol=1e-3):
         return False  # not even the tile calls agree with a plain product: trust nothing here

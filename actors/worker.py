@@ -71,12 +71,11 @@ class Worker:
         to give: its slots are freed and the call raises SnapshotError (the scheduler resumes
         it by recompute, which here costs nothing more).
         """
-        seq = self.engine.prefilling.get(request_id)
-        if seq is not None and seq.num_computed == 0:
+        try:
+            return self.engine.snapshot(request_id)
+        except SnapshotError:  # nothing fed yet: free its slots all the same
             self.engine.release(request_id)
-            raise SnapshotError(f"request {request_id!r} was retracted before its prefill started "
-                                f"(0 of {len(seq.token_ids)} tokens): released, recompute it")
-        return self.engine.snapshot(request_id)
+            raise
 
     def retract_pending(self, request_id: str, corrupt: bool = False,
                         fault: FaultPoint | None = None) -> tuple[Snapshot, int]:
