@@ -9,10 +9,12 @@ RoPE rotates only the first `rotary_dim` channels of each head, rotate-half styl
 with channel i + rotary_dim/2), with inv_freq = 1 / theta^(2j / rotary_dim); the remaining
 channels pass through. K is stored in the pool after RoPE, so decode never re-rotates history.
 
-Prefill runs one sequence at a time with a fused causal kernel (no L x L score matrix, so 16k+
-tokens fit); a chunk that continues a sequence attends over the cached K/V of its earlier tokens
-plus its own (an explicit (L, S+L) causal mask, S the tokens before the chunk). Decode writes the new token's K/V, then attends per request over the slots the
-request owns; a request's result never depends on the batch it is in.
+Prefill projects the rows of all its sequences at once, then attends per sequence with a fused
+causal kernel (no L x L score matrix, so 16k+ tokens fit); a chunk that continues a sequence
+attends over the cached K/V of its earlier tokens plus its own (an explicit (L, S+L) causal mask,
+S the tokens before the chunk). Decode writes the new token's K/V, then attends over every
+request's own slots in one pass (`chunked_decode_attention`, fixed-size KV chunks); a request's
+result never depends on the batch it is in.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from actors.batch import NEG_SCORE, KVTable, Segment
 from actors.config import ModelConfig
 from actors.mamba import Kernels, Pointwise, whole
 from actors.norms import ARCH_NORM_STYLE, RMSNorm
@@ -46,6 +49,61 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return torch.cat([rot, rest], dim=-1)  # (T, heads, head_dim)
 
 
+def chunked_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, table: KVTable,
+                             scale: float, pointwise: Pointwise = whole) -> Tensor:
+    """Attention of one query per row over its own keys, for the whole batch in one pass.
+
+    q (R, Hq, D); k_cache, v_cache (S, Hkv, D); table: each row's key slots in chunks of C
+    (`KVTable`). Every chunk is scored, softmaxed and applied to its values on its own, as
+    batched products of one fixed shape per (chunk, kv head): (grp, D) @ (D, C) and
+    (grp, C) @ (C, D), grp = Hq / Hkv, with reductions over C only; then each row's chunks are
+    merged in chunk order (`_merge_chunks`, flash-decoding's rule). A row's arithmetic therefore
+    depends only on its own keys: not on the batch, nor on how many chunks other rows have (an
+    empty chunk adds exactly 0).
+    Scores and the merge are fp32. Returns (R, Hq*D) in q's dtype.
+    """
+    R, Hq, D = q.shape
+    J, C = table.slots.shape
+    Hkv = k_cache.shape[1]
+    grp = Hq // Hkv
+    flat = table.slots.view(-1)
+    keys = k_cache.index_select(0, flat).view(J, C, Hkv, D).float()  # (J, C, Hkv, D)
+    values = v_cache.index_select(0, flat).view(J, C, Hkv, D).float()
+    queries = q.float().index_select(0, table.owner).view(J, Hkv, grp, D)
+    # per kv head, strided views of the gathered keys: no copies (the BLAS takes the stride)
+    scores = torch.stack([torch.bmm(queries[:, h], keys[:, :, h].transpose(1, 2))
+                          for h in range(Hkv)], dim=1).view(J, Hq, C)  # (J, Hq, C)
+    scores.mul_(scale)
+    scores.masked_fill_(~table.valid[:, None, :], NEG_SCORE)
+    top = scores.amax(-1, keepdim=True)  # (J, Hq, 1)
+    probs = pointwise(torch.exp, scores.sub_(top)).view(J, Hkv, grp, C)
+    total = probs.sum(-1).view(J, Hq)  # (J, Hq)
+    outs = torch.stack([torch.bmm(probs[:, h], values[:, :, h]) for h in range(Hkv)],
+                       dim=1).view(J, Hq, D)  # (J, Hq, D), unnormalised
+    out = _merge_chunks(top.view(J, Hq), total, outs, table.grid, pointwise)  # (R, Hq, D)
+    return out.to(q.dtype).reshape(R, Hq * D)
+
+
+def _merge_chunks(top: Tensor, total: Tensor, outs: Tensor, grid: Tensor,
+                  pointwise: Pointwise) -> Tensor:
+    """Merge each row's chunk results: top, total (J, Hq), outs (J, Hq, D) (unnormalised),
+    grid (R, K) -> (R, Hq, D) normalised, fp32.
+
+    The row's max over its chunk maxima is exact in any order; each chunk is weighted by
+    exp(its max - the row's max) and the weighted chunks are added in chunk order, one add per
+    chunk (a reduction kernel's summation order could depend on K). An empty chunk (max
+    NEG_SCORE) has weight exp(-huge) = 0 and adds exactly 0.
+    """
+    tops = top[grid]  # (R, K, Hq)
+    weights = pointwise(torch.exp, tops - tops.amax(1, keepdim=True))  # (R, K, Hq)
+    o = outs[grid].mul_(weights[..., None])  # (R, K, Hq, D)
+    s = total[grid].mul_(weights)  # (R, K, Hq)
+    o_sum, s_sum = o[:, 0], s[:, 0]
+    for k in range(1, grid.shape[1]):
+        o_sum, s_sum = o_sum + o[:, k], s_sum + s[:, k]
+    return o_sum / s_sum[..., None]
+
+
 class Attention(nn.Module):
     """Weights of one attention mixer, under Hugging Face Bamba's names (`self_attn.*`).
 
@@ -67,43 +125,44 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype, style)
             self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype, style)
 
-    def prefill(self, h: Tensor, positions: Tensor, k_cache: Tensor, v_cache: Tensor,
-                out_slots: Tensor, kernels: Kernels = Kernels(),
-                context_slots: Tensor | None = None) -> Tensor:
-        """Causal attention for one sequence's next L tokens; stores their K/V at `out_slots`.
+    def prefill(self, h: Tensor, positions: Tensor, out_slots: Tensor, segments: list[Segment],
+                k_cache: Tensor, v_cache: Tensor, kernels: Kernels = Kernels()) -> Tensor:
+        """Causal attention for the next tokens of each sequence; stores their K/V at `out_slots`.
 
-        h (L, hidden), positions (L,), out_slots (L,) -> (L, hidden). `context_slots` (S + L,)
-        lists the token slots of the whole sequence so far, the L new ones last: the new queries
-        attend over the cached K/V of the S earlier tokens and causally over the new ones. None
-        (or S = 0) means a fresh sequence.
+        h (T, hidden), positions (T,), out_slots (T,), the sequences' rows concatenated ->
+        (T, hidden). Projections run over all rows; each sequence's queries attend over its
+        own keys only: the cached K/V of its `start` earlier tokens (`context_slots`) and
+        causally over its new ones.
         """
-        q, k, v, gate = self._qkv(h, positions, kernels)  # (L, Hq, D), (L, Hkv, D) x2, gate
+        q, k, v, gate = self._qkv(h, positions, kernels)  # (T, Hq, D), (T, Hkv, D) x2, gate
         k_cache[out_slots] = k
         v_cache[out_slots] = v
-        L = q.shape[0]
-        if context_slots is None or context_slots.shape[0] == L:
-            out = self._sdpa(q, k, v, causal=True)  # (L, Hq*D)
-        else:
-            start = context_slots.shape[0] - L
-            mask = torch.ones(L, start + L, dtype=torch.bool, device=q.device).tril(start)  # (L, S+L)
-            out = self._sdpa(q, k_cache[context_slots], v_cache[context_slots], mask=mask)
-        return self._out(out, gate, kernels)  # (L, hidden)
+        outs = [self._prefill_one(q[s.rows], k[s.rows], v[s.rows], s, k_cache, v_cache)
+                for s in segments]  # (L_i, Hq*D) each
+        return self._out(outs[0] if len(outs) == 1 else torch.cat(outs), gate, kernels)
+
+    def _prefill_one(self, q: Tensor, k: Tensor, v: Tensor, seg: Segment, k_cache: Tensor,
+                     v_cache: Tensor) -> Tensor:
+        """One sequence's L queries (L, Hq, D) over its keys -> (L, Hq*D)."""
+        if not seg.start:
+            return self._sdpa(q, k, v, causal=True)
+        L, ctx = q.shape[0], seg.context_slots
+        mask = torch.ones(L, seg.start + L, dtype=torch.bool, device=q.device).tril(seg.start)  # (L, S+L)
+        return self._sdpa(q, k_cache[ctx], v_cache[ctx], mask=mask)
 
     def decode(self, h: Tensor, positions: Tensor, k_cache: Tensor, v_cache: Tensor,
-               out_slots: Tensor, kv_flat: tuple[Tensor, list[int]], kernels: Kernels) -> Tensor:
+               out_slots: Tensor, table: KVTable, kernels: Kernels) -> Tensor:
         """One token per request: store its K/V at `out_slots` (R,), attend over its slots.
 
-        h (R, hidden), positions (R,); kv_flat = (every request's token slots, new one last, in
-        one tensor (sum L_i,); the counts L_i), as `ForwardBatch.kv_flat`. Returns (R, hidden).
+        h (R, hidden), positions (R,); `table` holds every request's token slots (the new one
+        last) in fixed-size chunks (`ForwardBatch.kv_table`). Returns (R, hidden).
         """
         q, k, v, gate = self._qkv(h, positions, kernels)  # (R, Hq, D), (R, Hkv, D) x2, gate
         k_cache[out_slots] = k
         v_cache[out_slots] = v
-        flat, lengths = kv_flat  # one gather per tensor, split per request
-        keys, values = k_cache[flat].split(lengths), v_cache[flat].split(lengths)  # (L_i, Hkv, D) each
-        outs = [self._sdpa(q[i:i + 1], keys[i], values[i], causal=False)  # (1, Hq*D)
-                for i in range(len(lengths))]
-        return self._out(torch.cat(outs), gate, kernels)  # (R, hidden)
+        out = chunked_decode_attention(q, k_cache, v_cache, table, self.config.attention_scale,
+                                       kernels.pointwise)  # (R, Hq*D)
+        return self._out(out, gate, kernels)  # (R, hidden)
 
     def _qkv(self, h: Tensor, positions: Tensor,
              kernels: Kernels) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:

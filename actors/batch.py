@@ -11,8 +11,11 @@ Two kinds:
   have K/V there and their conv/SSM state at `mamba_slots[i]`, and positions continue from S_i.
   The new tokens' K/V are written to `out_slots`, the final conv/SSM state to `mamba_slots[i]`.
 - decode: one new token per request. Its K/V is written to `out_slots[i]`, attention reads
-  `kv_slots[i]` (all of the request's token slots, the new one last), and the conv/SSM state at
-  `mamba_slots[i]` is read and updated in place.
+  `kv_slots[i]` (all of the request's token slots, the new one last) through `kv_table` (the
+  same slots cut into fixed-size chunks, for attention over the whole batch in one call), and
+  the conv/SSM state at `mamba_slots[i]` is read and updated in place. A padded decode batch
+  (`actors.graph`: a fixed shape, for CUDA graphs) has more rows than requests; its padding rows
+  point at the pool's scratch slots and their results are dropped.
 """
 
 from __future__ import annotations
@@ -21,6 +24,91 @@ from dataclasses import dataclass
 from functools import cached_property
 
 import torch
+
+
+KV_CHUNK = 32  # tokens per chunk of decode attention (a fixed reduction length per chunk)
+NEG_SCORE = -1.0e30  # score of a masked key: finite, so a chunk with no valid key stays finite
+
+
+@dataclass
+class KVTable:
+    """A decode batch's token slots cut into chunks of `KV_CHUNK`, for attention over the whole
+    batch in one call (`actors.attention.chunked_decode_attention`).
+
+    slots (J, C) int64: token slots of chunk j (masked positions hold slot 0, never read as
+    keys); valid (J, C) bool; owner (J,) int64: the batch row whose query chunk j serves;
+    grid (R, K) int64: row r's k-th chunk, in order (rows with fewer than K chunks point at a
+    chunk with no valid key, which the combine step leaves out exactly). Only a row's own chunk
+    count decides its arithmetic, so its result does not depend on the other rows or on K.
+    """
+
+    slots: torch.Tensor
+    valid: torch.Tensor
+    owner: torch.Tensor
+    grid: torch.Tensor
+
+    @staticmethod
+    def build(kv_slots: list[torch.Tensor], chunk: int = KV_CHUNK,
+              shape: tuple[int, int] | None = None) -> "KVTable":
+        """From each request's token slots (L_i,) (CPU tensors; the table is on the CPU too).
+
+        Compact (`shape` None): ceil(L_i / C) chunks per request, in request order, then one
+        empty chunk that shorter rows' grid entries point at. Padded (`shape` = (rows, chunks),
+        a fixed shape for CUDA graphs): row r's chunks at r * chunks + k, the unused ones empty;
+        rows past the requests are empty too.
+        """
+        R = len(kv_slots)
+        lengths = torch.tensor([t.shape[0] for t in kv_slots], dtype=torch.int64)  # (R,)
+        needed = (lengths + chunk - 1) // chunk  # (R,) chunks each request fills
+        if shape is None:
+            K = int(needed.max()) if R else 1
+            lengths, per_row = _append(lengths, 0), _append(needed, 1)  # the empty chunk: a row of 0
+        else:
+            rows, K = shape
+            if R > rows or (R and int(needed.max()) > K):
+                raise ValueError(f"KVTable: {R} requests of up to {int(needed.max()) if R else 0} "
+                                 f"chunks of {chunk} do not fit {rows} rows x {K} chunks")
+            lengths = torch.cat([lengths, lengths.new_zeros(rows - R)])  # (rows,)
+            per_row = torch.full((rows,), K, dtype=torch.int64)
+        starts = torch.cumsum(per_row, 0) - per_row  # first chunk of each row
+        row_of = torch.repeat_interleave(torch.arange(per_row.shape[0]), per_row)  # (J,)
+        token = (torch.arange(row_of.shape[0]) - starts[row_of])[:, None] * chunk \
+            + torch.arange(chunk)[None, :]  # (J, C): index of the token within its request
+        valid = token < lengths[row_of][:, None]  # (J, C)
+        flat = torch.cat(kv_slots) if R else torch.zeros(1, dtype=torch.int64)  # (sum L_i,)
+        offsets = torch.cumsum(lengths, 0) - lengths
+        src = (offsets[row_of][:, None] + token).clamp_(max=max(flat.shape[0] - 1, 0))
+        slots = torch.where(valid, flat[src], 0)  # (J, C)
+        k = torch.arange(K)[None, :]  # (1, K)
+        grid = starts[:, None] + k  # (rows, K)
+        if shape is None:  # a request's chunks past its own count: the empty chunk
+            grid = torch.where(k < needed[:, None], grid[:R], int(starts[-1]))
+        owner = row_of.clamp(max=max(R - 1, 0)) if shape is None else row_of
+        return KVTable(slots, valid, owner, grid)
+
+    def to(self, device: torch.device) -> "KVTable":
+        return KVTable(*(t.to(device, non_blocking=True) for t in
+                         (self.slots, self.valid, self.owner, self.grid)))
+
+
+def _append(t: torch.Tensor, value: int) -> torch.Tensor:
+    """t (n,) with `value` appended."""
+    return torch.cat([t, t.new_full((1,), value)])
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One sequence of a prefill forward: its rows among the forward's concatenated tokens.
+
+    Its `rows` (L of them) are the sequence's next L tokens, after `start` earlier ones whose
+    state is in the pool (conv/SSM state at `mamba_slot`; K/V at the first `start` entries of
+    `context_slots`, (start + L,), the new tokens' slots last; None for a fresh sequence).
+    """
+
+    rows: slice
+    mamba_slot: int
+    start: int = 0
+    context_slots: torch.Tensor | None = None
 
 
 @dataclass
@@ -32,6 +120,7 @@ class ForwardBatch:
     out_slots: torch.Tensor  # (T,) int64: KV token slot receiving each token's K/V
     mamba_slots: torch.Tensor  # (B,) int64: Mamba pool slot of each sequence
     kv_slots: list[torch.Tensor] | None = None  # (S_i + L_i,) int64 token slots per sequence
+    table: KVTable | None = None  # decode: kv_slots in chunks (built from kv_slots when None)
 
     @property
     def batch_size(self) -> int:
@@ -42,11 +131,25 @@ class ForwardBatch:
         return int(self.input_ids.shape[0])
 
     @cached_property
-    def kv_flat(self) -> tuple[torch.Tensor, list[int]]:
-        """Every sequence's token slots in one tensor (sum S_i + L_i,) and each one's count:
-        built once per batch, shared by all attention layers (one gather each)."""
+    def segments(self) -> list[Segment]:
+        """A prefill batch's sequences (built once per batch, shared by every layer)."""
+        mamba = self.mamba_slots.tolist()
+        context = self.kv_slots or [None] * self.batch_size
+        out, at = [], 0
+        for n, slot, ctx in zip(self.seq_lens, mamba, context):
+            out.append(Segment(slice(at, at + n), slot, 0 if ctx is None else ctx.shape[0] - n, ctx))
+            at += n
+        return out
+
+    @cached_property
+    def kv_table(self) -> KVTable:
+        """The decode batch's token slots in chunks: built once per batch, shared by all
+        attention layers (one gather each)."""
+        if self.table is not None:
+            return self.table
         assert self.kv_slots is not None
-        return torch.cat(self.kv_slots), [s.shape[0] for s in self.kv_slots]
+        device = self.input_ids.device
+        return KVTable.build([t.cpu() for t in self.kv_slots]).to(device)
 
 
 def contiguous_run(slots: torch.Tensor) -> tuple[int, int] | None:

@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from actors.batch import ForwardBatch
+from actors.batch import ForwardBatch, KVTable
+from actors.graph import FixedShapeDecode
 from actors.config import ModelConfig
 from actors.pools import HybridPool
 from actors.sampler import sample
@@ -82,8 +83,10 @@ class StepOutput:
 
 class Engine:
     def __init__(self, model: torch.nn.Module, config: ModelConfig, pool: HybridPool,
-                 weights_fingerprint: str, record_logits: bool = False) -> None:
+                 weights_fingerprint: str, record_logits: bool = False,
+                 fixed_decode: "FixedShapeDecode | None" = None) -> None:
         self.model, self.config, self.pool = model, config, pool
+        self.fixed_decode = fixed_decode  # decode at bucket shapes (CUDA graphs); None: eager
         self.dtype, self.device = pool.k.dtype, pool.k.device
         self.fingerprint = model_fingerprint(config, weights_fingerprint, self.dtype)
         self.running: dict[str, Sequence] = {}  # decoding
@@ -211,17 +214,24 @@ class Engine:
                 out.stalled.append(s.request_id)
         if active:
             active.sort(key=lambda s: self.pool.mamba.slot(s.request_id))  # SSM state in place
-            self._sample_and_append(active, self._forward(self._decode_batch(active)), out)
+            self._sample_and_append(active, self._decode_logits(active), out)
         return out
 
-    def _decode_batch(self, seqs: list[Sequence]) -> ForwardBatch:
+    def _decode_logits(self, seqs: list[Sequence]) -> torch.Tensor:
+        """One decode forward of `seqs`: at a fixed bucket shape when `fixed_decode` has one
+        (the same bits, see `actors.graph`), else eagerly at the batch's own shape. (R, vocab)."""
         kv_slots = [self.pool.kv.token_slots(s.request_id)[: s.num_cached + 1] for s in seqs]
-        ids = torch.tensor([s.token_ids[-1] for s in seqs], dtype=torch.int64)
-        positions = torch.tensor([s.num_cached for s in seqs], dtype=torch.int64)
-        out_slots = torch.stack([slots[-1] for slots in kv_slots])
-        mamba = torch.tensor([self.pool.mamba.slot(s.request_id) for s in seqs], dtype=torch.int64)
-        return self._to_device(ForwardBatch(False, ids, positions, [1] * len(seqs), out_slots,
-                                            mamba, kv_slots))
+        ids = [s.token_ids[-1] for s in seqs]
+        positions = [s.num_cached for s in seqs]
+        mamba = [self.pool.mamba.slot(s.request_id) for s in seqs]
+        fixed = self.fixed_decode
+        if fixed is not None and fixed.bucket_for(len(seqs), max(t.shape[0] for t in kv_slots)):
+            return fixed(ids, positions, kv_slots, mamba)
+        batch = ForwardBatch(False, torch.tensor(ids, dtype=torch.int64),
+                             torch.tensor(positions, dtype=torch.int64), [1] * len(seqs),
+                             torch.stack([slots[-1] for slots in kv_slots]),
+                             torch.tensor(mamba, dtype=torch.int64), kv_slots, KVTable.build(kv_slots))
+        return self._forward(self._to_device(batch))
 
     # ------------------------------------------------------------------ shared
     def _to_device(self, b: ForwardBatch) -> ForwardBatch:
@@ -229,8 +239,9 @@ class Engine:
             return b
         dev = self.device
         kv = [t.to(dev, non_blocking=True) for t in b.kv_slots] if b.kv_slots is not None else None
+        table = b.table.to(dev) if b.table is not None else None
         return ForwardBatch(b.is_prefill, b.input_ids.to(dev), b.positions.to(dev), b.seq_lens,
-                            b.out_slots.to(dev), b.mamba_slots.to(dev), kv)
+                            b.out_slots.to(dev), b.mamba_slots.to(dev), kv, table)
 
     @torch.inference_mode()
     def _forward(self, batch: ForwardBatch) -> torch.Tensor:
@@ -435,8 +446,13 @@ def load_model(model: str | ModelConfig, dtype: torch.dtype, device: torch.devic
 def build_engine(model: str | ModelConfig, dtype: str = "float32", device: str = "auto",
                  kv_tokens: int = 512, mamba_slots: int = 8, page_size: int = 1,
                  pool_config: PoolConfig | None = None, invariant_tile: int = 16,
-                 record_logits: bool = False, seed: int = 0) -> Engine:
+                 record_logits: bool = False, seed: int = 0,
+                 fixed_shape_decode: bool | None = None) -> Engine:
     """An engine and its pool. `pool_config` (with an optional byte budget) overrides the counts.
+
+    `fixed_shape_decode` (None: on CUDA, for models without routed experts, whose routing picks
+    data-dependent shapes) decodes at padded bucket shapes, captured as CUDA graphs on a GPU
+    (`actors.graph`); its pool gets scratch slots for the padding rows.
 
     >>> eng = build_engine("tiny", kv_tokens=256, mamba_slots=4)
     >>> len(eng.generate([[5, 17, 42]], [SamplingParams(max_new_tokens=4)])[0])
@@ -453,5 +469,9 @@ def build_engine(model: str | ModelConfig, dtype: str = "float32", device: str =
         sized = pool_config.resolve(max(1, config.kv_bytes_per_token(itemsize)),
                                     max(1, config.mamba_bytes_per_slot(itemsize)))
         kv_tokens, mamba_slots, page_size = sized.kv_tokens, sized.mamba_slots, sized.page_size
-    pool = HybridPool(config, kv_tokens, mamba_slots, torch_dtype, dev, page_size)
-    return Engine(net, config, pool, weights_fingerprint(net.state_dict()), record_logits)
+    fixed = fixed_shape_decode
+    if fixed is None:
+        fixed = dev.type == "cuda" and not config.has_experts
+    pool = HybridPool(config, kv_tokens, mamba_slots, torch_dtype, dev, page_size, scratch=fixed)
+    return Engine(net, config, pool, weights_fingerprint(net.state_dict()), record_logits,
+                  FixedShapeDecode(net, pool) if fixed else None)

@@ -25,7 +25,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from actors.config import ModelConfig
-from actors.mamba import Kernels, Pointwise, causal_conv_prefill, causal_conv_step, whole
+from actors.batch import Segment
+from actors.mamba import Kernels, Pointwise, causal_conv_step, conv_segments, scan_segments, whole
+from actors.norms import rms_normalize
 
 
 # ---------------------------------------------------------------------------- the delta rule
@@ -160,22 +162,20 @@ class GatedDeltaNet(nn.Module):
         self.norm.weight = nn.Parameter(torch.empty(c.linear_value_head_dim, dtype=dtype))
         self.out_proj = nn.Linear(c.gdn_value_dim, H, bias=False, dtype=dtype)
 
-    def prefill(self, h: Tensor, conv_state: Tensor, state: Tensor, slot: int,
-                kernels: Kernels = Kernels(), start: int = 0) -> Tensor:
-        """One sequence's next L tokens; reads and writes the conv/recurrent state at `slot`.
-
-        `start` tokens came before (their state is at `slot`; 0 = a fresh sequence from zero
-        state whatever the slot holds). h (L, hidden) -> (L, hidden).
+    def prefill(self, h: Tensor, segments: list[Segment], conv_state: Tensor, state: Tensor,
+                kernels: Kernels = Kernels()) -> Tensor:
+        """The next tokens of each sequence (rows of h (T, hidden), concatenated), from the
+        conv/recurrent state at each one's slot (zero state for a fresh one); writes each one's
+        final state there (same contract as `MambaMixer.prefill`). -> (T, hidden).
         """
-        conv0, state0 = (conv_state[slot], state[slot]) if start else (None, None)
         qkv, z, b, a = self._project(h, kernels)
-        qkv, conv_final = causal_conv_prefill(qkv, self.conv1d.weight, None, conv0,
-                                              kernels.pointwise)  # (L, conv_dim)
+        qkv = conv_segments(qkv, segments, conv_state, self.conv1d.weight, None,
+                            kernels.pointwise)  # (T, conv_dim)
         q, k, v = self._split(qkv)
-        g, beta = self._gates(a, b, kernels.pointwise)  # (L, Hv) each
-        y, final = gdn_chunked(q, k, v, g, beta, self.config.linear_chunk_size, state0)  # (L, Hv, dv)
-        conv_state[slot] = conv_final
-        state[slot] = final
+        g, beta = self._gates(a, b, kernels.pointwise)  # (T, Hv) each
+        chunk = self.config.linear_chunk_size
+        y = scan_segments(segments, state, lambda rows, s0: gdn_chunked(
+            q[rows], k[rows], v[rows], g[rows], beta[rows], chunk, s0))  # (T, Hv, dv)
         return self._output(y, z, kernels)
 
     def decode(self, h: Tensor, conv_state: Tensor, state: Tensor, slots: Tensor,
@@ -211,7 +211,7 @@ class GatedDeltaNet(nn.Module):
     def _output(self, y: Tensor, z: Tensor, kernels: Kernels) -> Tensor:
         """Gated RMSNorm per v head (norm, weight, then * silu(z)) and out_proj. y (T, Hv, dv) fp32."""
         c, T, dtype = self.config, y.shape[0], z.dtype
-        normed = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + c.rms_norm_eps)  # (T, Hv, dv)
+        normed = rms_normalize(y, c.rms_norm_eps)  # (T, Hv, dv) fp32
         gate = kernels.pointwise(F.silu, z.float()).view(T, c.linear_num_value_heads, -1)
         out = (self.norm.weight * normed.to(dtype)) * gate  # (T, Hv, dv) fp32
         return kernels.linear(out.to(dtype).reshape(T, -1), self.out_proj.weight, None)  # (T, hidden)

@@ -3,8 +3,8 @@ each architecture arranges kinds into decoder blocks (module names follow Huggin
 
 A kind's mixer has two entry points with one signature shape for every kind:
 
-    prefill(module, x, seq, state, kernels)   # a sequence's next L tokens (x (L, hidden)),
-                                              # on top of its `seq.start` earlier ones
+    prefill(module, x, batch, state, kernels)  # the next tokens of each sequence (x (T, hidden),
+                                               # rows per `batch.segments`), on top of earlier ones
     decode(module, x, batch, state, kernels)  # one token per request (x (R, hidden))
 
 where `state` is the tuple of the layer's slices of the pool tensors the kind declares
@@ -51,17 +51,16 @@ def _mlp(config: ModelConfig, dtype: torch.dtype) -> nn.Module:
 KINDS: dict[str, KindSpec] = {
     "attention": KindSpec(
         ("k", "v"), Attention,
-        lambda m, x, seq, st, kn: m.prefill(x, seq.positions, st[0], st[1], seq.out_slots, kn,
-                                            seq.context_slots),
-        lambda m, x, b, st, kn: m.decode(x, b.positions, st[0], st[1], b.out_slots, b.kv_flat, kn)),
+        lambda m, x, b, st, kn: m.prefill(x, b.positions, b.out_slots, b.segments, st[0], st[1], kn),
+        lambda m, x, b, st, kn: m.decode(x, b.positions, st[0], st[1], b.out_slots, b.kv_table, kn)),
     "mamba": KindSpec(
         ("conv", "ssm"), MambaMixer,
-        lambda m, x, seq, st, kn: m.prefill(x, st[0], st[1], seq.mamba_slot, kn, seq.start),
+        lambda m, x, b, st, kn: m.prefill(x, b.segments, st[0], st[1], kn),
         lambda m, x, b, st, kn: m.decode(x, st[0], st[1], b.mamba_slots, kn)),
     "gdn": KindSpec(
         ("gdn_conv", "gdn_state"),
         lambda c, dtype: (GatedDeltaNetNext if c.architecture == "qwen3_next" else GatedDeltaNet)(c, dtype),
-        lambda m, x, seq, st, kn: m.prefill(x, st[0], st[1], seq.mamba_slot, kn, seq.start),
+        lambda m, x, b, st, kn: m.prefill(x, b.segments, st[0], st[1], kn),
         lambda m, x, b, st, kn: m.decode(x, st[0], st[1], b.mamba_slots, kn)),
     "mlp": KindSpec((), _mlp, _feed_forward, _feed_forward),
     "moe": KindSpec((), NemotronMoE, _feed_forward, _feed_forward),

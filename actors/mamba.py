@@ -14,7 +14,9 @@ Stages, in order (names from the Mamba2 / SSD paper):
 Head h reads the B/C of group h // (n_heads // n_groups). The SSM runs in fp32 whatever the
 model dtype; the conv runs in the model dtype.
 
-Prefill handles the next L tokens of one sequence, from zero state (a fresh sequence) or from the
+Prefill handles the next tokens of several sequences at once (their rows concatenated; the
+projections and elementwise stages run over all rows, the conv and the scan per sequence,
+`conv_segments` / `scan_segments`), each from zero state (a fresh sequence) or from the
 conv/SSM state its earlier tokens left in the pool (chunked prefill, a restored prefix):
 `causal_conv_prefill` takes the previous K-1 conv inputs as left context and `ssd_chunked`
 (with `ssd_sequential_ref` as its reference twin) an initial SSM state; decode handles one token per request and updates the pool's conv/SSM state at
@@ -33,8 +35,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from actors.batch import contiguous_run
+from actors.batch import Segment, contiguous_run
 from actors.config import ModelConfig
+from actors.norms import inv_rms
 
 LinearFn = Callable[[Tensor, Tensor, "Tensor | None"], Tensor]
 Pointwise = Callable[[Callable[[Tensor], Tensor], Tensor], Tensor]
@@ -45,7 +48,14 @@ def whole(fn: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
     return fn(x)
 
 
-_ROW_ALIGN = 256  # elements: every row a whole number of vector blocks, for any SIMD width/threads
+VECTOR_BLOCK = 64  # elements a CPU elementwise kernel handles per vector step, at most (bf16, AVX-512)
+
+
+def row_align() -> int:
+    """Row length (elements) at which no element of a row can fall in a scalar tail: a whole
+    number of vector blocks per row and per thread's share (ATen splits an elementwise loop
+    into `threads` equal ranges)."""
+    return VECTOR_BLOCK * max(1, torch.get_num_threads())
 
 
 def rowwise(fn: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
@@ -54,15 +64,18 @@ def rowwise(fn: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
     CPU kernels of functions such as silu, softplus and sigmoid finish a tensor with a scalar
     tail whose rounding differs from the vector body, so an element's bits depend on its offset
     in the tensor. On the CPU every row (x[i], any shape) is zero-padded to a multiple of
-    `_ROW_ALIGN` elements and the whole batch goes in one call: no element of a real row then
-    falls in a scalar tail (tests/test_batch_invariance.py holds this, with a negative control).
-    GPU kernels compute every element alike, so there the whole tensor goes at once.
+    `row_align()` elements (rows already that long go as they are) and the whole batch goes in
+    one call: no element of a real row then falls in a scalar tail, whatever the row count
+    (tests/test_batch_invariance.py holds this, with a negative control). GPU kernels compute
+    every element alike, so there the whole tensor goes at once.
     """
     if x.device.type != "cpu" or x.numel() == 0:
         return fn(x)
     rows = x.reshape(x.shape[0], -1)  # (R, n)
-    n = rows.shape[1]
-    padded = F.pad(rows, (0, -n % _ROW_ALIGN))  # (R, n') with n' a multiple of _ROW_ALIGN
+    n, align = rows.shape[1], row_align()
+    if n % align == 0 and rows.is_contiguous():
+        return fn(rows).view(x.shape)  # rows already whole vector blocks: no padding copy
+    padded = F.pad(rows, (0, -n % align))  # (R, n') with n' a multiple of align
     return fn(padded)[:, :n].reshape(x.shape)
 
 
@@ -214,23 +227,26 @@ def ssd_step(ssm_state: Tensor, slots: Tensor, x: Tensor, dt: Tensor, A: Tensor,
     The state is the big tensor here (R x 256 KiB for the `small` preset), so it is touched as
     few times as possible: when the slots are one ascending run (the engine sorts its decode
     batch by slot) it is updated in place in the pool, else gathered once and scattered back.
-    The rank-1 update and the readout are batched matrix products of one fixed shape per
-    (request, head) entry ((P,1)@(1,N) and (P,N)@(N,1)), so, like the elementwise decay, a
-    request's result does not depend on the other requests (with `pointwise=rowwise` for exp).
+    The K = H/G heads of a group share its B and C, so each (request, group) is one matrix
+    (K*P, N): the rank-1 update is (x dt)(K*P) times B (N) and the readout is C (1, N) times
+    the state transposed, batched products of one fixed shape per (request, group) (the
+    transposed readout reads the state about 2.5x faster than a matrix-vector product per
+    head). Like the elementwise decay, a request's result does not depend on the others
+    (with `pointwise=rowwise` for exp).
     """
     R, H, P = x.shape
-    x, dt = x.float(), dt.float()  # (R, H, P), (R, H)
-    dtB = dt[..., None] * expand_groups(B.float(), H)  # (R, H, N)
-    Ch = expand_groups(C.float(), H)  # (R, H, N)
+    G, N = B.shape[-2], B.shape[-1]
+    dt = dt.float()  # (R, H)
+    xdt = (x.float() * dt[..., None]).view(R * G, 1, -1)  # (R*G, 1, K*P)
     decay = pointwise(torch.exp, dt * A.float())  # (R, H)
     run = contiguous_run(slots) if slots.device.type == "cpu" else None
     state = ssm_state.narrow(0, run[0], R) if run else ssm_state.index_select(0, slots)
     state.mul_(decay[..., None, None])  # (R, H, P, N)
-    flat = state.view(R * H, P, -1)  # (R*H, P, N)
-    flat.baddbmm_(x.reshape(R * H, P, 1), dtB.reshape(R * H, 1, -1))  # += x (dt B)^T
+    flat_t = state.view(R * G, -1, N).transpose(1, 2)  # (R*G, N, K*P), a view
+    flat_t.baddbmm_(B.float().reshape(R * G, N, 1), xdt)  # += B (x dt)^T
     if run is None:
         ssm_state.index_copy_(0, slots, state)
-    return torch.bmm(flat, Ch.reshape(R * H, -1, 1)).view(R, H, P)  # (R, H, P)
+    return torch.bmm(C.float().reshape(R * G, 1, N), flat_t).view(R, H, P)  # (R, H, P)
 
 
 # ---------------------------------------------------------------------------- causal conv
@@ -262,18 +278,54 @@ def causal_conv_step(conv_state: Tensor, slots: Tensor, xBC: Tensor, weight: Ten
 
     conv_state (S, D, K-1) (one Mamba layer of the pool), slots (R,), xBC (R, D),
     weight (D, 1, K), bias (D,). Returns (R, D).
+
+    The taps are summed in order with one elementwise multiply and add per tap (no window is
+    built, no reduction over the short K axis); when the slots are one ascending run the pool's
+    rows are shifted in place, column by column.
     """
     run = contiguous_run(slots) if slots.device.type == "cpu" else None
-    old = conv_state.narrow(0, run[0], xBC.shape[0]) if run else conv_state[slots]  # (R, D, K-1)
-    window = torch.cat([old, xBC.unsqueeze(-1)], dim=-1)  # (R, D, K)
-    if run:  # the slots are one ascending run: shift the pool's rows in place
-        old.copy_(window[:, :, 1:])
-    else:
-        conv_state[slots] = window[:, :, 1:]
-    out = (window * weight[:, 0, :]).sum(-1)  # (R, D)
+    R, K = xBC.shape[0], weight.shape[-1]
+    old = conv_state.narrow(0, run[0], R) if run else conv_state[slots]  # (R, D, K-1)
+    taps = weight[:, 0, :].t().contiguous()  # (K, D)
+    out = old[..., 0] * taps[0]  # (R, D)
+    for k in range(1, K - 1):
+        out.add_(old[..., k] * taps[k])
+    out.add_(xBC * taps[K - 1])
     if bias is not None:
-        out = out + bias  # (R, D)
+        out.add_(bias)
+    if run:  # shift the pool's rows in place: oldest column out, the new input in
+        for k in range(K - 2):
+            old[..., k].copy_(old[..., k + 1])
+        old[..., K - 2].copy_(xBC)
+    else:
+        conv_state[slots] = torch.cat([old[..., 1:], xBC.unsqueeze(-1).to(old.dtype)], dim=-1)
     return pointwise(F.silu, out)
+
+
+def conv_segments(xBC: Tensor, segments: list[Segment], conv_state: Tensor, weight: Tensor,
+                  bias: Tensor | None, pointwise: Pointwise = whole) -> Tensor:
+    """`causal_conv_prefill` of each sequence's rows of xBC (T, D), from the conv state at its
+    slot (zeros for a fresh sequence); writes each one's final conv state back. -> (T, D)."""
+    outs = []
+    for seg in segments:
+        initial = conv_state[seg.mamba_slot] if seg.start else None
+        out, final = causal_conv_prefill(xBC[seg.rows], weight, bias, initial, pointwise)
+        conv_state[seg.mamba_slot] = final
+        outs.append(out)
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+def scan_segments(segments: list[Segment], state: Tensor,
+                  scan: Callable[[slice, Tensor | None], tuple[Tensor, Tensor]]) -> Tensor:
+    """Run `scan(rows, initial state or None)` -> (y (L, ...), final state) for each sequence,
+    from the recurrent state at its slot (None for a fresh sequence); writes each one's final
+    state back. Returns the y's concatenated (T, ...)."""
+    ys = []
+    for seg in segments:
+        y, final = scan(seg.rows, state[seg.mamba_slot] if seg.start else None)
+        state[seg.mamba_slot] = final
+        ys.append(y)
+    return ys[0] if len(ys) == 1 else torch.cat(ys)
 
 
 # ---------------------------------------------------------------------------- small stages
@@ -297,7 +349,7 @@ def gated_rms_norm(y: Tensor, z: Tensor, weight: Tensor, group_size: int, eps: f
     T = y.shape[0]
     h = pointwise(F.silu, z.float()).mul_(y.float())  # (T, I), a fresh tensor: in place from here
     g = h.view(T, -1, group_size)  # (T, G, I/G)
-    g.mul_(torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + eps))  # (T, G, I/G)
+    g.mul_(inv_rms(g, eps))  # (T, G, I/G)
     return h.mul_(weight.float()).to(weight.dtype)  # (T, I)
 
 
@@ -325,24 +377,23 @@ class MambaMixer(nn.Module):
         self.out_proj = nn.Linear(c.mamba_intermediate, c.hidden_size, bias=c.mamba_proj_bias,
                                   dtype=dtype)
 
-    def prefill(self, h: Tensor, conv_state: Tensor, ssm_state: Tensor, slot: int,
-                kernels: Kernels = Kernels(), start: int = 0) -> Tensor:
-        """One sequence's next L tokens; reads and writes the conv/SSM state at `slot`.
-
-        `start` tokens of the sequence came before (their state is at `slot`; 0 = a fresh
-        sequence, which starts from zero state whatever the slot holds). h (L, hidden) ->
-        (L, hidden).
+    def prefill(self, h: Tensor, segments: list[Segment], conv_state: Tensor, ssm_state: Tensor,
+                kernels: Kernels = Kernels()) -> Tensor:
+        """The next tokens of each sequence (`segments`: their rows of h, concatenated), from the
+        conv/SSM state at each one's slot (a sequence with `start` 0 begins from zero state,
+        whatever its slot holds); writes each one's final state there. h (T, hidden) ->
+        (T, hidden). Projections and elementwise stages run over all rows at once, the conv and
+        the scan per sequence.
         """
         c = self.config
-        conv0, ssm0 = (conv_state[slot], ssm_state[slot]) if start else (None, None)
-        z, xBC, dt = self._project(h, kernels)  # (L, I), (L, conv_dim), (L, H)
-        xBC, conv_final = causal_conv_prefill(xBC, self.conv1d.weight, self.conv1d.bias, conv0,
-                                              kernels.pointwise)
-        x, B, C = self._split_xBC(xBC)  # (L, H, P), (L, G, N), (L, G, N)
-        dt = discretize_dt(dt, self.dt_bias, c.time_step_limit, kernels.pointwise)  # (L, H) fp32
-        y, ssm_final = ssd_chunked(x, dt, self._A(), B, C, c.mamba_chunk_size, ssm0)  # (L,H,P), (H,P,N)
-        conv_state[slot] = conv_final  # (conv_dim, d_conv-1)
-        ssm_state[slot] = ssm_final
+        z, xBC, dt = self._project(h, kernels)  # (T, I), (T, conv_dim), (T, H)
+        xBC = conv_segments(xBC, segments, conv_state, self.conv1d.weight, self.conv1d.bias,
+                            kernels.pointwise)  # (T, conv_dim)
+        x, B, C = self._split_xBC(xBC)  # (T, H, P), (T, G, N), (T, G, N)
+        dt = discretize_dt(dt, self.dt_bias, c.time_step_limit, kernels.pointwise)  # (T, H) fp32
+        A = self._A()
+        y = scan_segments(segments, ssm_state, lambda rows, s0: ssd_chunked(
+            x[rows], dt[rows], A, B[rows], C[rows], c.mamba_chunk_size, s0))  # (T, H, P)
         return self._output(y, x, z, kernels)
 
     def decode(self, h: Tensor, conv_state: Tensor, ssm_state: Tensor, slots: Tensor,

@@ -7,29 +7,32 @@ in `actors.layers` (Mamba2 `actors.mamba`, attention `actors.attention`, gated d
 recurrent state live in a pool whose tensors (`PoolTensors`) are passed to every forward together
 with a `ForwardBatch` naming the slots.
 
-Batch invariance: a sequence's logits are bit-identical whatever else is in the batch. What is
-fixed-shape, and why:
+Batch invariance: a sequence's logits are bit-identical whatever else is in the batch, in
+decode and in prefill. What is fixed-shape, and why:
 - Every matrix product goes through `TiledLinear`. On the CPU in fp32 each weight is packed once
   for MKL's packed GEMM, and a call of M rows is one M-row call: a row's result there is
   bit-identical whatever M is and wherever the row sits (measured: the summation order follows
   the packing, not the call), so nothing is padded. That is not MKL's documented contract, so it
-  is probed per weight shape at first use, and a shape that fails the probe (and every other
-  device or dtype) falls back to calls of exactly `DECODE_TILE` (16) rows in decode and
-  `PREFILL_TILE` (128) in prefill, the last tile zero-padded: a BLAS kernel picks its blocking
-  (and so its summation order) from the shape, so one shape per call makes a row's result depend
-  on nothing but that row. tests/test_batch_invariance.py holds either path, and shows that plain
-  F.linear batching breaks it.
+  is probed per weight shape at first use (row counts up to `MAX_CALL_ROWS` against exact tile
+  calls, then up to `PREFILL_CALL_ROWS` against those), calls are split at those counts, and a
+  shape that fails the probe (and every other device or dtype) falls back to calls of exactly
+  `DECODE_TILE` (16) rows in decode and `PREFILL_TILE` (128) in prefill, the last tile
+  zero-padded: a BLAS kernel picks its blocking (and so its summation order) from the shape, so
+  one shape per call makes a row's result depend on nothing but that row.
+  tests/test_batch_invariance.py holds either path, and shows that plain F.linear batching
+  breaks it.
 - Nonlinear elementwise functions go through `actors.mamba.rowwise` (on the CPU an element's
   rounding can depend on its offset in the tensor); norms are per row; the conv/SSM decode step is
-  elementwise plus batched products of one fixed shape per (request, head); attention is per
-  request.
-- Prefill: a chunk of a sequence (or a whole one) runs the stack on its own rows only, so no
-  other request can change its bits; elementwise functions there run on the whole chunk. The
-  same chunk boundaries give the same bits (a request snapshotted mid-prefill resumes exactly);
-  other boundaries move the SSD scan's and the attention kernel's split points and elementwise
-  rounding (tests/test_chunked_prefill.py bounds that within 1e-5).
-On a GPU the same tiles apply (cuBLAS also picks kernels by shape); a CUDA graph of the decode
-step at one padded batch shape is future work (see benchmarks/gpu_check.py for what is checked).
+  elementwise plus batched products of one fixed shape per (request, head); decode attention
+  works in fixed-size KV chunks per request (`actors.attention.chunked_decode_attention`).
+- Prefill runs the stack over the new rows of all its sequences at once (varlen, no padding):
+  products and elementwise functions as above; attention, the conv and the scan per sequence.
+  So a sequence's prefill bits depend on its own chunk only, not on what it is batched with;
+  the same chunk boundaries give the same bits (a request snapshotted mid-prefill resumes
+  exactly); other boundaries move the SSD scan's and the attention kernel's split points
+  (tests/test_chunked_prefill.py bounds that within 1e-5).
+- A decode step can also run at a padded bucket shape, captured as a CUDA graph on a GPU
+  (`actors.graph`): the padding rows change no real row's bits, by the same invariance.
 
 Weights are created empty; load them with `actors.loader.load_hf_state_dict` (Hugging Face
 names) or build the model through `actors.loader.load_checkpoint` / `actors.presets.load_preset`.
@@ -80,8 +83,10 @@ def tiled_linear(x: Tensor, weight: Tensor, bias: Tensor | None, tile: int) -> T
 
 
 PACK_ROWS = 128  # MKL packs each fp32 weight once, for calls of this many rows
-MAX_CALL_ROWS = 256  # a row-free call takes at most this many rows (all of them probed)
+MAX_CALL_ROWS = 256  # a row-free decode call takes at most this many rows (all of them probed)
+PREFILL_CALL_ROWS = 2048  # a row-free prefill call takes at most this many rows
 PROBE_ROWS = (1, 2, 3, 5, 7, 8, 13, 16, 17, 31, 32, 33, 64, 100, 128, 129, 200, 256)
+PROBE_ROWS_LARGE = (300, 512, 1000, 2048)  # checked against 256-row calls once those pass
 _ROWS_FREE: dict[tuple[int, int], bool] = {}  # (out, in) -> probed: are packed rows row-free here?
 
 
@@ -150,43 +155,32 @@ class TiledLinear:
 
 def _probe_rows_free(out_features: int, in_features: int, tile: int) -> bool:
     """Do packed calls of every `PROBE_ROWS` count, at row offsets 0 and 3, give rows
-    bit-identical to `tile`-row calls on a random (out, in) weight?"""
+    bit-identical to `tile`-row calls on a random (out, in) weight? And, those passing, do
+    calls of every `PROBE_ROWS_LARGE` count give rows bit-identical to `MAX_CALL_ROWS`-row
+    calls (the cheap reference for long prefill calls)?"""
     g = torch.Generator().manual_seed(0)
     w = torch.randn(out_features, in_features, generator=g)
-    x = torch.randn(max(PROBE_ROWS) + 3, in_features, generator=g)
+    x = torch.randn(max(PROBE_ROWS_LARGE) + 3, in_features, generator=g)
     ref = TiledLinear(tile, pack=True, row_free=False)  # exact tile-row calls on the same packing
-    expected = ref(x, w, None)  # (rows, out)
-    if not torch.allclose(expected, F.linear(x, w), rtol=1e-4, atol=1e-3):
+    small = x[: max(PROBE_ROWS) + 3]
+    expected = ref(small, w, None)  # (rows, out)
+    if not torch.allclose(expected, F.linear(small, w), rtol=1e-4, atol=1e-3):
         return False  # not even the tile calls agree with a plain product: trust nothing here
     packed = ref._packed_weight(w)
-    for m in PROBE_ROWS:
-        for at in (0, 3):
-            got = torch.ops.mkl._mkl_linear(x[at:at + m].contiguous(), packed, w, None, m)
-            if not torch.equal(got, expected[at:at + m]):
-                return False
-    return True
+    call = lambda rows: torch.ops.mkl._mkl_linear(rows.contiguous(), packed, w, None, rows.shape[0])
+    if not _rows_match(call, small, expected, PROBE_ROWS):
+        return False
+    expected = torch.cat([call(part) for part in x.split(MAX_CALL_ROWS)])  # now proven row-free
+    return _rows_match(call, x, expected, PROBE_ROWS_LARGE)
+
+
+def _rows_match(call, x: Tensor, expected: Tensor, counts: tuple[int, ...]) -> bool:
+    """call(x[at:at + m]) == expected[at:at + m] for every count m, at offsets 0 and 3."""
+    return all(torch.equal(call(x[at:at + m]), expected[at:at + m]) for m in counts for at in (0, 3))
 
 
 def _mkl_packed_available() -> bool:
     return torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
-
-
-@dataclass
-class _Sequence:
-    """One sequence of a prefill batch: its next L tokens, after `start` earlier ones."""
-
-    input_ids: Tensor  # (L,)
-    positions: Tensor  # (L,)
-    out_slots: Tensor  # (L,)
-    mamba_slot: int
-    context_slots: Tensor | None = None  # (start + L,) token slots of the sequence so far
-
-    @property
-    def start(self) -> int:
-        """Tokens of the sequence whose state is already in the pool."""
-        if self.context_slots is None:
-            return 0
-        return self.context_slots.shape[0] - self.input_ids.shape[0]
 
 
 class DecoderLayer(nn.Module):
@@ -222,10 +216,10 @@ class DecoderLayer(nn.Module):
     def _state(self, pool: PoolTensors) -> tuple[Tensor, ...]:
         return tuple(pool.tensor(name)[self.pool_index] for name in self.spec.state)
 
-    def prefill(self, h: Tensor, seq: _Sequence, pool: PoolTensors, kernels: Kernels) -> Tensor:
-        """One sequence's next L tokens (on top of its `seq.start` earlier ones). h (L, hidden)."""
+    def prefill(self, h: Tensor, batch: ForwardBatch, pool: PoolTensors, kernels: Kernels) -> Tensor:
+        """The next tokens of each sequence of a prefill batch, rows concatenated. h (T, hidden)."""
         x = getattr(self, self.norm_names[0])(h)
-        mixed = self.spec.prefill(getattr(self, self.mixer_name), x, seq, self._state(pool), kernels)
+        mixed = self.spec.prefill(getattr(self, self.mixer_name), x, batch, self._state(pool), kernels)
         return self._feed_forward(self._residual(h, mixed), kernels)
 
     def decode(self, h: Tensor, batch: ForwardBatch, pool: PoolTensors, kernels: Kernels) -> Tensor:
@@ -301,38 +295,30 @@ class HybridLM(nn.Module):
         """Run a prefill or decode batch: fp32 logits of each sequence's last token (B, vocab)."""
         if not batch.is_prefill:
             return self._decode(batch, pool)
-        return torch.cat([self._prefill_one(seq, pool, last_only=True)
-                          for seq in self._sequences(batch)])  # (B, vocab)
+        return self._prefill(batch, pool, last_only=True)  # (B, vocab)
 
     @torch.inference_mode()
     def forward_all_logits(self, batch: ForwardBatch, pool: PoolTensors) -> Tensor:
         """Like `forward`, but a prefill returns the logits of every token (T, vocab), fp32."""
         if not batch.is_prefill:
             return self._decode(batch, pool)
-        return torch.cat([self._prefill_one(seq, pool, last_only=False)
-                          for seq in self._sequences(batch)])  # (T, vocab)
+        return self._prefill(batch, pool, last_only=False)  # (T, vocab)
 
-    def _sequences(self, batch: ForwardBatch) -> list[_Sequence]:
-        """Cut a ragged prefill batch into its sequences."""
-        ids, pos, slots = (t.split(batch.seq_lens) for t in
-                           (batch.input_ids, batch.positions, batch.out_slots))
-        mamba = batch.mamba_slots.tolist()
-        context = batch.kv_slots or [None] * batch.batch_size
-        return [_Sequence(ids[i], pos[i], slots[i], mamba[i], context[i])
-                for i in range(batch.batch_size)]
-
-    def _prefill_one(self, seq: _Sequence, pool: PoolTensors, last_only: bool) -> Tensor:
-        """The whole stack over one sequence; logits (1 or L, vocab)."""
+    def _prefill(self, batch: ForwardBatch, pool: PoolTensors, last_only: bool) -> Tensor:
+        """The whole stack over all sequences' new tokens at once; logits (B or T, vocab)."""
         kernels = self.prefill_kernels()
-        h = self._embed(seq.input_ids)  # (L, hidden)
+        h = self._embed(batch.input_ids)  # (T, hidden)
         for layer in self.layers:
-            h = layer.prefill(h, seq, pool, kernels)  # (L, hidden)
-        return self._logits(h[-1:] if last_only else h, kernels)
+            h = layer.prefill(h, batch, pool, kernels)  # (T, hidden)
+        if last_only:
+            last = [seg.rows.stop - 1 for seg in batch.segments]
+            h = h[-1:] if len(last) == 1 and last[0] == h.shape[0] - 1 else h[last]  # (B, hidden)
+        return self._logits(h, kernels)
 
     def _decode(self, batch: ForwardBatch, pool: PoolTensors) -> Tensor:
         """One token per request; logits (R, vocab)."""
-        if batch.kv_slots is None and self.config.num_attention_layers:
-            raise ValueError("decode batch needs kv_slots for the attention layers")
+        if batch.kv_slots is None and batch.table is None and self.config.num_attention_layers:
+            raise ValueError("decode batch needs kv_slots (or a KV table) for the attention layers")
         kernels = self.decode_kernels()
         h = self._embed(batch.input_ids)  # (R, hidden)
         for layer in self.layers:
@@ -346,15 +332,15 @@ class HybridLM(nn.Module):
         return Kernels(linear=self._tiled(self.invariant_tile, True, MAX_CALL_ROWS), pointwise=rowwise)
 
     def prefill_kernels(self) -> Kernels:
-        """Row-invariant matrix products for prefill (tiles of PREFILL_TILE rows where the
-        packed kernel is not row-free), or plain ones. Elementwise functions run on the whole
-        chunk: a prefill forward holds one sequence's chunk only, so its bits depend on that
-        chunk alone, never on other requests (rows of one tensor come from one sequence)."""
+        """Batch-invariant kernels for prefill, or plain ones when invariant_tile is None.
+
+        A prefill forward holds the new rows of several sequences, so, as in decode, a row's
+        bits must not depend on the other rows: matrix products are row-free packed calls of
+        up to `PREFILL_CALL_ROWS` rows (or tiles of `PREFILL_TILE` where the probe fails) and
+        elementwise functions run `rowwise`."""
         if self.invariant_tile is None:
             return Kernels()
-        # one call per matrix product whatever the chunk's length: no invariance across row
-        # counts is needed when every row comes from one sequence's chunk
-        return Kernels(linear=self._tiled(PREFILL_TILE, True, None), pointwise=whole)
+        return Kernels(linear=self._tiled(PREFILL_TILE, True, PREFILL_CALL_ROWS), pointwise=rowwise)
 
     def _tiled(self, tile: int, pack: bool, max_rows: int | None) -> TiledLinear:
         """One `TiledLinear` per (tile, pack, max_rows), kept so its packed weights are made once

@@ -12,7 +12,9 @@ Tensor layout (what the model reads and writes)
   (num_layers_of_kind, num_slots, *shape), fp32 or model dtype. Mamba2: `conv`
   (conv_dim, d_conv - 1) and `ssm` (heads, head_dim, d_state) fp32; gated delta net: `gdn_conv`
   (2 * key_dim + value_dim, k - 1) and `gdn_state` (v_heads, d_k, d_v) fp32.
-A request's one state slot indexes every state tensor. A model with no attention (or no
+A request's one state slot indexes every state tensor. With `scratch=True` each pool has one
+slot (one KV page, one state slot) past its capacity that is never handed out: the padding
+rows of a fixed-shape decode step (`actors.graph`) write there. A model with no attention (or no
 recurrent) layers gets zero-sized tensors; the slot accounting stays the same, so the scheduler
 reasons about every model alike. `HybridPool.tensor(name)` is the one accessor the model uses.
 """
@@ -33,12 +35,14 @@ class KVPool:
     """Paged token slots for the K/V of all attention layers."""
 
     def __init__(self, config: ModelConfig, num_tokens: int, page_size: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
+                 dtype: torch.dtype, device: torch.device, scratch: bool = False) -> None:
         if num_tokens <= 0 or page_size <= 0:
             raise ValueError(f"KVPool: num_tokens ({num_tokens}) and page_size ({page_size}) must be > 0")
         self.page_size = page_size
         self.num_pages = -(-num_tokens // page_size)
-        shape = (config.num_attention_layers, self.num_pages * page_size,
+        # the scratch token slot: first slot of the page past the last (None without scratch)
+        self.scratch_slot = self.num_pages * page_size if scratch else None
+        shape = (config.num_attention_layers, (self.num_pages + int(scratch)) * page_size,
                  config.num_key_value_heads, config.head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
@@ -130,12 +134,13 @@ class StatePool:
     """
 
     def __init__(self, config: ModelConfig, num_slots: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, scratch: bool = False) -> None:
         if num_slots <= 0:
             raise ValueError(f"StatePool: num_slots must be > 0, got {num_slots}")
         self.num_slots = num_slots
+        self.scratch_slot = num_slots if scratch else None  # never handed out
         self.tensors = {
-            t.name: torch.zeros((len(config.layers_of_kind(t.kind)), num_slots, *t.shape),
+            t.name: torch.zeros((len(config.layers_of_kind(t.kind)), num_slots + int(scratch), *t.shape),
                                 dtype=torch.float32 if t.fp32 else dtype, device=device)
             for t in config.state_tensors}
         self._free = list(range(num_slots - 1, -1, -1))
@@ -181,11 +186,17 @@ class HybridPool:
     """KV pool + Mamba pool, and the table request -> (token slots, Mamba slot)."""
 
     def __init__(self, config: ModelConfig, kv_tokens: int, mamba_slots: int, dtype: torch.dtype,
-                 device: torch.device | str = "cpu", page_size: int = 1) -> None:
+                 device: torch.device | str = "cpu", page_size: int = 1,
+                 scratch: bool = False) -> None:
         device = torch.device(device)
         self.config = config
-        self.kv = KVPool(config, kv_tokens, page_size, dtype, device)
-        self.mamba = StatePool(config, mamba_slots, dtype, device)  # state slots (all kinds)
+        self.kv = KVPool(config, kv_tokens, page_size, dtype, device, scratch)
+        self.mamba = StatePool(config, mamba_slots, dtype, device, scratch)  # state slots (all kinds)
+
+    @property
+    def has_scratch(self) -> bool:
+        """True when padding rows of a fixed-shape decode have slots of their own to write."""
+        return self.kv.scratch_slot is not None
 
     @classmethod
     def from_budget(cls, config: ModelConfig, budget_bytes: int, mamba_slots: int,

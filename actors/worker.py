@@ -36,7 +36,8 @@ class Worker:
         self.config = config
         self.engine: Engine = build_engine(config.model, config.dtype, config.device,
                                            pool_config=config.pool, invariant_tile=config.invariant_tile,
-                                           seed=config.seed)
+                                           seed=config.seed,
+                                           fixed_shape_decode=config.fixed_shape_decode)
         self.drop_mamba_state = config.scheduler.debug_drop_mamba_state
         self._speeds: tuple[float, float] | None = None
         self._parked: dict[tuple[str, str], Snapshot] = {}  # (id, kind) -> copy, until taken

@@ -233,7 +233,7 @@ def ours_decode(engine, prompts: list[list[int]], max_new_tokens: int) -> tuple[
 @torch.no_grad()
 def hf_decode(hf, prompts: list[list[int]], max_new_tokens: int) -> tuple[float, list[list[int]]]:
     """(seconds of generate(N) minus generate(1), generated tokens per prompt)."""
-    ids = torch.tensor(prompts)  # (B, L): equal lengths, no padding
+    ids = torch.tensor(prompts, device=hf.device)  # (B, L): equal lengths, no padding
     kwargs = {"attention_mask": torch.ones_like(ids), "do_sample": False, "pad_token_id": 0}
     first_s, _ = timed(lambda: hf.generate(input_ids=ids, max_new_tokens=1, **kwargs))
     all_s, out = timed(lambda: hf.generate(input_ids=ids, max_new_tokens=max_new_tokens, **kwargs))
@@ -253,8 +253,9 @@ def ours_prefill(engine, prompt: list[int]) -> tuple[float, int]:
 @torch.no_grad()
 def hf_prefill(hf, prompt: list[int]) -> tuple[float, int]:
     """(seconds of one forward with a cache, its greedy token)."""
-    seconds, out = timed(lambda: hf(input_ids=torch.tensor([prompt]), use_cache=True))
-    return seconds, int(out.logits[0, -1].argmax())
+    ids = torch.tensor([prompt], device=hf.device)
+    seconds, token = timed(lambda: int(hf(input_ids=ids, use_cache=True).logits[0, -1].argmax()))
+    return seconds, token  # the token fetch waits for a GPU to finish, inside the timing
 
 
 def profile_decode(engine, prompts: list[list[int]], steps: int) -> dict:

@@ -1,7 +1,7 @@
 """One-shot CUDA check: parity, batch invariance, snapshot round trips, chunked prefill, speed.
 
 Run on a machine with a GPU (`bash benchmarks/gpu_check.sh`, meant to take under 8 minutes on
-one GPU; `--skip speed,parity` leaves checks out, `GPU_CHECK_DEVICE=cpu` dry-runs the script);
+one GPU; `--skip speed,parity` leaves checks out (a check's first word), `GPU_CHECK_DEVICE=cpu` dry-runs the script);
 it exits non-zero at the first failed check and prints one line per check. Every check runs the
 engine with `device="cuda"` and compares against an independent reference:
 1. parity: prefill logits of our model on CUDA vs transformers' Bamba on the CPU (fp32, TF32
@@ -12,8 +12,11 @@ engine with `device="cuda"` and compares against an independent reference:
    uninterrupted CUDA run;
 4. chunked prefill vs one-shot on CUDA (first-token logits within 1e-4, greedy tokens equal),
    and a request snapshotted mid-prefill resumed in another engine (logits torch.equal);
-5. speed: decode ms/step at batch 1/8/32 and a 2k prefill of the `small` preset, ours vs
-   transformers on the same GPU (tokens compared).
+5. fixed-shape decode: the engine decoding at bucket shapes under CUDA graphs (the CUDA
+   default) against the eager step: tokens and every logit torch.equal, requests of mixed
+   lengths finishing at different steps (so several buckets are captured and replayed);
+6. speed: decode ms/step at batch 1/8/32 (graphs, and eager) and a 2k prefill of the `small`
+   preset, ours vs transformers on the same GPU (tokens compared).
 """
 
 from __future__ import annotations
@@ -158,6 +161,23 @@ def _mid_prefill_round_trip() -> str:
     return "mid-prefill snapshot at 128 of 300 tokens resumed: logits torch.equal"
 
 
+def check_fixed_shape() -> str:
+    prompts = [_prompt(n, seed=20 + n) for n in (5, 40, 70, 3, 33, 90, 12)]
+    sampling = [SamplingParams(max_new_tokens=24 - 2 * i, temperature=0.7 if i % 2 else 0.0, seed=i)
+                for i in range(len(prompts))]
+    eager, graphed = _engine(fixed_shape_decode=False), _engine(fixed_shape_decode=True)
+    want, got = eager.generate(prompts, sampling), graphed.generate(prompts, sampling)
+    assert got == want, "fixed-shape decode changed tokens"
+    for rid, steps in eager.logits.items():
+        have = graphed.logits[rid]
+        assert len(have) == len(steps) and all(torch.equal(a, b) for a, b in zip(have, steps)), \
+            f"fixed-shape decode changed {rid}'s logits"
+    buckets = graphed.fixed_decode._buckets.values()
+    captured = sum(b.graph is not None for b in buckets)
+    return (f"{len(prompts)} requests: tokens and logits torch.equal to eager; "
+            f"{len(buckets)} buckets, {captured} captured as CUDA graphs")
+
+
 def check_speed() -> str:
     from benchmarks.engine import hf_decode, ours_decode, ours_prefill, hf_prefill, save_preset_checkpoint
     from transformers import BambaForCausalLM
@@ -168,15 +188,22 @@ def check_speed() -> str:
         from actors.engine import build_engine
 
         ours = build_engine(str(ckpt), device=DEV, kv_tokens=32 * 100 + 2100, mamba_slots=32)
+        eager = build_engine(str(ckpt), device=DEV, kv_tokens=32 * 100 + 2100, mamba_slots=32,
+                             fixed_shape_decode=False)
         hf = BambaForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval().to(DEV)
         for batch in (1, 8, 32):
             prompts = [_prompt(64, seed=1000 * batch + i, vocab=8192) for i in range(batch)]
-            ours_decode(ours, prompts, 5), hf_decode(hf, prompts, 5)  # warm-up
+            for side in (ours, eager):
+                ours_decode(side, prompts, 5)  # warm-up (and capture)
+            hf_decode(hf, prompts, 5)
             o_s, o_t = min((ours_decode(ours, prompts, 17) for _ in range(3)), key=lambda r: r[0])
+            e_s, e_t = min((ours_decode(eager, prompts, 17) for _ in range(3)), key=lambda r: r[0])
             h_s, h_t = min((hf_decode(hf, prompts, 17) for _ in range(3)), key=lambda r: r[0])
+            assert e_t == o_t, "graphs and eager decoded different tokens"
             same = sum(a == b for a, b in zip(o_t, h_t))
-            lines.append(f"decode batch {batch}: ours {o_s / 16 * 1e3:.2f} ms/step, transformers "
-                         f"{h_s / 16 * 1e3:.2f} ms/step ({h_s / o_s:.2f}x), same tokens {same}/{batch}")
+            lines.append(f"decode batch {batch}: ours {o_s / 16 * 1e3:.2f} ms/step (eager "
+                         f"{e_s / 16 * 1e3:.2f}), transformers {h_s / 16 * 1e3:.2f} ms/step "
+                         f"({h_s / o_s:.2f}x), same tokens {same}/{batch}")
         prompt = _prompt(2048, seed=7, vocab=8192)
         ours_prefill(ours, prompt), hf_prefill(hf, prompt)
         o_s, o_tok = min(ours_prefill(ours, prompt) for _ in range(3))
@@ -188,7 +215,7 @@ def check_speed() -> str:
 
 CHECKS = [("parity", check_parity), ("batch invariance", check_invariance),
           ("snapshot round trip", check_snapshot_round_trip), ("chunked prefill", check_chunked),
-          ("speed", check_speed)]
+          ("fixed-shape decode", check_fixed_shape), ("speed", check_speed)]
 
 
 def main(argv: list[str]) -> int:

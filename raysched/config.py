@@ -508,6 +508,7 @@ class ServeConfig:
     faults: FaultConfig = ()
     object_store_memory: int | None = None  # bytes, for the embedded Ray cluster
     invariant_tile: int = 16  # rows per matrix-kernel call in batch-invariant decode
+    fixed_shape_decode: bool | None = None  # decode at bucket shapes, CUDA graphs (null: on CUDA)
 
     CHECKS: ClassVar[dict[str, Check]] = {
         "model": check_nonempty_str,
@@ -521,6 +522,7 @@ class ServeConfig:
         "faults": _check_faults,
         "object_store_memory": check_optional(check_positive_int),
         "invariant_tile": check_positive_int,
+        "fixed_shape_decode": check_optional(check_bool),
     }
     PARSERS: ClassVar[dict[str, Check]] = {
         "pool": PoolConfig.from_dict,

@@ -1,6 +1,7 @@
 """A request's logits are bit-identical whatever other requests share its batch.
 
-The tiny preset decodes one request alone and then inside batches of 2, 7 and 32 (other requests
+The tiny preset decodes one request (a 60-token prompt, so its attention crosses a KV chunk
+boundary while it decodes) alone and then inside batches of 2, 7 and 32 (other requests
 with random prompts), at different positions in the batch, for 8 decode steps; every step's
 logits must be torch.equal. The negative controls run the same with plain (untiled) F.linear
 batching, and with whole-tensor elementwise functions, and must each see a difference: both
@@ -13,6 +14,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from actors.attention import chunked_decode_attention
+from actors.batch import KVTable
 from actors.mamba import Kernels, rowwise, whole
 from actors.model import HybridLM, tiled_linear
 from actors.presets import load_preset
@@ -22,9 +25,9 @@ STEPS = 8
 BATCH_SIZES = (2, 7, 32)
 
 
-def _prompts(n: int, vocab: int, seed: int) -> list[list[int]]:
+def _prompts(n: int, vocab: int, seed: int, lengths: tuple[int, int] = (3, 150)) -> list[list[int]]:
     gen = torch.Generator().manual_seed(seed)
-    lens = torch.randint(3, 40, (n,), generator=gen).tolist()
+    lens = torch.randint(*lengths, (n,), generator=gen).tolist()
     return [torch.randint(0, vocab, (length,), generator=gen).tolist() for length in lens]
 
 
@@ -39,7 +42,8 @@ def _logits_in_batch(model: HybridLM, target: list[int],
 
 
 def _compare_alone_vs_batched(model: HybridLM) -> list[bool]:
-    target = _prompts(1, model.config.vocab_size, seed=99)[0]
+    # 60+ tokens: the target's attention spans several KV chunks (KV_CHUNK = 32)
+    target = _prompts(1, model.config.vocab_size, seed=99, lengths=(60, 62))[0]
     alone_prefill, alone_steps = _logits_in_batch(model, target, 1)
     same = []
     for batch_size in BATCH_SIZES:
@@ -81,3 +85,75 @@ def test_tiled_linear_equals_linear_up_to_rounding():
     assert out.shape == (13, 40)
     torch.testing.assert_close(out, torch.nn.functional.linear(x, w, b))
     assert torch.equal(tiled_linear(x[5:6], w, b, 8), out[5:6])
+
+
+def _attention_case(lengths: list[int], seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    S, Hq, Hkv, D = 4096, 4, 2, 16
+    k_cache, v_cache = torch.randn(S, Hkv, D, generator=gen), torch.randn(S, Hkv, D, generator=gen)
+    slots = [torch.randperm(S, generator=gen)[:n] for n in lengths]  # scattered, like paged KV
+    q = torch.randn(len(lengths), Hq, D, generator=gen)
+    return q, k_cache, v_cache, slots
+
+
+def test_chunked_decode_attention_is_exact_per_row_and_close_to_sdpa():
+    """Whole-batch decode attention: a row's output is bit-identical alone, in any batch, in a
+    padded fixed-shape table (CUDA-graph layout) and at any position; and within fp32 rounding
+    of a plain per-request SDPA (the independent reference). Lengths cover 1, chunk edges
+    (63, 64, 65), and several chunks."""
+    lengths = [1, 63, 64, 65, 200, 700, 129]
+    q, k_cache, v_cache, slots = _attention_case(lengths)
+    run = lambda rows, table: chunked_decode_attention(q[rows], k_cache, v_cache, table, 0.25, rowwise)
+    rows = list(range(len(lengths)))
+    batched = run(rows, KVTable.build(slots))
+    padded = run(rows + [0, 0], KVTable.build(slots, shape=(len(lengths) + 2, 30)))  # 2 padding rows
+    reversed_rows = list(reversed(range(len(lengths))))
+    backwards = run(reversed_rows, KVTable.build([slots[i] for i in reversed_rows]))
+    for i, n in enumerate(lengths):
+        alone = run([i], KVTable.build([slots[i]]))
+        assert torch.equal(batched[i], alone[0]), f"row of {n} keys differs in the batch"
+        assert torch.equal(padded[i], alone[0]), f"row of {n} keys differs in the padded table"
+        assert torch.equal(backwards[len(lengths) - 1 - i], alone[0])
+        qh, kh, vh = (t.transpose(0, 1).unsqueeze(0) for t in (q[i:i + 1], k_cache[slots[i]], v_cache[slots[i]]))
+        ref = F.scaled_dot_product_attention(qh, kh, vh, enable_gqa=True, scale=0.25)  # (1, Hq, 1, D)
+        torch.testing.assert_close(alone[0], ref[0, :, 0].reshape(-1), rtol=1e-5, atol=1e-5)
+
+
+def test_chunk_size_that_follows_the_batch_is_not_bit_identical():
+    """Negative control: split points that follow the batch (as a split-K decode kernel that
+    picks its number of splits from the batch size does) change the long rows' bits."""
+    lengths = [65, 200, 129, 700]
+    q, k_cache, v_cache, slots = _attention_case(lengths, seed=1)
+    alone = [chunked_decode_attention(q[[i]], k_cache, v_cache, KVTable.build([slots[i]], chunk=64),
+                                      0.25, rowwise)[0] for i in range(len(lengths))]
+    batched = chunked_decode_attention(q, k_cache, v_cache,
+                                       KVTable.build(slots, chunk=32 * len(lengths)), 0.25, rowwise)
+    assert not all(torch.equal(batched[i], alone[i]) for i in range(len(lengths)))
+
+
+def _prefill_alone_vs_batched(model: HybridLM, lengths: tuple[int, int]) -> list[bool]:
+    """Is a prompt's prefill (one ragged batch) bit-identical alone and among 1, 6, 31 others?"""
+    target = _prompts(1, model.config.vocab_size, seed=99, lengths=lengths)[0]
+    alone, _ = _logits_in_batch(model, target, 1)
+    return [torch.equal(_logits_in_batch(model, target, n)[0], alone) for n in BATCH_SIZES]
+
+
+@pytest.mark.parametrize("lengths", [(3, 6), (10, 20)])
+def test_varlen_prefill_is_bit_identical_alone_and_in_batches(lengths):
+    model, _ = load_preset("tiny", torch.float32, "cpu")
+    assert _prefill_alone_vs_batched(model, lengths) == [True] * len(BATCH_SIZES)
+
+
+@pytest.mark.parametrize("kernels, lengths", [
+    (Kernels(linear=F.linear, pointwise=rowwise), (3, 6)),
+    ("tiled", (10, 20)),
+], ids=["untiled_linear", "whole_tensor_pointwise"])
+def test_each_invariance_mechanism_is_needed_in_prefill(kernels, lengths):
+    """Negative controls for varlen prefill: plain F.linear over the concatenated rows, or
+    elementwise functions over the whole tensor, change a short prompt's prefill logits with
+    the prompts it is batched with."""
+    model, _ = load_preset("tiny", torch.float32, "cpu")
+    if kernels == "tiled":
+        kernels = Kernels(linear=model.prefill_kernels().linear, pointwise=whole)
+    model.prefill_kernels = lambda: kernels
+    assert not all(_prefill_alone_vs_batched(model, lengths))

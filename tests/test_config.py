@@ -79,6 +79,7 @@ device: cuda
 seed: 11
 object_store_memory: 2000000000
 invariant_tile: 16
+fixed_shape_decode: false
 pool: {kv_tokens: 64, mamba_slots: 2, page_size: 16}
 scheduler:
   retract: auto
@@ -95,6 +96,7 @@ faults:
 """
     cfg = load_serve_config(write(tmp_path, text))
     assert cfg.dtype == "bfloat16" and cfg.object_store_memory == 2_000_000_000
+    assert cfg.fixed_shape_decode is False
     assert cfg.pool == PoolConfig(kv_tokens=64, mamba_slots=2, page_size=16)
     assert cfg.scheduler == SchedulerConfig(retract="auto", admission="reserve", victim_order="largest_memory",
                                             decode_steps_per_call=1, force_retract_every=5, max_retractions=0,
@@ -167,6 +169,12 @@ def test_bad_enum_value_lists_choices_and_suggests() -> None:
         load_serve_config({"scheduler": {"retract": "snapshott"}})
     assert str(e.value) == ("serve config: scheduler.retract must be one of snapshot | recompute | auto,"
                             " got 'snapshott' (did you mean 'snapshot'?)")
+
+
+def test_fixed_shape_decode_must_be_a_bool_or_null() -> None:
+    assert load_serve_config({"fixed_shape_decode": None}).fixed_shape_decode is None
+    with pytest.raises(ConfigError, match="fixed_shape_decode"):
+        load_serve_config({"fixed_shape_decode": "yes"})
 
 
 def test_bad_dtype_is_rejected() -> None:

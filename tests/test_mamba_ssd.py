@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from actors.batch import Segment
 from actors.mamba import (Kernels, causal_conv_prefill, causal_conv_step, ssd_chunked,
                           ssd_sequential_ref, ssd_step)
 from actors.presets import PRESETS, load_preset
@@ -86,8 +87,8 @@ def test_mixer_prefill_equals_prefix_prefill_then_decode(dtype):
     conv = torch.zeros(3, config.conv_dim, config.mamba_d_conv - 1, dtype=dtype)
     ssm = torch.zeros(3, config.mamba_n_heads, config.mamba_d_head, config.mamba_d_state)
     with torch.inference_mode():
-        full = mixer.prefill(h, conv, ssm, slot=1)  # (L, hidden)
-        prefix = mixer.prefill(h[:-4], conv, ssm, slot=2)
+        full = mixer.prefill(h, [Segment(slice(0, h.shape[0]), 1)], conv, ssm)  # (L, hidden)
+        prefix = mixer.prefill(h[:-4], [Segment(slice(0, h.shape[0] - 4), 2)], conv, ssm)
         steps = [mixer.decode(h[t:t + 1], conv, ssm, torch.tensor([2]), Kernels())
                  for t in range(h.shape[0] - 4, h.shape[0])]
     assert ssm.dtype == torch.float32 and full.dtype == dtype
