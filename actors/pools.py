@@ -49,7 +49,8 @@ class KVPool:
         self._free_pages = list(range(self.num_pages - 1, -1, -1))  # pop() gives the lowest page
         self._pages: dict[str, list[int]] = {}
         self._lens: dict[str, int] = {}
-        self._slots: dict[str, torch.Tensor] = {}  # cached (len,) int64 token slots on CPU
+        self._slots: dict[str, torch.Tensor] = {}  # (capacity,) int64 token slots on CPU, the
+        #   first `_lens` valid: grown in place as pages are added (doubling), never rebuilt
 
     @property
     def num_tokens(self) -> int:
@@ -76,7 +77,7 @@ class KVPool:
         if request_id in self._pages:
             raise PoolError(f"KVPool: request {request_id!r} already holds KV pages")
         self._pages[request_id], self._lens[request_id] = [], 0
-        self._slots[request_id] = torch.empty(0, dtype=torch.int64)
+        self._slots[request_id] = torch.empty(max(num_tokens, 1), dtype=torch.int64)
         if not self.extend(request_id, num_tokens):
             del self._pages[request_id], self._lens[request_id], self._slots[request_id]
             return False
@@ -91,16 +92,29 @@ class KVPool:
         if need:
             taken = self._free_pages[-need:]  # the lowest free pages sit at the end
             del self._free_pages[-need:]
+            self._add_slots(request_id, len(pages), list(reversed(taken)))
             pages.extend(reversed(taken))
         if total_tokens > self._lens[request_id]:
             self._lens[request_id] = total_tokens
-            self._slots[request_id] = self._slot_tensor(pages, total_tokens)
         return True
 
+    def _add_slots(self, request_id: str, first_page: int, new_pages: list[int]) -> None:
+        """Write the token slots of `new_pages` (the request's pages first_page, ...) into its
+        slot table, growing the table (doubling) when it is full: O(new tokens), not O(length)."""
+        at, table = first_page * self.page_size, self._slots[request_id]
+        end = at + len(new_pages) * self.page_size
+        if end > table.shape[0]:
+            grown = torch.empty(max(end, 2 * table.shape[0]), dtype=torch.int64)
+            grown[:at] = table[:at]
+            self._slots[request_id] = table = grown
+        page_ids = torch.tensor(new_pages, dtype=torch.int64)
+        table[at:end] = (page_ids[:, None] * self.page_size + torch.arange(self.page_size)).reshape(-1)
+
     def token_slots(self, request_id: str) -> torch.Tensor:
-        """(len,) int64: the token slot of each of the request's tokens, in order (CPU)."""
+        """(len,) int64: the token slot of each of the request's tokens, in order (CPU; a view
+        of the request's slot table, valid until the request is freed)."""
         self._owned(request_id)
-        return self._slots[request_id]
+        return self._slots[request_id][: self._lens[request_id]]
 
     def num_request_tokens(self, request_id: str) -> int:
         self._owned(request_id)
@@ -119,11 +133,6 @@ class KVPool:
             return self._pages[request_id]
         except KeyError:
             raise PoolError(f"KVPool: request {request_id!r} holds no KV pages (double free?)") from None
-
-    def _slot_tensor(self, pages: list[int], num_tokens: int) -> torch.Tensor:
-        page_ids = torch.tensor(pages, dtype=torch.int64)
-        slots = (page_ids[:, None] * self.page_size + torch.arange(self.page_size)).reshape(-1)
-        return slots[:num_tokens]
 
 
 class StatePool:
