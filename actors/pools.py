@@ -107,6 +107,10 @@ class KVPool:
             grown = torch.empty(max(end, 2 * table.shape[0]), dtype=torch.int64)
             grown[:at] = table[:at]
             self._slots[request_id] = table = grown
+        if self.page_size == 1 and len(new_pages) <= 4:  # the usual decode step: a write or two
+            for i, page in enumerate(new_pages):
+                table[at + i] = page
+            return
         page_ids = torch.tensor(new_pages, dtype=torch.int64)
         table[at:end] = (page_ids[:, None] * self.page_size + torch.arange(self.page_size)).reshape(-1)
 

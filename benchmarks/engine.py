@@ -16,7 +16,9 @@ worker actor), both sides warmed up once, then best of `repeats` runs, the two s
   `F.linear` over every weight of the model at the batch's row count; the floor of a step is
   its matmul FLOPs at that speed, and `floor_fraction` = floor / our step time.
 - prefill of one 2k-token prompt: our `Engine.prefill` against transformers' forward with a
-  cache; the first generated tokens must agree (fp32: asserted).
+  cache; the first generated tokens must agree (fp32: asserted);
+- varlen prefill: 16 prompts of 5 to 200 tokens in one ragged forward against one forward per
+  prompt (ours only; the first tokens must be equal both ways).
 "ours" is the engine as served (batch-invariant kernels); at the target batch "ours plain"
 (`invariant_tile=None`) shows what batch invariance costs. When a decode target is missed, the
 JSON carries a cProfile/torch.profiler breakdown of our decode at batch 32.
@@ -50,12 +52,14 @@ class Setup:
     prefill_len: int
     dtypes: tuple[str, ...]
     repeats: int
+    varlen: tuple[int, ...]  # prompt lengths of the varlen prefill row
 
 
 FULL = Setup("small", batches=(1, 8, 32), prompt_len=64, max_new_tokens=17, prefill_len=2048,
-             dtypes=("float32", "bfloat16"), repeats=3)
+             dtypes=("float32", "bfloat16"), repeats=3,
+             varlen=(23, 180, 64, 97, 12, 150, 41, 200, 77, 130, 5, 88, 160, 31, 110, 55))
 QUICK = Setup("tiny", batches=(1, 8), prompt_len=32, max_new_tokens=5, prefill_len=128,
-              dtypes=("float32",), repeats=1)
+              dtypes=("float32",), repeats=1, varlen=(5, 40, 17, 9))
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -91,15 +95,16 @@ def save_preset_checkpoint(model: str, root: Path) -> Path:
 
 
 def run(setup: Setup, ckpt: Path, quick: bool) -> dict:
-    rows, prefill = [], []
+    rows, prefill, varlen = [], [], []
     for dtype in setup.dtypes:
         ours, hf, plain = _load(setup, ckpt, dtype)
         rows += [decode_row(setup, ours, hf, plain if b == TARGET_BATCH else None, b, dtype)
                  for b in setup.batches]
         prefill.append(prefill_row(setup, ours, hf, dtype))
+        varlen.append(varlen_row(setup, ours, dtype))
     result = {"model": setup.model, "threads": THREADS, "prompt_len": setup.prompt_len,
               "max_new_tokens": setup.max_new_tokens, "repeats": setup.repeats, "machine": machine(),
-              "kernels_present": [], "rows": rows, "prefill": prefill,
+              "kernels_present": [], "rows": rows, "prefill": prefill, "varlen_prefill": varlen,
               "targets": targets(rows, prefill)}
     missed = [t for t in result["targets"] if not t["met"] and t["what"].startswith("decode")]
     if missed and not quick:
@@ -159,6 +164,34 @@ def prefill_row(setup: Setup, ours, hf, dtype: str) -> dict:
         assert same, f"prefill: first token {tokens['ours']} vs transformers {tokens['hf']}"
     return {"dtype": dtype, "tokens": setup.prefill_len, "ours_s": best["ours"], "hf_s": best["hf"],
             "ratio": best["hf"] / best["ours"], "same_first_token": same}
+
+
+def varlen_row(setup: Setup, ours, dtype: str) -> dict:
+    """Prefill of several prompts of different lengths: one ragged forward against one forward
+    per prompt, on our engine; every prompt's first token must be the same both ways (the
+    forward's kernels are batch-invariant, so they are bit-identical)."""
+    prompts = [random_prompt(n, ours.config.vocab_size, seed=50 + i) for i, n in enumerate(setup.varlen)]
+    best, tokens = _interleaved_best({"batched": lambda: ours_prefill_many(ours, prompts, True),
+                                      "one_by_one": lambda: ours_prefill_many(ours, prompts, False)},
+                                     setup.repeats)
+    assert tokens["batched"] == tokens["one_by_one"], "varlen prefill: first tokens differ"
+    return {"dtype": dtype, "prompts": len(prompts), "tokens": sum(setup.varlen),
+            "batched_s": best["batched"], "one_by_one_s": best["one_by_one"],
+            "ratio": best["one_by_one"] / best["batched"], "same_tokens": True}
+
+
+def ours_prefill_many(engine, prompts: list[list[int]], together: bool) -> tuple[float, list[int]]:
+    """(seconds, first token of each prompt): all prompts in one `Engine.prefill`, or one each."""
+    from actors.engine import Sequence
+    from raysched.sampling import SamplingParams
+
+    seqs = [Sequence(f"v{i}", list(p), len(p), SamplingParams(max_new_tokens=1))
+            for i, p in enumerate(prompts)]
+    if together:
+        seconds, _ = timed(lambda: engine.prefill(seqs))
+    else:
+        seconds, _ = timed(lambda: [engine.prefill([s]) for s in seqs])
+    return seconds, [s.token_ids[-1] for s in seqs]
 
 
 def targets(rows: list[dict], prefill: list[dict]) -> list[dict]:
@@ -307,6 +340,11 @@ def _print(result: dict) -> None:
              Column("HF s", "hf_s", ".2f"), Column("ours/HF", "ratio", ".2f"),
              Column("same token", "same_first_token")]
     print_table("prefill of one prompt", pcols, result["prefill"])
+    vcols = [Column("dtype", "dtype"), Column("prompts", "prompts"), Column("tokens", "tokens"),
+             Column("one forward s", "batched_s", ".3f"), Column("one per prompt s", "one_by_one_s", ".3f"),
+             Column("speed-up", "ratio", ".2f"), Column("same tokens", "same_tokens")]
+    print_table("varlen prefill (ours): one ragged forward vs one forward per prompt", vcols,
+                result["varlen_prefill"])
     for r in result["rows"]:
         if "ratio_plain" in r:
             print(f"{r['dtype']} batch {r['batch']}: plain (not batch-invariant) kernels "
