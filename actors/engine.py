@@ -5,11 +5,13 @@ The engine owns one model and one `HybridPool`. It never decides *what* to run: 
 to prefill, how many decode steps to take, and whom to retract. Per request it keeps only the
 token history and the sampling parameters; all other state is in the pool.
 
-Batch invariance: a decoding request's logits do not depend on which requests share its step
-(fixed-shape matrix tiles, row-wise elementwise functions, per-request attention; see
-`actors.model`), so a request restored anywhere continues bit-exactly. The decode batch is
-ordered by Mamba slot only so that the SSM state can be updated in place when the slots form
-one run; the order changes no result.
+Batch invariance: a request's logits do not depend on which requests share its prefill or decode
+forward (row-free or fixed-shape matrix products, row-wise elementwise functions, attention per
+request in fixed-size KV chunks; see `actors.model`), so a request restored anywhere continues
+bit-exactly. The decode batch is ordered by Mamba slot only so that the SSM state can be updated
+in place when the slots form one run; the order changes no result. With `fixed_decode`
+(`actors.graph`, the CUDA default) a decode step runs at a padded bucket shape under a CUDA
+graph, with the same bits.
 
 Request states:
 - prefilling (`Engine.prefilling`): admitted, slots held for the whole of `token_ids`, the state of
