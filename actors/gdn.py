@@ -26,7 +26,8 @@ from torch import Tensor, nn
 
 from actors.config import ModelConfig
 from actors.batch import Segment
-from actors.mamba import Kernels, Pointwise, causal_conv_step, conv_segments, scan_segments, whole
+from actors.mamba import (Kernels, Pointwise, causal_conv_step, conv_segments, decay_exp_, scan_segments,
+                          whole)
 from actors.norms import rms_normalize
 
 
@@ -119,7 +120,7 @@ def _pair_decay(cum: Tensor) -> Tensor:
     """exp(cum_i - cum_j) for i >= j, 0 above the diagonal: (..., C) -> (..., C, C)."""
     C = cum.shape[-1]
     upper = torch.triu(torch.ones(C, C, dtype=torch.bool, device=cum.device), 1)
-    return (cum[..., :, None] - cum[..., None, :]).masked_fill(upper, float("-inf")).exp()
+    return decay_exp_(cum[..., :, None] - cum[..., None, :]).masked_fill_(upper, 0.0)
 
 
 def gdn_step(state: Tensor, slots: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
