@@ -90,12 +90,18 @@ def test_random_operation_sequences_return_every_slot(seed, page_size):
                 live[f"r{step}"] = n
         elif op == "extend" and live:
             rid = rng.choice(sorted(live))
+            before = pool.kv.token_slots(rid).tolist()
             if pool.extend(rid, live[rid] + rng.randint(1, 6)):
                 live[rid] = pool.kv.num_request_tokens(rid)
+            assert pool.kv.token_slots(rid).tolist()[: len(before)] == before  # grown in place
         elif live:
             rid = rng.choice(sorted(live))
             pool.release(rid)
             del live[rid]
+        slots = [pool.kv.token_slots(rid).tolist() for rid in live]
+        assert [len(s) for s in slots] == list(live.values())
+        flat = [t for s in slots for t in s]
+        assert len(set(flat)) == len(flat) and all(0 <= t < pool.kv.num_tokens for t in flat)
         held = sum(-(-n // page_size) * page_size for n in live.values())
         assert pool.kv.num_free_tokens == pool.kv.num_tokens - held
         assert pool.mamba.num_free_slots == 5 - len(live)
