@@ -40,7 +40,6 @@ names) or build the model through `actors.loader.load_checkpoint` / `actors.pres
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -51,7 +50,7 @@ from actors.batch import ForwardBatch
 from actors.config import ModelConfig
 from actors.ffn import SwiGLU  # noqa: F401  (re-exported: it lived here)
 from actors.layers import KINDS, LAYOUTS, build_ffn
-from actors.mamba import Kernels, rowwise, whole
+from actors.mamba import Kernels, rowwise
 from actors.norms import ARCH_NORM_STYLE, RMSNorm
 
 
