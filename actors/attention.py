@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from actors.batch import NEG_SCORE, KVTable, Segment
+from actors.batch import NEG_SCORE, KVTable, Segment, cat_rows
 from actors.config import ModelConfig
 from actors.mamba import Kernels, Pointwise, whole
 from actors.norms import ARCH_NORM_STYLE, RMSNorm
@@ -139,7 +139,7 @@ class Attention(nn.Module):
         v_cache[out_slots] = v
         outs = [self._prefill_one(q[s.rows], k[s.rows], v[s.rows], s, k_cache, v_cache)
                 for s in segments]  # (L_i, Hq*D) each
-        return self._out(outs[0] if len(outs) == 1 else torch.cat(outs), gate, kernels)
+        return self._out(cat_rows(outs), gate, kernels)
 
     def _prefill_one(self, q: Tensor, k: Tensor, v: Tensor, seg: Segment, k_cache: Tensor,
                      v_cache: Tensor) -> Tensor:

@@ -152,6 +152,11 @@ class ForwardBatch:
         return KVTable.build([t.cpu() for t in self.kv_slots]).to(device)
 
 
+def cat_rows(parts: list[torch.Tensor]) -> torch.Tensor:
+    """Per-sequence results of a prefill forward back in one tensor, in order (no copy for one)."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
 def contiguous_run(slots: torch.Tensor) -> tuple[int, int] | None:
     """(start, length) when the CPU tensor `slots` is start, start+1, ...; None otherwise."""
     n = int(slots.numel())

@@ -226,13 +226,14 @@ class Engine:
         ids = [s.token_ids[-1] for s in seqs]
         positions = [s.num_cached for s in seqs]
         mamba = [self.pool.mamba.slot(s.request_id) for s in seqs]
-        fixed = self.fixed_decode
-        if fixed is not None and fixed.bucket_for(len(seqs), max(t.shape[0] for t in kv_slots)):
-            return fixed(ids, positions, kv_slots, mamba)
+        if self.fixed_decode is not None:
+            logits = self.fixed_decode(ids, positions, kv_slots, mamba)  # None: no bucket fits
+            if logits is not None:
+                return logits
         batch = ForwardBatch(False, torch.tensor(ids, dtype=torch.int64),
                              torch.tensor(positions, dtype=torch.int64), [1] * len(seqs),
                              torch.stack([slots[-1] for slots in kv_slots]),
-                             torch.tensor(mamba, dtype=torch.int64), kv_slots, KVTable.build(kv_slots))
+                             torch.tensor(mamba, dtype=torch.int64), None, KVTable.build(kv_slots))
         return self._forward(self._to_device(batch))
 
     # ------------------------------------------------------------------ shared

@@ -26,7 +26,8 @@ from actors.batch import KV_CHUNK, ForwardBatch, KVTable
 from actors.pools import HybridPool
 
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256)
-MAX_CHUNKS = 1 << 12  # 131k tokens at KV_CHUNK 32: longer contexts decode eagerly
+MAX_TABLE_TOKENS = 1 << 18  # rows x chunks x C of a bucket's padded table (its K/V gather):
+#   a bigger step (many rows, one long context) decodes eagerly, whose table is not padded
 
 
 @dataclass
@@ -68,21 +69,23 @@ class FixedShapeDecode:
         need = max(1, -(-longest // self.chunk))
         chunks = 1 << (need - 1).bit_length()
         fits = [b for b in ROW_BUCKETS if b >= rows]
-        if not fits or chunks > MAX_CHUNKS:
+        if not fits:
             return None
-        return min(fits[0], max(rows, self.pool.mamba.num_slots)), chunks  # never past the pool
+        padded_rows = min(fits[0], max(rows, self.pool.mamba.num_slots))  # never past the pool
+        if padded_rows * chunks * self.chunk > MAX_TABLE_TOKENS:
+            return None
+        return padded_rows, chunks
 
     def __call__(self, input_ids: list[int], positions: list[int], kv_slots: list[Tensor],
-                 mamba_slots: list[int]) -> Tensor:
-        """Logits (R, vocab) fp32 of one decode step; raises ValueError if no bucket fits.
+                 mamba_slots: list[int]) -> Tensor | None:
+        """Logits (R, vocab) fp32 of one decode step, or None when no bucket fits (the caller
+        decodes eagerly).
 
         kv_slots[i] (CPU, (L_i,)): request i's token slots, the new token's last (its K/V is
         written there)."""
-        R = len(input_ids)
-        shape = self.bucket_for(R, max(t.shape[0] for t in kv_slots))
+        shape = self.bucket_for(len(input_ids), max(t.shape[0] for t in kv_slots))
         if shape is None:
-            raise ValueError(f"no decode bucket holds {R} requests of up to "
-                             f"{max(t.shape[0] for t in kv_slots)} tokens")
+            return None
         b = self._bucket(*shape)
         self._fill(b, input_ids, positions, kv_slots, mamba_slots)
         b.device_inputs.copy_(b.host, non_blocking=True)
@@ -90,7 +93,7 @@ class FixedShapeDecode:
             b.graph.replay()
         else:
             b.logits = self._step(b)
-        return b.logits[:R]
+        return b.logits[: len(input_ids)]
 
     # ------------------------------------------------------------------ buffers
     def _bucket(self, rows: int, chunks: int) -> _Bucket:
@@ -117,7 +120,9 @@ class FixedShapeDecode:
         R = len(input_ids)
         assert R <= b.rows
         ids, pos, out, state, lengths, slots = self._views(b.host, b)
-        b.host.zero_()  # padding rows: token 0 at position 0 over no key, at the scratch slots
+        # padding rows: token 0 at position 0 over no key, at the scratch slots. Slot entries
+        # past a row's length are left as they are: masked, and always valid slot numbers
+        ids[R:], pos[R:], lengths[R:] = 0, 0, 0
         state[R:] = self.pool.mamba.scratch_slot
         out[R:] = self.pool.kv.scratch_slot
         if R:

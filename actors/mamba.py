@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from actors.batch import Segment, contiguous_run
+from actors.batch import Segment, cat_rows, contiguous_run
 from actors.config import ModelConfig
 from actors.norms import inv_rms
 
@@ -327,13 +327,8 @@ def conv_segments(xBC: Tensor, segments: list[Segment], conv_state: Tensor, weig
                   bias: Tensor | None, pointwise: Pointwise = whole) -> Tensor:
     """`causal_conv_prefill` of each sequence's rows of xBC (T, D), from the conv state at its
     slot (zeros for a fresh sequence); writes each one's final conv state back. -> (T, D)."""
-    outs = []
-    for seg in segments:
-        initial = conv_state[seg.mamba_slot] if seg.start else None
-        out, final = causal_conv_prefill(xBC[seg.rows], weight, bias, initial, pointwise)
-        conv_state[seg.mamba_slot] = final
-        outs.append(out)
-    return outs[0] if len(outs) == 1 else torch.cat(outs)
+    return scan_segments(segments, conv_state, lambda rows, initial: causal_conv_prefill(
+        xBC[rows], weight, bias, initial, pointwise))
 
 
 def scan_segments(segments: list[Segment], state: Tensor,
@@ -346,7 +341,7 @@ def scan_segments(segments: list[Segment], state: Tensor,
         y, final = scan(seg.rows, state[seg.mamba_slot] if seg.start else None)
         state[seg.mamba_slot] = final
         ys.append(y)
-    return ys[0] if len(ys) == 1 else torch.cat(ys)
+    return cat_rows(ys)
 
 
 # ---------------------------------------------------------------------------- small stages

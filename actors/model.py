@@ -310,8 +310,7 @@ class HybridLM(nn.Module):
         for layer in self.layers:
             h = layer.prefill(h, batch, pool, kernels)  # (T, hidden)
         if last_only:
-            last = [seg.rows.stop - 1 for seg in batch.segments]
-            h = h[-1:] if len(last) == 1 and last[0] == h.shape[0] - 1 else h[last]  # (B, hidden)
+            h = h[[seg.rows.stop - 1 for seg in batch.segments]]  # (B, hidden)
         return self._logits(h, kernels)
 
     def _decode(self, batch: ForwardBatch, pool: PoolTensors) -> Tensor:

@@ -2,7 +2,8 @@
 
 Reference: plain Python over the row's values. Ties are planted on purpose (a batched kernel
 that returned the last maximum, or any maximum, would pick another token on resume than on the
-original run). The control checks that the planted ties are real ties.
+original run). The controls check that the planted ties are real ties, and that a last-maximum
+rule would pick differently on them.
 """
 
 from __future__ import annotations
@@ -29,3 +30,6 @@ def test_greedy_picks_the_first_maximum_in_a_batch_and_alone():
     assert picks == [_first_max(r) for r in rows]
     assert picks == [sample_row(logits[i], 0.0, 1.0, 0.5) for i in range(6)]
     assert picks[1:4] == [7, 0, 4000]
+    # negative control: a rule that keeps the last maximum picks other tokens on these rows
+    last_max = [len(r) - 1 - _first_max(r[::-1]) for r in rows]
+    assert last_max[1:4] == [3000, 4098, 4098] and last_max != picks
