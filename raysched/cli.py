@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -19,6 +21,15 @@ def _ids(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"--prompt-ids must be comma-separated integers, got {text!r}")
 
 
+ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}
+
+
+def _unescape(text: str) -> str:
+    """`--stop "\\n"` means a newline, as in the JSON of a request: \\n, \\t, \\r and \\\\ are
+    unescaped; any other backslash stays as typed."""
+    return re.sub(r"\\([ntr\\])", lambda m: ESCAPES[m.group(1)], text)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="raysched", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -29,7 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
     prompts = g.add_mutually_exclusive_group(required=True)
     prompts.add_argument("--prompt-ids", type=_ids, action="append", help="e.g. 5,17,42; repeatable")
     prompts.add_argument("--prompt", action="append", help="text, encoded with the model's tokenizer; repeatable")
-    g.add_argument("--stop", action="append", default=[], help="stop string; repeatable")
+    g.add_argument("--stop", action="append", default=[], type=_unescape,
+                   help="stop string; repeatable; \\n, \\t, \\r and \\\\ are unescaped (--stop '\\n')")
     g.add_argument("--ignore-eos", action="store_true", help="text prompts: do not stop at the eos token")
     g.add_argument("--max-new-tokens", type=int, default=16)
     g.add_argument("--temperature", type=float, default=0.0)
@@ -52,7 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--host", default="127.0.0.1")
     sv.add_argument("--port", type=int, default=8000)
     sv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (default: $RAYSCHED_API_KEY)")
-    _deployment_args(sv)
+    _deployment_args(sv, address_help="Ray cluster address (default: $RAY_ADDRESS, else an embedded "
+                                      "local instance that ends with the server)")
 
     st = sub.add_parser("start", help="start a named, detached scheduler on a running Ray cluster")
     st.add_argument("--config", required=True, help="serve config YAML")
@@ -70,8 +83,10 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _deployment_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--address", default=None, help="Ray cluster address (default: $RAY_ADDRESS, else auto)")
+def _deployment_args(p: argparse.ArgumentParser,
+                     address_help: str = "Ray cluster address (default: $RAY_ADDRESS, else auto: the newest "
+                                         "cluster `ray start` began on this machine)") -> None:
+    p.add_argument("--address", default=None, help=address_help)
     p.add_argument("--name", default=None, help="scheduler name in namespace 'raysched' (default: raysched)")
 
 
@@ -80,13 +95,14 @@ def cmd_start(args: argparse.Namespace) -> int:
 
     import ray
 
+    from raysched.cluster import attach
     from raysched.config import load_serve_config
     from raysched.deployment import DEFAULT_NAME, start_scheduler
 
     config = load_serve_config(args.config)
     owns_ray = not ray.is_initialized()
     if owns_ray:
-        ray.init(address=args.address or os.environ.get("RAY_ADDRESS") or "auto", logging_level="WARNING")
+        attach(args.address or os.environ.get("RAY_ADDRESS") or "auto")
     try:
         name = args.name or DEFAULT_NAME
         _, workers = start_scheduler(config, name, detached=True)
@@ -153,7 +169,6 @@ def cmd_stop(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from actors.engine import build_engine
     from raysched.sampling import SamplingParams, validate_prompt
     from raysched.tokenizer import load_tokenizer, require_tokenizer, with_eos_stop
 
@@ -168,6 +183,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     sampling = SamplingParams.from_dict(params)
     if sampling.stop and tok is None:
         require_tokenizer(args.model)  # raises: stop strings need the text
+    _check_kv_tokens(args.kv_tokens, prompt_ids, args.max_new_tokens)
+    from actors.engine import build_engine  # torch: only once the arguments are known to be good
+
     need = sum(len(p) + args.max_new_tokens for p in prompt_ids)
     engine = build_engine(args.model, args.dtype, args.device, kv_tokens=args.kv_tokens or need,
                           mamba_slots=len(prompt_ids))
@@ -186,6 +204,21 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_kv_tokens(kv_tokens: int | None, prompt_ids: list[list[int]], max_new_tokens: int) -> None:
+    """`--kv-tokens` must hold each request's whole budget (the reference never retracts)."""
+    from raysched.sampling import RequestError
+
+    if kv_tokens is None:
+        return
+    if kv_tokens <= 0:
+        raise RequestError(f"--kv-tokens must be a positive integer, got {kv_tokens}")
+    for i, prompt in enumerate(prompt_ids):
+        need = len(prompt) + max_new_tokens - 1  # the last token's K/V is never written
+        if need > kv_tokens:
+            raise RequestError(f"--kv-tokens {kv_tokens} is too small: prompt {i} ({len(prompt)} tokens) + "
+                               f"--max-new-tokens ({max_new_tokens}) needs {need} KV tokens")
+
+
 def _generate_row(prompt_ids: list[int], token_ids: list[int], tok, stop: tuple[str, ...]) -> dict:
     """One output: token ids (cut after the token that completes a stop string) and its text."""
     row: dict = {"prompt_ids": list(prompt_ids), "token_ids": list(token_ids)}
@@ -201,15 +234,16 @@ def cmd_run(args: argparse.Namespace) -> int:
     import raysched
     from raysched.config import load_serve_config
     from raysched.runner import format_summary, run_workload
-    from raysched.workload import load_workload_config
+    from raysched.tokenizer import load_tokenizer
+    from raysched.workload import build_requests, load_workload_config
 
     config = load_serve_config(args.config)
-    workload = load_workload_config(args.workload)  # validate before starting anything
+    workload = load_workload_config(args.workload)  # validate everything before starting anything:
+    build_requests(workload, PRECHECK_VOCAB, load_tokenizer(config.model))  # the trace too (but the vocabulary)
     client = raysched.launch(config, address=args.address)
     try:
+        _raise_on_signals()  # after Ray's start-up, which installs a SIGTERM handler of its own
         _print_workers(client.workers)
-        from raysched.workload import build_requests
-
         specs = build_requests(workload, client.vocab_size(), client.tokenizer)
         report = run_workload(client, specs, progress=not args.quiet)
     finally:
@@ -219,7 +253,30 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.report:
         Path(args.report).write_text(json.dumps(report, indent=1))
         print(f"report written to {args.report}")
+    if report["summary"].get("interrupted"):
+        raise Interrupted(report["summary"]["interrupted"])
     return 0 if report["summary"]["failed"] == 0 else 1
+
+
+PRECHECK_VOCAB = 1 << 62  # trace lines are checked before Ray starts; their ids against the model after
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGINT (Ctrl-C) or SIGTERM: the command stops, cleans up, and exits 128 + the signal."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _raise_on_signals() -> None:
+    """From now on SIGINT and SIGTERM raise `Interrupted` in the main thread (what they do
+    depends on where it lands: `raysched run` writes the summary of what finished)."""
+    def handler(signum: int, _frame: Any) -> None:
+        raise Interrupted(signum)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, handler)
 
 
 def _print_workers(workers: list[dict]) -> None:
@@ -255,23 +312,31 @@ def _bench_module(name: str) -> Any:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command; a user's mistake (bad config, input, address, a taken port) is one line on
+    stderr and exit status 2; an interrupt (Ctrl-C, SIGTERM) exits 128 + the signal's number."""
     args = build_parser().parse_args(argv)
-    from raysched.config import ConfigError
-    from raysched.sampling import RequestError
-
-    from raysched.deployment import SchedulerExistsError, SchedulerNotFoundError
-
     handlers = {"generate": cmd_generate, "run": cmd_run, "bench": cmd_bench, "start": cmd_start, "serve": cmd_serve,
                 "status": cmd_status, "stop": cmd_stop}
+    _raise_on_signals()
     try:
         return handlers[args.command](args)
-    except (ConfigError, RequestError, FileNotFoundError, SchedulerExistsError,
-            SchedulerNotFoundError) as err:
+    except _user_errors() as err:  # ValueError: CheckpointError, SnapshotError, ...
         print(f"raysched {args.command}: error: {err}", file=sys.stderr)
         return 2
-    except ValueError as err:  # CheckpointError, SnapshotError, ...
-        print(f"raysched {args.command}: error: {err}", file=sys.stderr)
-        return 2
+    except KeyboardInterrupt as err:
+        signum = getattr(err, "signum", signal.SIGINT)
+        print(f"raysched {args.command}: interrupted ({signal.Signals(signum).name})", file=sys.stderr)
+        return 128 + signum
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    from raysched.cluster import ClusterError, PortInUseError
+    from raysched.config import ConfigError
+    from raysched.deployment import SchedulerExistsError, SchedulerNotFoundError
+    from raysched.sampling import RequestError
+
+    return (ConfigError, RequestError, FileNotFoundError, SchedulerExistsError, SchedulerNotFoundError,
+            ClusterError, PortInUseError, ValueError)
 
 
 if __name__ == "__main__":

@@ -16,12 +16,12 @@ from typing import Any
 
 import ray
 
-from raysched.config import ServeConfig, load_serve_config
+from raysched.cluster import attach, init_ray
+from raysched.config import ServeConfig, check_model_source, load_serve_config
 from raysched.deployment import DEFAULT_MAX_RESTARTS
 from raysched.sampling import RequestError, SamplingParams
 from raysched.tokenizer import TextTokenizer, load_tokenizer, output_text, require_tokenizer, with_eos_stop
 
-DEFAULT_OBJECT_STORE_BYTES = 512 << 20
 RESTART_WAIT_S = 300.0  # how long a call waits for Ray to restart a dead scheduler
 RESTART_POLL_S = 0.2
 
@@ -93,7 +93,7 @@ def connect(address: str | None = None, name: str | None = None) -> "Client":
     name = name or DEFAULT_NAME
     owns_ray = False
     if not ray.is_initialized():
-        ray.init(address=address or os.environ.get("RAY_ADDRESS") or "auto", logging_level="WARNING")
+        attach(address or os.environ.get("RAY_ADDRESS") or "auto")
         owns_ray = True
     handle = find_scheduler(name)
     if handle is None:
@@ -111,16 +111,10 @@ def connect(address: str | None = None, name: str | None = None) -> "Client":
 
 
 def _init_ray(cfg: ServeConfig, address: str | None, num_cpus: int | None) -> bool:
-    if ray.is_initialized():
-        return False
-    address = address or os.environ.get("RAY_ADDRESS")
-    if address:
-        ray.init(address=address, logging_level="WARNING")
-    else:
-        ray.init(address="local", include_dashboard=False, num_cpus=num_cpus or max(2, cfg.workers + 1),
-                 object_store_memory=cfg.object_store_memory or DEFAULT_OBJECT_STORE_BYTES,
-                 logging_level="WARNING")
-    return True
+    """Connect to Ray for `launch` and `raysched serve` (see `raysched.cluster.init_ray`), once
+    the model is known to exist here when the workers will run here (no address)."""
+    check_model_source(cfg.model, local=not (address or os.environ.get("RAY_ADDRESS")))
+    return init_ray(address, num_cpus or max(2, cfg.workers + 1), cfg.object_store_memory)
 
 
 class Client:

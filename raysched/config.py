@@ -569,3 +569,23 @@ def load_serve_config(path_or_dict: PathOrDict) -> ServeConfig:
     raysched.config.ConfigError: serve config: unknown key 'pool.kv_tokenz' (did you mean 'kv_tokens'?)
     """
     return ServeConfig.from_dict(read_config_source(path_or_dict, _SOURCE))
+
+
+PRESET_NAMES = ("tiny", "small", "tiny-granite", "tiny-nemotronh", "tiny-qwen35", "tiny-qwen3next")  # actors.presets
+CHECKPOINT_CONFIG_FILE = "config.json"  # what makes a directory a checkpoint (actors.loader)
+
+
+def check_model_source(model: str, local: bool = True) -> None:
+    """Raise ConfigError unless `model` is a preset or a directory holding a checkpoint's
+    `config.json`: checked before Ray starts, so a mistyped path is one line, not a worker's
+    traceback. `local=False` (attaching to a cluster whose workers may have the checkpoint where
+    this machine has none) skips the check: the workers check it when they start."""
+    if not local or model in PRESET_NAMES:
+        return
+    path = Path(model)
+    if not path.is_dir():
+        raise ConfigError(f"serve config: model {model!r} is neither a preset ({', '.join(PRESET_NAMES)}) "
+                          f"nor a directory")
+    if not (path / CHECKPOINT_CONFIG_FILE).is_file():
+        raise ConfigError(f"serve config: model {model!r} is a directory without {CHECKPOINT_CONFIG_FILE} "
+                          f"(a checkpoint as transformers' save_pretrained writes it)")

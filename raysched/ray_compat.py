@@ -121,3 +121,53 @@ def cluster_config_validator() -> Any:
     except Exception:
         return None
     return lambda config: util.validate_config(util.prepare_config(config))
+
+
+AUTH_MODE_ENV = "RAY_AUTH_MODE"
+
+
+def auth_token_available() -> bool:
+    """Whether this process has a Ray auth token at hand ($RAY_AUTH_TOKEN, the file
+    $RAY_AUTH_TOKEN_PATH names, or ~/.ray/auth_token, which any embedded `ray.init` creates).
+
+    Private: `ray._raylet.AuthenticationTokenLoader` (Ray's own lookup). Fallback: those three
+    places, checked here.
+    """
+    try:
+        from ray._raylet import AuthenticationTokenLoader
+
+        return bool(AuthenticationTokenLoader.instance().has_token(ignore_auth_mode=True))
+    except Exception:
+        path = os.environ.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token"
+        return bool(os.environ.get("RAY_AUTH_TOKEN")) or Path(path).is_file()
+
+
+def set_auth_mode(mode: str) -> None:
+    """Set Ray's authentication mode ("token" or "disabled") for this process and the processes
+    it starts, as `RAY_AUTH_MODE` does when set before Ray loads its config.
+
+    Private: `ray._raylet.Config.initialize("")`, which re-reads the config (Ray does the same
+    when it turns token mode on by itself). Fallback: the environment variable alone (right
+    when Ray has not read its config yet in this process).
+    """
+    os.environ[AUTH_MODE_ENV] = mode
+    try:
+        from ray._raylet import Config
+
+        Config.initialize("")
+    except Exception:
+        pass
+
+
+def bootstrap_address(address: str) -> str:
+    """The host:port of the GCS that `address` ("auto" or host:port) names, as `ray.init` would
+    pick it: with "auto", the newest cluster `ray start` recorded on this machine.
+
+    Private: `ray._private.services.canonicalize_bootstrap_address_or_die`; it raises
+    ConnectionError when it finds no cluster (or several). Fallback: `address` as given.
+    """
+    try:
+        from ray._private.services import canonicalize_bootstrap_address_or_die
+    except Exception:
+        return address
+    return canonicalize_bootstrap_address_or_die(address)

@@ -20,10 +20,26 @@ def run_workload(client: Client, specs: list[RequestSpec], progress: bool = True
 
     If the scheduler dies and Ray restarts it, the requests still pending are resubmitted to it
     (each completes once, with the tokens it would have had); if it is gone for good, this
-    raises `SchedulerDiedError`."""
+    raises `SchedulerDiedError`. An interrupt (KeyboardInterrupt, or the CLI's SIGTERM) ends
+    the run early: the report holds what finished, and its summary says `interrupted` (the
+    signal's number, or 2 for SIGINT) and how many requests did not finish (`unfinished`)."""
     start = time.monotonic()
-    pending: dict[Any, RequestHandle] = {}
     records: list[dict] = []
+    interrupted = None
+    try:
+        _drive(client, specs, records, start, progress)
+    except KeyboardInterrupt as err:
+        interrupted = getattr(err, "signum", 2)
+    duration_s = time.monotonic() - start  # before the stats calls, which can take a while
+    report = build_report(records, client.stats(detail=True), duration_s, client.check_idle())
+    if interrupted is not None:
+        report["summary"].update(interrupted=interrupted, unfinished=len(specs) - len(records))
+    return report
+
+
+def _drive(client: Client, specs: list[RequestSpec], records: list[dict], start: float, progress: bool) -> None:
+    """The arrival-and-wait loop of `run_workload`; finished requests' records go to `records`."""
+    pending: dict[Any, RequestHandle] = {}
     order = sorted(specs, key=lambda s: s.arrival_s)
     i, last_print = 0, 0.0
     while i < len(order) or pending:
@@ -46,8 +62,6 @@ def run_workload(client: Client, specs: list[RequestSpec], progress: bool = True
         if progress and time.monotonic() - last_print > 1.0:
             last_print = time.monotonic()
             _print_progress(client, len(records), len(specs), time.monotonic() - start)
-    duration_s = time.monotonic() - start  # before the stats calls, which can take a while
-    return build_report(records, client.stats(detail=True), duration_s, client.check_idle())
 
 
 def _submit(client: Client, spec: RequestSpec, pending: dict, records: list[dict]) -> None:
@@ -132,6 +146,9 @@ def format_summary(summary: dict, echo: Callable[[str], None] = print) -> None:
             ("latency p50 / p99", _pair(summary["latency_p50_s"], summary["latency_p99_s"])),
             ("ttft p50 / p99", _pair(summary["ttft_p50_s"], summary["ttft_p99_s"])),
             ("worker failures", summary["worker_failures"])]
+    if summary.get("interrupted"):
+        rows.insert(0, ("interrupted", f"by signal {summary['interrupted']}; "
+                                       f"{summary['unfinished']} requests did not finish"))
     echo("summary")
     for name, value in rows:
         echo(f"  {name:<20} {value}")

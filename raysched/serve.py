@@ -16,8 +16,10 @@ GET /metrics (Prometheus text). Errors are OpenAI's error JSON.
 
 
 import asyncio
+import contextlib
 import hmac
 import json
+import logging
 import os
 import signal
 import threading
@@ -34,8 +36,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from raysched.config import ServeConfig
-from raysched.deployment import DEFAULT_NAME, NAMESPACE, find_scheduler, start_scheduler, stop_scheduler
+from raysched.cluster import check_port_free
+from raysched.config import ConfigError, ServeConfig
+from raysched.deployment import DEFAULT_NAME, NAMESPACE, describe, find_scheduler, start_scheduler
 from raysched.metrics import ServeMetrics
 from raysched.openai_api import (APIError, ParsedRequest, chunk, error_body, models_list, new_id, parse_chat,
                                  parse_completion, response, usage, usage_chunk)
@@ -100,7 +103,8 @@ def _sse(data: dict) -> str:
     return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
 
 
-@serve.deployment(max_ongoing_requests=MAX_ONGOING_REQUESTS, ray_actor_options={"num_cpus": 0})
+@serve.deployment(max_ongoing_requests=MAX_ONGOING_REQUESTS, ray_actor_options={"num_cpus": 0},
+                  logging_config={"enable_access_log": False})  # no log line per HTTP request
 @serve.ingress(app)
 class OpenAIServer:
     """The HTTP face of one scheduler. Per request: parse (400/404 on bad input), submit, stream
@@ -257,17 +261,20 @@ class Server:
     url: str
     scheduler_name: str
     owns_ray: bool
-    owns_scheduler: bool
+    app_name: str = "raysched"
 
     def stop(self) -> None:
-        """Shut Serve down, then the scheduler if this server started it (and it is not detached),
-        then Ray if this server started it."""
-        serve.shutdown()
-        handle = find_scheduler(self.scheduler_name)
-        if self.owns_scheduler and handle is not None:
-            stop_scheduler(handle)
+        """Undo what this server started. Its own embedded Ray instance holds everything (Serve,
+        the scheduler, its workers): ending it ends them all at once, with no graceful Serve
+        shutdown to wait for (a process-group SIGTERM may have killed Ray's processes already).
+        On a cluster it joined, only its own Serve application is deleted: other applications
+        there keep serving, and the scheduler it started or found is detached and stays
+        (`raysched stop` ends it)."""
         if self.owns_ray:
             ray.shutdown()
+            return
+        with contextlib.suppress(Exception):  # the cluster may be gone already: nothing left to undo
+            serve.delete(self.app_name)
 
 
 def start_server(config: ServeConfig, host: str = "127.0.0.1", port: int = 8000, address: str | None = None,
@@ -275,27 +282,54 @@ def start_server(config: ServeConfig, host: str = "127.0.0.1", port: int = 8000,
                  on_ray_up: Callable[[], None] | None = None) -> Server:
     """Start (or reuse) the named scheduler and the HTTP server; returns once both answer.
 
-    With `address` (or RAY_ADDRESS) it joins that cluster and the scheduler it starts is detached
+    The port is checked first (a taken one is a PortInUseError before anything starts). With
+    `address` (or RAY_ADDRESS) it joins that cluster and the scheduler it starts is detached
     (it outlives this server; `raysched stop` ends it); an existing scheduler of that name is
-    used as is. Without, an embedded local Ray instance holds everything, and `stop` ends it.
-    `on_ray_up` runs once Ray is connected (its core worker installs signal handlers of its own).
+    used if it serves the same config, else refused (ConfigError naming both models). Without,
+    an embedded local Ray instance holds everything, and `stop` ends it. `on_ray_up` runs once
+    Ray is connected (its core worker installs signal handlers of its own).
     """
     from raysched.client import _init_ray
 
+    check_port_free(host, port)
     owns_ray = _init_ray(config, address, num_cpus)
     try:
         if on_ray_up is not None:
             on_ray_up()
-        existed = find_scheduler(name) is not None
+        _check_same_config(config, name)
         # detached in any case: a job's own named actors are invisible to the Serve replicas' job
         start_scheduler(config, name, detached=True, exist_ok=True)
         serve.start(http_options={"host": host, "port": port})
-        deploy_app(name, api_key)
+        with _quiet_serve_logger():  # "Connecting to existing Serve app": the one serve.start made
+            deploy_app(name, api_key)
     except BaseException:
         if owns_ray:
             ray.shutdown()
         raise
-    return Server(f"http://{host}:{port}", name, owns_ray, owns_scheduler=not existed and owns_ray)
+    return Server(f"http://{host}:{port}", name, owns_ray)
+
+
+def _check_same_config(config: ServeConfig, name: str) -> None:
+    """A running scheduler of this name must serve `config`; else ConfigError naming both models."""
+    handle = find_scheduler(name)
+    if handle is None:
+        return
+    running: ServeConfig = describe(handle)["config"]
+    if running != config:
+        raise ConfigError(f"the running scheduler {name!r} serves model {running.model!r} with another config "
+                          f"than --config (model {config.model!r}); serve it with its own config, or end it "
+                          f"first (raysched stop)")
+
+
+@contextlib.contextmanager
+def _quiet_serve_logger() -> Any:
+    logger = logging.getLogger("ray.serve")
+    level = logger.level
+    logger.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def deploy_app(scheduler_name: str = DEFAULT_NAME, api_key: str | None = None, app_name: str = "raysched",
@@ -307,8 +341,9 @@ def deploy_app(scheduler_name: str = DEFAULT_NAME, api_key: str | None = None, a
 
 def run_server(config: ServeConfig, host: str, port: int, address: str | None, api_key: str | None,
                name: str = DEFAULT_NAME) -> None:
-    """`raysched serve`: start, print where, serve until SIGTERM or Ctrl-C, then shut down cleanly
-    (a signal that comes during start-up is honoured as soon as the server is up)."""
+    """`raysched serve`: start, print where, serve until SIGTERM or Ctrl-C, then shut down cleanly.
+    A signal during start-up (before Ray is up) interrupts it (the caller reports it in one
+    line); one that comes later is honoured as soon as the server is up."""
     stop = threading.Event()
 
     def on_signals() -> None:

@@ -1,0 +1,123 @@
+"""The README's long-lived path, after the demo, in a fresh HOME, as a user types it.
+
+An embedded run first (as `bash examples/demo.sh` does): Ray writes ~/.ray/auth_token. Then
+`ray start --head` turns on token auth, and every command with an explicit `--address` must
+still work (Ray's clients do not pass the token by themselves with an explicit address; see
+`raysched.cluster`): `raysched start`, `status`, `raysched.connect`, `serve --address` (which
+refuses another config, and on exit deletes only its own Serve application), `stop`. Each runs
+in a subprocess with no RAY_* variable inherited from this test process.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from raysched.sampling import SamplingParams
+from tests.conftest import reference_tokens, wait_until
+from tests.user_cli import RAYSCHED, REPO, RayHead, free_port, one_line_error, python, raysched, user_env
+
+CONFIG = "model: tiny\nworkers: 1\npool: {kv_tokens: 256, mamba_slots: 4}\n"
+PROMPT, MAX_NEW = [5, 17, 42, 7], 6
+
+
+def _connect_and_submit(address: str) -> str:
+    return (f"import json, raysched\n"
+            f"client = raysched.connect({address!r})\n"
+            f"print(json.dumps(client.submit({PROMPT}, {{'max_new_tokens': {MAX_NEW}}}).result()['token_ids']))\n"
+            f"client.shutdown()\n")
+
+
+def _serve(config: Path, address: str, port: int, home: Path) -> subprocess.Popen:
+    return subprocess.Popen([*RAYSCHED, "serve", "--config", str(config), "--address", address, "--port", str(port)],
+                            cwd=REPO, env=user_env(home), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+
+
+def _answers(url: str, proc: subprocess.Popen) -> bool:
+    try:
+        return httpx.get(f"{url}/health", timeout=5).status_code == 200
+    except httpx.HTTPError:
+        return proc.poll() is not None  # it died: stop polling, the caller says so
+
+
+def test_readme_long_lived_path_after_an_embedded_run(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    config = tmp_path / "serve.yaml"
+    config.write_text(CONFIG)
+    embedded = python("import ray; from raysched.cluster import init_ray\n"
+                      "init_ray(None, num_cpus=1, object_store_bytes=80 << 20); ray.shutdown()", home)
+    assert embedded.returncode == 0, embedded.stderr[-3000:]
+    assert (home / ".ray" / "auth_token").is_file()  # what makes the next `ray start` require a token
+    assert "Token authentication" not in embedded.stderr  # the mode is set explicitly: no warning
+    with RayHead(home) as head:
+        started = raysched("start", "--config", config, "--address", head.address, home=home, timeout_s=240)
+        assert started.returncode == 0, started.stderr[-3000:]
+        assert "scheduler 'raysched' started" in started.stdout
+        status = raysched("status", "--address", head.address, home=home)
+        assert status.returncode == 0 and "worker 0:" in status.stdout, status.stderr[-3000:]
+        connected = python(_connect_and_submit(head.address), home)
+        assert connected.returncode == 0, connected.stderr[-3000:]
+        want = reference_tokens("tiny", [PROMPT], [SamplingParams(max_new_tokens=MAX_NEW)])[0]
+        assert json.loads(connected.stdout.splitlines()[-1]) == want
+
+        other = tmp_path / "other.yaml"
+        other.write_text(CONFIG.replace("model: tiny", "model: tiny-granite"))
+        refused = raysched("serve", "--config", other, "--address", head.address, "--port", free_port(), home=home)
+        line = one_line_error(refused, "serve")
+        assert "serves model 'tiny'" in line and "(model 'tiny-granite')" in line
+
+        port = free_port()
+        server = _serve(config, head.address, port, home)
+        try:
+            wait_until(lambda: _answers(f"http://127.0.0.1:{port}", server), 240, "raysched serve --address to answer")
+            assert server.poll() is None, server.stdout.read()[-3000:]
+            r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
+                           json={"prompt": PROMPT, "max_tokens": MAX_NEW, "temperature": 0, "return_token_ids": True})
+            assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == want
+            server.send_signal(signal.SIGTERM)
+            out, _ = server.communicate(timeout=60)
+        finally:
+            if server.poll() is None:
+                server.kill()
+        assert server.returncode == 0, out[-3000:]
+        assert "graceful_shutdown failed" not in out and "Traceback" not in out, out[-3000:]
+        apps = python(f"import ray; from ray import serve; from raysched.cluster import attach\n"
+                      f"attach({head.address!r}); print(sorted(serve.status().applications))", home)
+        assert apps.returncode == 0 and apps.stdout.strip().splitlines()[-1] == "[]", apps.stderr[-2000:]
+
+        still = raysched("status", "--address", head.address, home=home)  # the scheduler outlived serve
+        assert still.returncode == 0 and "worker 0:" in still.stdout, still.stderr[-3000:]
+        stopped = raysched("stop", "--address", head.address, home=home)
+        assert stopped.returncode == 0 and "stopped" in stopped.stdout, stopped.stderr[-3000:]
+        gone = raysched("status", "--address", head.address, home=home)
+        assert "no raysched scheduler named 'raysched'" in one_line_error(gone, "status")
+
+
+@pytest.mark.parametrize("command", ["status", "stop", "start", "run", "serve"])
+def test_unreachable_address_is_one_line_within_seconds(tmp_path: Path, command: str) -> None:
+    """Nothing listens at the address: one line and exit 2 after the reachability check (5 s),
+    not Ray's retries for ever."""
+    address = f"127.0.0.1:{free_port()}"
+    args = {"start": ["--config", REPO / "examples" / "serve.yaml"],
+            "run": ["--config", REPO / "examples" / "serve.yaml", "--workload", REPO / "examples" / "workload.yaml"],
+            "serve": ["--config", REPO / "examples" / "serve.yaml", "--port", free_port()]}.get(command, [])
+    t0 = time.monotonic()
+    proc = raysched(command, *args, "--address", address, home=tmp_path / "home", timeout_s=90)
+    line = one_line_error(proc, command)
+    assert f"no Ray cluster answers at {address}" in line
+    assert time.monotonic() - t0 < 60
+
+
+def test_connect_to_an_unreachable_address_raises_cluster_error(tmp_path: Path) -> None:
+    address = f"127.0.0.1:{free_port()}"
+    proc = python("import raysched\nfrom raysched.cluster import ClusterError\n"
+                  f"try:\n    raysched.connect({address!r})\nexcept ClusterError as err:\n    print('refused:', err)\n",
+                  tmp_path / "home", timeout_s=90)
+    assert proc.returncode == 0 and f"refused: no Ray cluster answers at {address}" in proc.stdout, proc.stderr
