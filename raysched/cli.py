@@ -241,24 +241,30 @@ def cmd_run(args: argparse.Namespace) -> int:
     workload = load_workload_config(args.workload)  # validate everything before starting anything:
     build_requests(workload, PRECHECK_VOCAB, load_tokenizer(config.model))  # the trace too (but the vocabulary)
     client = raysched.launch(config, address=args.address)
+    report = None
     try:
         _raise_on_signals()  # after Ray's start-up, which installs a SIGTERM handler of its own
         _print_workers(client.workers)
         specs = build_requests(workload, client.vocab_size(), client.tokenizer)
         report = run_workload(client, specs, progress=not args.quiet)
-    finally:
-        client.shutdown()
+    finally:  # after an interrupt, no long wait for a scheduler whose node may be going down
+        client.shutdown(timeout_s=INTERRUPTED_STOP_TIMEOUT_S if _signalled() else STOP_TIMEOUT_S)
     print(file=sys.stderr)
     format_summary(report["summary"])
     if args.report:
         Path(args.report).write_text(json.dumps(report, indent=1))
         print(f"report written to {args.report}")
     if report["summary"].get("interrupted"):
-        raise Interrupted(report["summary"]["interrupted"])
+        raise Interrupted(_signalled() or signal.SIGINT)
     return 0 if report["summary"]["failed"] == 0 else 1
 
 
 PRECHECK_VOCAB = 1 << 62  # trace lines are checked before Ray starts; their ids against the model after
+
+
+STOP_TIMEOUT_S = 30.0  # how long `raysched run` lets its scheduler shut down before killing it
+INTERRUPTED_STOP_TIMEOUT_S = 5.0  # the same after an interrupt
+_SIGNALS: list[int] = []  # the signals received (Ray code on the way may re-raise a plain KeyboardInterrupt)
 
 
 class Interrupted(KeyboardInterrupt):
@@ -269,10 +275,16 @@ class Interrupted(KeyboardInterrupt):
         self.signum = signum
 
 
+def _signalled() -> int | None:
+    """The first SIGINT or SIGTERM this command received, if any."""
+    return _SIGNALS[0] if _SIGNALS else None
+
+
 def _raise_on_signals() -> None:
     """From now on SIGINT and SIGTERM raise `Interrupted` in the main thread (what they do
     depends on where it lands: `raysched run` writes the summary of what finished)."""
     def handler(signum: int, _frame: Any) -> None:
+        _SIGNALS.append(signum)
         raise Interrupted(signum)
 
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -323,8 +335,8 @@ def main(argv: list[str] | None = None) -> int:
     except _user_errors() as err:  # ValueError: CheckpointError, SnapshotError, ...
         print(f"raysched {args.command}: error: {err}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt as err:
-        signum = getattr(err, "signum", signal.SIGINT)
+    except KeyboardInterrupt:
+        signum = _signalled() or signal.SIGINT
         print(f"raysched {args.command}: interrupted ({signal.Signals(signum).name})", file=sys.stderr)
         return 128 + signum
 

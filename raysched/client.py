@@ -204,23 +204,24 @@ class Client:
                     raise
                 time.sleep(RESTART_POLL_S)  # polls the restart; the call itself is the check
 
-    def shutdown(self) -> None:
+    def shutdown(self, timeout_s: float = 30.0) -> None:
         """Stop the scheduler and workers if this client launched them (a connected client only
         disconnects); stop Ray too if this client started or attached it. The client is closed
-        afterwards: any further call raises `ClientClosedError`. A second shutdown does nothing."""
+        afterwards: any further call raises `ClientClosedError`. A second shutdown does nothing.
+        `timeout_s`: how long the scheduler may take to end its workers before it is killed."""
         if self._closed:
             return
         if self.owns_scheduler:
-            self.stop()
+            self.stop(timeout_s)
         elif self._owns_ray:
             ray.shutdown()
         self._closed = True
 
-    def stop(self) -> None:
+    def stop(self, timeout_s: float = 30.0) -> None:
         """End the scheduler and its workers, whoever started them; then disconnect."""
         from raysched.deployment import stop_scheduler
 
-        stop_scheduler(self.scheduler)
+        stop_scheduler(self.scheduler, timeout_s)
         if self._owns_ray:
             ray.shutdown()
         self._closed = True

@@ -21,20 +21,36 @@ def run_workload(client: Client, specs: list[RequestSpec], progress: bool = True
     If the scheduler dies and Ray restarts it, the requests still pending are resubmitted to it
     (each completes once, with the tokens it would have had); if it is gone for good, this
     raises `SchedulerDiedError`. An interrupt (KeyboardInterrupt, or the CLI's SIGTERM) ends
-    the run early: the report holds what finished, and its summary says `interrupted` (the
-    signal's number, or 2 for SIGINT) and how many requests did not finish (`unfinished`)."""
+    the run early: the report holds what finished, and its summary says `interrupted: true` and
+    how many requests did not finish (`unfinished`); the final stats are then asked for with a
+    short timeout (Ray's own processes may have been signalled too), else left out."""
     start = time.monotonic()
     records: list[dict] = []
-    interrupted = None
+    interrupted = False
     try:
         _drive(client, specs, records, start, progress)
-    except KeyboardInterrupt as err:
-        interrupted = getattr(err, "signum", 2)
+    except KeyboardInterrupt:
+        interrupted = True
     duration_s = time.monotonic() - start  # before the stats calls, which can take a while
-    report = build_report(records, client.stats(detail=True), duration_s, client.check_idle())
-    if interrupted is not None:
-        report["summary"].update(interrupted=interrupted, unfinished=len(specs) - len(records))
+    timeout = INTERRUPTED_STATS_TIMEOUT_S if interrupted else None
+    report = build_report(records, _ask(client.scheduler.stats.remote(True), timeout),
+                          duration_s, _ask(client.scheduler.check_idle.remote(), timeout))
+    if interrupted:
+        report["summary"].update(interrupted=True, unfinished=len(specs) - len(records))
     return report
+
+
+INTERRUPTED_STATS_TIMEOUT_S = 5.0
+
+
+def _ask(ref: Any, timeout: float | None) -> dict:
+    """A scheduler call's answer; with a timeout (after an interrupt), {} when none comes in time."""
+    if timeout is None:
+        return _get(ref)
+    try:
+        return _get(ref, timeout)
+    except Exception:
+        return {}
 
 
 def _drive(client: Client, specs: list[RequestSpec], records: list[dict], start: float, progress: bool) -> None:
@@ -147,8 +163,7 @@ def format_summary(summary: dict, echo: Callable[[str], None] = print) -> None:
             ("ttft p50 / p99", _pair(summary["ttft_p50_s"], summary["ttft_p99_s"])),
             ("worker failures", summary["worker_failures"])]
     if summary.get("interrupted"):
-        rows.insert(0, ("interrupted", f"by signal {summary['interrupted']}; "
-                                       f"{summary['unfinished']} requests did not finish"))
+        rows.insert(0, ("interrupted", f"{summary['unfinished']} requests did not finish"))
     echo("summary")
     for name, value in rows:
         echo(f"  {name:<20} {value}")
