@@ -76,22 +76,32 @@ def write_json(out_dir: Path, name: str, result: dict) -> Path:
     return path
 
 
-def pyplot():
-    """matplotlib.pyplot on the Agg backend (no display needed)."""
-    import matplotlib
-
+def pyplot() -> Any | None:
+    """matplotlib.pyplot on the Agg backend (no display needed), or None when matplotlib is
+    not installed."""
+    try:
+        import matplotlib
+    except ModuleNotFoundError:
+        return None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     return plt
 
 
-def save_figure(fig: Any, out_dir: Path, name: str) -> Path:
+def plot(out_dir: Path, name: str, draw: Callable[[Any], Any]) -> Path | None:
+    """`draw(plt)` -> a figure, saved as out_dir/name.png; without matplotlib the plot is skipped,
+    saying so in one line (the table and the JSON do not need it)."""
+    plt = pyplot()
+    if plt is None:
+        print(f"bench {name}: matplotlib is not installed; no {name}.png (pip install matplotlib)")
+        return None
+    fig = draw(plt)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"{name}.png"
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    pyplot().close(fig)
+    plt.close(fig)
     return path
 
 

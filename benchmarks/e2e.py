@@ -28,9 +28,10 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from statistics import mean
+from typing import Any
 
 from benchmarks.common import (Column, load_average, local_ray, machine, measured_client, print_table,
-                               print_targets, pyplot, save_figure, write_json)
+                               print_targets, plot, write_json)
 from raysched.config import PoolConfig, SchedulerConfig, ServeConfig
 from raysched.workload import RequestSpec, WorkloadConfig, build_requests
 
@@ -78,7 +79,7 @@ def main(out_dir: Path = Path("bench-out"), quick: bool = False) -> dict:
     result["load_avg_1m_start"] = load_start
     _print(result)
     write_json(out_dir, "e2e", result)
-    _plot(result, out_dir)
+    plot(out_dir, "e2e", lambda plt: _figure(result, plt))
     return result
 
 
@@ -241,8 +242,8 @@ def _binned(rows: list[tuple], bin_s: float) -> tuple[list[float], list[float], 
             [o / c if c else float("nan") for o, c in zip(occ, counts)])
 
 
-def _plot(result: dict, out_dir: Path) -> None:
-    plt = pyplot()
+def _figure(result: dict, plt: Any) -> Any:
+    """The figure of `result` (see `common.plot`)."""
     bin_s = QUICK.bin_s if result["model"] == QUICK.model else FULL.bin_s
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(7.5, 6.5), sharex=True)
     for mode, rows in result["timelines"].items():
@@ -257,7 +258,7 @@ def _plot(result: dict, out_dir: Path) -> None:
     top.legend()
     for ax in (top, bottom):
         ax.grid(True, alpha=0.3)
-    save_figure(fig, out_dir, "e2e")
+    return fig
 
 
 if __name__ == "__main__":

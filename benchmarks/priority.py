@@ -23,9 +23,10 @@ import dataclasses
 import random
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from benchmarks.common import (Column, load_average, local_ray, machine, measured_client, percentile,
-                               print_table, print_targets, pyplot, save_figure, warm_up, write_json)
+                               print_table, print_targets, plot, warm_up, write_json)
 from raysched.config import PoolConfig, SchedulerConfig, ServeConfig
 from raysched.sampling import SamplingParams
 from raysched.workload import RequestSpec
@@ -87,7 +88,7 @@ def main(out_dir: Path = Path("bench-out"), quick: bool = False) -> dict:
     result["load_avg_1m_start"] = load_start
     _print(result)
     write_json(out_dir, "priority", result)
-    _plot(result, out_dir)
+    plot(out_dir, "priority", lambda plt: _figure(result, plt))
     return result
 
 
@@ -168,8 +169,8 @@ def _print(result: dict) -> None:
     print_targets(result["targets"])
 
 
-def _plot(result: dict, out_dir: Path) -> None:
-    plt = pyplot()
+def _figure(result: dict, plt: Any) -> Any:
+    """The figure of `result` (see `common.plot`)."""
     fig, ax = plt.subplots(figsize=(7, 4))
     for mode, ttfts in result["urgent_ttft"].items():
         xs = sorted(t for t in ttfts if t is not None)
@@ -180,7 +181,7 @@ def _plot(result: dict, out_dir: Path) -> None:
     ax.set_title(f"urgent requests at a full cluster ({result['model']} preset, 2 workers)")
     ax.grid(True, alpha=0.3)
     ax.legend()
-    save_figure(fig, out_dir, "priority")
+    return fig
 
 
 if __name__ == "__main__":

@@ -24,8 +24,8 @@ from typing import Any
 
 import ray
 
-from benchmarks.common import (Column, load_average, machine, pinned, print_table, pyplot, random_prompt,
-                               save_figure, timed, two_node_cluster, write_json)
+from benchmarks.common import (Column, load_average, machine, pinned, print_table, random_prompt,
+                               plot, timed, two_node_cluster, write_json)
 from raysched.config import PoolConfig, ServeConfig
 from raysched.messages import PrefillItem, StepPlan, StepResult
 from raysched.sampling import SamplingParams
@@ -53,7 +53,7 @@ def main(out_dir: Path = Path("bench-out"), quick: bool = False) -> dict:
     result["load_avg_1m_start"] = load_start
     _print(result)
     write_json(out_dir, "resume", result)
-    _plot(result, out_dir)
+    plot(out_dir, "resume", lambda plt: _figure(result, plt))
     return result
 
 
@@ -154,8 +154,8 @@ def _print(result: dict) -> None:
               f"{t['speedup']:.1f}x ({'met' if t['met'] else 'MISSED'})")
 
 
-def _plot(result: dict, out_dir: Path) -> None:
-    plt = pyplot()
+def _figure(result: dict, plt: Any) -> Any:
+    """The figure of `result` (see `common.plot`)."""
     rows = result["rows"]
     xs = [r["tokens"] for r in rows]
     fig, ax = plt.subplots(figsize=(6.4, 4.4))
@@ -171,7 +171,7 @@ def _plot(result: dict, out_dir: Path) -> None:
     ax.set_title(f"resume by snapshot vs recompute ({result['model']} preset)")
     ax.legend(fontsize=8)
     ax.grid(True, which="both", alpha=0.3)
-    save_figure(fig, out_dir, "resume")
+    return fig
 
 
 if __name__ == "__main__":

@@ -23,9 +23,10 @@ import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from benchmarks.common import (Column, load_average, local_ray, machine, measured_client, percentile,
-                               print_table, print_targets, pyplot, save_figure, warm_up, write_json)
+                               print_table, print_targets, plot, warm_up, write_json)
 from raysched.config import PoolConfig, ServeConfig, StateCacheConfig
 
 MODES = ("cache_on", "cache_off")
@@ -69,7 +70,7 @@ def main(out_dir: Path = Path("bench-out"), quick: bool = False) -> dict:
     result["load_avg_1m_start"] = load_start
     _print(result)
     write_json(out_dir, "sessions", result)
-    _plot(result, out_dir)
+    plot(out_dir, "sessions", lambda plt: _figure(result, plt))
     return result
 
 
@@ -210,8 +211,8 @@ def _print(result: dict) -> None:
     print_targets(result["targets"])
 
 
-def _plot(result: dict, out_dir: Path) -> None:
-    plt = pyplot()
+def _figure(result: dict, plt: Any) -> Any:
+    """The figure of `result` (see `common.plot`)."""
     fig, ax = plt.subplots(figsize=(7, 4))
     for mode, turns in result["per_turn"].items():
         by_turn = {}
@@ -226,7 +227,7 @@ def _plot(result: dict, out_dir: Path) -> None:
                  f"{result['conversations']} conversations)")
     ax.grid(True, alpha=0.3)
     ax.legend()
-    save_figure(fig, out_dir, "sessions")
+    return fig
 
 
 if __name__ == "__main__":

@@ -406,7 +406,9 @@ class FaultSpec:
     Between calls (the scheduler does it): kill_worker: the worker actor is killed. remove_node:
     every worker on that worker's node is killed (what the scheduler sees when a node is lost).
     corrupt_snapshot: one byte of the next snapshot taken from that worker is flipped (its resume
-    must be refused and recomputed). kill_scheduler: the scheduler actor itself dies.
+    must be refused and recomputed). kill_scheduler: the scheduler actor itself dies; without
+    `worker` it counts the scheduler's own calls (to all its workers together), with one that
+    worker's calls.
 
     Inside a call (the worker's process exits there, told by a `FaultPoint` in the call):
     kill_in_step: in the worker's next call with decode steps, after `after_decode_steps` of them
@@ -417,7 +419,7 @@ class FaultSpec:
     """
 
     kind: str  # one of FAULT_KINDS
-    worker: int  # index of the worker, in [0, workers)
+    worker: int | None  # index of the worker, in [0, workers); kill_scheduler: optional (see below)
     after_steps: int  # worker calls before the fault fires (or is armed, for the kill_in_* kinds)
     after_decode_steps: int = 0  # kill_in_step only
     cross_node: bool = False  # kill_in_restore only
@@ -425,13 +427,14 @@ class FaultSpec:
 
     CHECKS: ClassVar[dict[str, Check]] = {
         "kind": check_one_of(FAULT_KINDS),
-        "worker": check_non_negative_int,
+        "worker": check_optional(check_non_negative_int),
         "after_steps": check_non_negative_int,
         "after_decode_steps": check_non_negative_int,
         "cross_node": check_bool,
         "pipelined": check_bool,
     }
     REQUIRED: ClassVar[tuple[str, ...]] = ("kind", "worker", "after_steps")
+    WORKER_OPTIONAL: ClassVar[tuple[str, ...]] = ("kill_scheduler",)  # kinds that need no `worker`
     ONLY_FOR: ClassVar[dict[str, tuple[str, object]]] = {  # option -> (the kind it applies to, default)
         "after_decode_steps": ("kill_in_step", 0), "pipelined": ("kill_in_step", False),
         "cross_node": ("kill_in_restore", False)}
@@ -439,18 +442,23 @@ class FaultSpec:
     def __post_init__(self) -> None:
         check_fields(self, _ROOT.child("fault"))
         _check_fault_options(self.kind, vars(self), _ROOT.child("fault"))
+        if self.worker is None and self.kind not in self.WORKER_OPTIONAL:
+            raise _ROOT.child("fault").error(f"is missing required key(s): worker (kind {self.kind})")
 
     @classmethod
     def from_dict(cls, raw: Any, key: KeyPath = _ROOT.child("fault")) -> FaultSpec:
         values = parse_fields(cls, raw, key)
-        missing = [name for name in cls.REQUIRED if name not in values]
+        optional = ("worker",) if values.get("kind") in cls.WORKER_OPTIONAL else ()
+        missing = [name for name in cls.REQUIRED if name not in values and name not in optional]
         if missing:
             raise key.error(f"is missing required key(s): {', '.join(missing)}")
         _check_fault_options(values["kind"], values, key)
-        return cls(**values)
+        return cls(**{"worker": None, **values})
 
     def to_dict(self) -> dict[str, Any]:
-        out = {"kind": self.kind, "worker": self.worker, "after_steps": self.after_steps}
+        out = {"kind": self.kind, "after_steps": self.after_steps}
+        if self.worker is not None:
+            out["worker"] = self.worker
         out.update({name: getattr(self, name) for name, (kind, _) in self.ONLY_FOR.items() if kind == self.kind})
         return out
 
@@ -534,7 +542,7 @@ class ServeConfig:
     def __post_init__(self) -> None:
         check_fields(self, _ROOT)
         for i, fault in enumerate(self.faults):
-            if fault.worker >= self.workers:
+            if fault.worker is not None and fault.worker >= self.workers:
                 raise _ROOT.child("faults").item(i).child("worker").error(
                     f"must be < workers ({self.workers}), got {fault.worker}")
 

@@ -6,7 +6,7 @@ flip a snapshot byte, end its own process); faults inside a call travel to the w
 `FaultPoint` in the step plan or the retract call, and the worker's process exits at that point.
 
     injector = FaultInjector(config.faults)
-    for fault in injector.due_between_calls(worker=0, call=7): ...
+    for fault in injector.due_between_calls(worker=0, call=7, scheduler_calls=12): ...
     point = injector.in_step(worker=0, call=7, decode_steps=4, resume_cross_node=None, pipelined=False)
     plan = StepPlan(..., fault=point)
     injector.fired   # one record per fault fired: kind, worker, call, pipelined, cross_node, requests
@@ -28,9 +28,11 @@ class FaultInjector:
         self.fired: list[dict] = []
         self._done: set[int] = set()
 
-    def due_between_calls(self, worker: int, call: int) -> list[FaultSpec]:
-        """Faults the scheduler carries out now, before `worker`'s call number `call`."""
-        due = [(i, f) for i, f in self._armed(worker, call) if f.kind in BETWEEN_CALLS]
+    def due_between_calls(self, worker: int, call: int, scheduler_calls: int) -> list[FaultSpec]:
+        """Faults the scheduler carries out now, before `worker`'s call number `call`
+        (`scheduler_calls`: the calls made to all workers so far, which a fault without a
+        worker, a kill_scheduler, counts)."""
+        due = [(i, f) for i, f in self._armed(worker, call, scheduler_calls) if f.kind in BETWEEN_CALLS]
         return [self._fire(i, f, call) for i, f in due]
 
     def in_step(self, worker: int, call: int, decode_steps: int, resume_cross_node: bool | None,
@@ -53,9 +55,14 @@ class FaultInjector:
                 return FaultPoint(f.kind)
         return None
 
-    def _armed(self, worker: int, call: int) -> Iterator[tuple[int, FaultSpec]]:
+    def _armed(self, worker: int, call: int, scheduler_calls: int | None = None) -> Iterator[tuple[int, FaultSpec]]:
         for i, f in enumerate(self.faults):
-            if i not in self._done and f.worker == worker and call >= f.after_steps:
+            if i in self._done:
+                continue
+            if f.worker is None:  # the scheduler's own fault: counts its calls to all workers
+                if scheduler_calls is not None and scheduler_calls >= f.after_steps:
+                    yield i, f
+            elif f.worker == worker and call >= f.after_steps:
                 yield i, f
 
     def _fire(self, i: int, fault: FaultSpec, call: int, pipelined: bool = False,

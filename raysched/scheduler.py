@@ -681,7 +681,8 @@ class Scheduler:
     # ================================================================== fault injection
     def _fire_faults(self, w: WorkerSlot) -> None:
         """Carry out the faults due before this worker's next call (see `raysched.faults`)."""
-        for fault in self._faults.due_between_calls(w.index, w.view.calls):
+        scheduler_calls = sum(x.view.calls for x in self.workers)
+        for fault in self._faults.due_between_calls(w.index, w.view.calls, scheduler_calls):
             log.warning("fault injection: %s on worker %d after %d calls", fault.kind, w.index, w.view.calls)
             if fault.kind == "kill_worker":
                 ray.kill(w.handle, no_restart=True)

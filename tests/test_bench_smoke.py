@@ -105,3 +105,19 @@ CORRECTNESS = {
     "priority": _priority_correct,
     "serve": lambda r: r["mismatched_requests"] == [] or pytest.fail(f"{r['mismatched_requests']}"),
 }
+
+
+def test_a_missing_matplotlib_skips_the_plot_in_one_line(tmp_path, monkeypatch, capsys) -> None:
+    """`raysched bench priority` (and every bench that plots) prints its table and writes its
+    JSON without matplotlib; the plot is skipped, saying so in one line, not a traceback."""
+    from benchmarks.common import plot
+
+    drawn = []
+    monkeypatch.setitem(__import__("sys").modules, "matplotlib", None)  # `import matplotlib` now fails
+    assert plot(tmp_path, "priority", drawn.append) is None
+    assert drawn == [] and not (tmp_path / "priority.png").exists()
+    assert capsys.readouterr().out == ("bench priority: matplotlib is not installed; no priority.png "
+                                       "(pip install matplotlib)\n")
+    monkeypatch.undo()
+    path = plot(tmp_path, "priority", lambda plt: plt.subplots()[0])  # with matplotlib: the file
+    assert path == tmp_path / "priority.png" and path.stat().st_size > 0

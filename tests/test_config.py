@@ -232,6 +232,22 @@ def test_fault_missing_key_is_rejected() -> None:
         load_serve_config({"faults": [{"kind": "kill_worker", "worker": 0}]})
 
 
+def test_kill_scheduler_needs_no_worker_and_counts_the_schedulers_calls() -> None:
+    """A scheduler fault has no worker to name: without `worker` it fires once the scheduler
+    has made `after_steps` calls to all its workers together; every other kind needs one."""
+    from raysched.faults import FaultInjector
+
+    cfg = load_serve_config({"faults": [{"kind": "kill_scheduler", "after_steps": 5}]})
+    assert cfg.faults == (FaultSpec("kill_scheduler", None, 5),)
+    assert load_serve_config(cfg.to_dict()) == cfg and "worker" not in cfg.faults[0].to_dict()
+    injector = FaultInjector(cfg.faults)
+    assert injector.due_between_calls(worker=0, call=4, scheduler_calls=4) == []
+    assert injector.due_between_calls(worker=1, call=1, scheduler_calls=5) == [cfg.faults[0]]
+    assert injector.due_between_calls(worker=0, call=9, scheduler_calls=9) == []  # fires once
+    with pytest.raises(ConfigError, match=r"faults\[0\] is missing required key\(s\): worker"):
+        load_serve_config({"faults": [{"kind": "kill_worker", "after_steps": 1}]})
+
+
 def test_fault_options_of_another_kind_are_rejected_not_ignored() -> None:
     fault = {"kind": "kill_in_retract", "worker": 0, "after_steps": 1, "after_decode_steps": 2}
     with pytest.raises(ConfigError, match=r"faults\[0\].after_decode_steps applies only to kind kill_in_step, "
