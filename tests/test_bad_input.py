@@ -186,11 +186,25 @@ def test_missing_checkpoint_directory(client, tmp_path, capsys):
     workload.write_text("requests: 2\n")
     assert cli.main(["run", "--config", str(serve), "--workload", str(workload), "--quiet"]) == 2
     err = capsys.readouterr().err
-    assert (f"raysched run: error: serve config: model '{missing}': worker 0 could not start: "
-            f"CheckpointError: model '{missing}' is neither a preset ({', '.join(PRESETS)}) nor a checkpoint "
-            f"directory") in err
-    assert "Traceback" not in err
+    assert err == (f"raysched run: error: serve config: model '{missing}' is neither a preset "
+                   f"({', '.join(PRESETS)}) nor a directory\n")  # checked before any worker starts
     assert_still_serving(client)
+
+
+def test_checkpoint_directory_without_config_json(client, tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ConfigError) as info:
+        raysched.launch({"model": str(empty), "workers": 1})
+    assert str(info.value) == (f"serve config: model '{empty}' is a directory without config.json (a checkpoint "
+                               f"as transformers' save_pretrained writes it)")
+    assert_still_serving(client)
+
+
+def test_the_control_planes_preset_names_are_the_presets():
+    from raysched.config import PRESET_NAMES
+
+    assert PRESET_NAMES == tuple(PRESETS)
 
 
 def test_checkpoint_of_another_architecture(client, tmp_path):
