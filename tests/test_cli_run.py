@@ -8,10 +8,9 @@ with a message naming the problem.
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
-import sys
+import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -20,22 +19,18 @@ import pytest
 
 from raysched.sampling import SamplingParams
 from raysched.workload import load_workload
+from tests import user_cli
 from tests.conftest import reference_tokens
+from tests.user_cli import SERVE_YAML, WORKLOAD_YAML
 
-REPO = Path(__file__).resolve().parents[1]
-_SCRIPT = Path(sys.executable).with_name("raysched")  # the console script, as a user runs it
-RAYSCHED = [str(_SCRIPT)] if _SCRIPT.exists() else [sys.executable, "-m", "raysched.cli"]
-SERVE_YAML = REPO / "examples" / "serve.yaml"
-WORKLOAD_YAML = REPO / "examples" / "workload.yaml"
 TINY_VOCAB = 512
 RECORD_KEYS = {"prompt_ids", "token_ids", "workers", "retractions", "ttft_s", "latency_s"}
+HOME = Path(tempfile.mkdtemp(prefix="raysched-home-"))  # a fresh HOME for this module's commands
 
 
-def raysched(*args: str, timeout_s: float = 120) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # embedded Ray, not a leftover
-    env["OMP_NUM_THREADS"] = "1"  # as in a Ray worker; two threads on a busy 2-core box crawl
-    return subprocess.run([*RAYSCHED, *map(str, args)], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=timeout_s)
+def raysched(*args: object, timeout_s: float = 120) -> subprocess.CompletedProcess:
+    """As a user in a new shell runs it (`tests.user_cli`): no RAY_* variable, a fresh HOME."""
+    return user_cli.raysched(*args, home=HOME, timeout_s=timeout_s)
 
 
 def summary_count(stdout: str, name: str) -> int:
