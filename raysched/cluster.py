@@ -73,8 +73,8 @@ def attach(address: str) -> None:
     try:
         ray.init(address=address, logging_level="WARNING")
     except ray.exceptions.AuthenticationError as err:
-        raise ClusterError(f"the Ray cluster at {address} refused this process: {_first_line(err)} "
-                           f"(a cluster with token auth needs its token: $RAY_AUTH_TOKEN or ~/.ray/auth_token)") from None
+        raise ClusterError(f"the Ray cluster at {address} refused this process: {_first_line(err)} (a cluster "
+                           f"with token auth needs its token: $RAY_AUTH_TOKEN or ~/.ray/auth_token)") from None
     except ConnectionError as err:
         raise ClusterError(f"cannot connect to the Ray cluster at {address}: {_first_line(err)}") from None
 
