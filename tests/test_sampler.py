@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from actors.sampler import sample, sample_row
+from raysched.sampling import SamplingParams
 
 
 def _first_max(row: list[float]) -> int:
@@ -26,7 +27,7 @@ def test_greedy_picks_the_first_maximum_in_a_batch_and_alone():
     logits[3, [4098, 4000]] = 8.0  # tie at the end: 4000
     rows = logits.tolist()
     assert sum(v == 9.0 for v in rows[1]) == 2  # control: the ties are there
-    picks = sample(logits, [0.0] * 6, [1.0] * 6, [0] * 6, [0] * 6)
+    picks = sample(logits, [SamplingParams()] * 6, [0] * 6)
     assert picks == [_first_max(r) for r in rows]
     assert picks == [sample_row(logits[i], 0.0, 1.0, 0.5) for i in range(6)]
     assert picks[1:4] == [7, 0, 4000]
