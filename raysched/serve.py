@@ -86,15 +86,32 @@ class ClosingStreamingResponse(StreamingResponse):
     """A StreamingResponse that closes its body iterator however the response ends. Starlette
     leaves the iterator suspended at a `yield` when the disconnect (a cancellation or an OSError)
     lands in `send`, and its `finally` then waits for the garbage collector: the request would run
-    to its last token with nobody reading. Closing it here runs that `finally` (the abort) at once."""
+    to its last token with nobody reading. Closing it here runs that `finally` (the abort) at once.
+    Serve's `receive` raises TaskCancelledError when the client has gone; here that is the
+    disconnect message it means (else the handler's task ends in a logged traceback)."""
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        async def receive_or_disconnect() -> dict:
+            try:
+                return await receive()
+            except ray.exceptions.TaskCancelledError:
+                return {"type": "http.disconnect"}
+
         try:
-            await super().__call__(scope, receive, send)
+            await super().__call__(scope, receive_or_disconnect, send)
         finally:
             close = getattr(self.body_iterator, "aclose", None)
             if close is not None:
                 await close()
+
+
+def _quiet_future(ref: Any) -> asyncio.Future:
+    """`ref` as an asyncio future whose outcome counts as seen even if nobody awaits it any more
+    (a disconnect cancels the awaiting handler while Ray completes the call as cancelled: asyncio
+    would log "exception was never retrieved" for it)."""
+    future = asyncio.wrap_future(ref.future())
+    future.add_done_callback(lambda f: f.cancelled() or f.exception())
+    return future
 
 
 def _sse(data: dict) -> str:
@@ -245,7 +262,9 @@ class OpenAIServer:
         """Await a scheduler call: a rejected request is a 400 (in the HTTP names of `req`'s
         fields), a dead scheduler a 503."""
         try:
-            return await asyncio.wait_for(ref, timeout) if timeout else await ref
+            return await asyncio.wait_for(_quiet_future(ref), timeout)
+        except ray.exceptions.TaskCancelledError:  # Serve cancelled the call: this request's client left
+            raise asyncio.CancelledError() from None  # a cancelled handler, not a failed one (no traceback)
         except ray.exceptions.RayActorError:
             self._refresh()
             raise APIError(503, f"the raysched scheduler {self.scheduler_name!r} is gone") from None
