@@ -80,8 +80,8 @@ class SamplingParams:
             raise _error("temperature must be a finite number >= 0", self.temperature)
         if not _is_finite_number(self.top_p) or not 0 < self.top_p <= 1:
             raise _error("top_p must be in (0, 1]", self.top_p)
-        if not _is_int(self.top_k) or self.top_k < 0:
-            raise _error("top_k must be an integer >= 0 (0, or -1 in from_dict: all tokens)", self.top_k)
+        if not _is_int(self.top_k) or self.top_k < -1:
+            raise _error("top_k must be an integer >= -1 (0 or -1: all tokens)", self.top_k)
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_new_tokens:
             raise _error(f"min_tokens must be an integer in [0, max_new_tokens ({self.max_new_tokens})]",
                          self.min_tokens)
@@ -116,7 +116,7 @@ class SamplingParams:
     def from_dict(cls, data: Mapping[str, Any]) -> SamplingParams:
         """Build from plain data; absent keys take defaults, unknown keys raise RequestError.
 
-        An explicit None (JSON null) means absent, and a top_k of -1 (vLLM's "all") is 0.
+        An explicit None (JSON null) means absent.
 
         >>> SamplingParams.from_dict({"max_new_tokens": 4, "stop_token_ids": [2], "seed": None}).to_dict()
         {'max_new_tokens': 4, 'temperature': 0.0, 'top_p': 1.0, 'top_k': 0, 'seed': 0, 'min_tokens': 0, \
@@ -128,8 +128,6 @@ class SamplingParams:
         if unknown:
             raise RequestError(f"sampling: unknown key {unknown[0]!r} (known: {', '.join(SAMPLING_KEYS)})")
         values = {k: v for k, v in data.items() if v is not None}
-        if values.get("top_k") == -1:
-            values["top_k"] = 0
         for name in ("stop_token_ids", "stop"):
             if name in values:
                 values[name] = _as_tuple(values[name])

@@ -74,8 +74,8 @@ def _tied_logits(rows: int) -> torch.Tensor:
     return logits
 
 
-@pytest.mark.parametrize("top_k,top_p,temperature", [(1, 1.0, 0.8), (4, 1.0, 1.0), (4, 0.7, 1.3),
-                                                      (17, 0.9, 0.6), (0, 0.95, 1.0), (VOCAB + 5, 1.0, 1.0)])
+@pytest.mark.parametrize("top_k,top_p,temperature", [(1, 1.0, 0.8), (4, 1.0, 1.0), (4, 0.7, 1.3), (17, 0.9, 0.6),
+                                                      (0, 0.95, 1.0), (-1, 0.9, 1.0), (VOCAB + 5, 1.0, 1.0)])
 def test_top_k_matches_a_numpy_reference_from_the_same_draw(top_k: int, top_p: float, temperature: float) -> None:
     logits = _tied_logits(8)
     params = [SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=100 + r) for r in range(8)]

@@ -170,12 +170,12 @@ def test_new_fields_round_trip_and_nulls_mean_absent() -> None:
     params = SamplingParams(max_new_tokens=9, temperature=0.5, top_k=7, min_tokens=4, ignore_eos=True)
     assert SamplingParams.from_dict(params.to_dict()) == params
     assert SamplingParams.from_dict({"top_k": None, "min_tokens": None, "seed": None}) == SamplingParams()
-    assert SamplingParams.from_dict({"top_k": -1}).top_k == 0  # vLLM's "all tokens"
+    assert SamplingParams.from_dict({"top_k": -1}).top_k == -1  # vLLM's "all tokens", as 0
 
 
 @pytest.mark.parametrize("data,message", [
-    ({"top_k": -2}, "top_k must be an integer >= 0"),
-    ({"top_k": 2.5}, "top_k must be an integer >= 0"),
+    ({"top_k": -2}, "top_k must be an integer >= -1"),
+    ({"top_k": 2.5}, "top_k must be an integer >= -1"),
     ({"min_tokens": -1}, "min_tokens must be an integer in [0, max_new_tokens (16)], got -1"),
     ({"max_new_tokens": 4, "min_tokens": 5}, "min_tokens must be an integer in [0, max_new_tokens (4)], got 5"),
     ({"ignore_eos": "yes"}, "ignore_eos must be true or false, got 'yes'"),
