@@ -251,9 +251,7 @@ class Engine:
         return self.model(batch, self.pool)  # (B, vocab) float32
 
     def _sample_and_append(self, seqs: list[Sequence], logits: torch.Tensor, out: StepOutput) -> None:
-        sp = [s.sampling for s in seqs]
-        tokens = sample(logits, [p.temperature for p in sp], [p.top_p for p in sp],
-                        [p.seed for p in sp], [s.num_generated for s in seqs])
+        tokens = sample(logits, [s.sampling for s in seqs], [s.num_generated for s in seqs])
         for i, (s, tok) in enumerate(zip(seqs, tokens)):
             if self.record_logits:
                 self.logits.setdefault(s.request_id, []).append(logits[i].detach().float().cpu())
@@ -271,8 +269,8 @@ class Engine:
 
     @staticmethod
     def _finish_reason(s: Sequence, token: int) -> str | None:
-        if token in s.sampling.stop_token_ids:
-            return "stop"
+        if token in s.sampling.stop_token_ids and s.num_generated > s.sampling.min_tokens:
+            return "stop"  # (the sampler never draws one earlier)
         if s.num_generated >= s.sampling.max_new_tokens:
             return "length"
         return None

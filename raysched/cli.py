@@ -18,7 +18,7 @@ def _ids(text: str) -> list[int]:
     try:
         return [int(t) for t in text.split(",") if t.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--prompt-ids must be comma-separated integers, got {text!r}")
+        raise argparse.ArgumentTypeError(f"must be comma-separated integers, got {text!r}")
 
 
 ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}
@@ -28,6 +28,25 @@ def _unescape(text: str) -> str:
     """`--stop "\\n"` means a newline, as in the JSON of a request: \\n, \\t, \\r and \\\\ are
     unescaped; any other backslash stays as typed."""
     return re.sub(r"\\([ntr\\])", lambda m: ESCAPES[m.group(1)], text)
+
+
+_FLAG_KINDS: dict[str, dict[str, Any]] = {  # SamplingParams field type -> argparse options
+    "int": {"type": int}, "float": {"type": float}, "bool": {"action": "store_true", "default": None},
+    "tuple[int, ...]": {"type": _ids}, "tuple[str, ...]": {"action": "append", "type": _unescape}}
+
+
+def _add_sampling_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per sampling key (`raysched.sampling.SamplingParams`, the keys the driver, traces
+    and HTTP accept too): --max-new-tokens, --top-k, --min-tokens, --ignore-eos, --stop (repeatable),
+    --stop-token-ids 2,3, ...; a flag left out takes the field's default."""
+    import dataclasses
+
+    from raysched.sampling import SamplingParams
+
+    for f in dataclasses.fields(SamplingParams):
+        more = "; repeatable; \\n, \\t, \\r and \\\\ are unescaped" if f.type == "tuple[str, ...]" else ""
+        parser.add_argument(f"--{f.name.replace('_', '-')}", **_FLAG_KINDS[f.type],
+                            help=f"{f.metadata['help']} (default {f.default!r}){more}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -40,13 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     prompts = g.add_mutually_exclusive_group(required=True)
     prompts.add_argument("--prompt-ids", type=_ids, action="append", help="e.g. 5,17,42; repeatable")
     prompts.add_argument("--prompt", action="append", help="text, encoded with the model's tokenizer; repeatable")
-    g.add_argument("--stop", action="append", default=[], type=_unescape,
-                   help="stop string; repeatable; \\n, \\t, \\r and \\\\ are unescaped (--stop '\\n')")
-    g.add_argument("--ignore-eos", action="store_true", help="text prompts: do not stop at the eos token")
-    g.add_argument("--max-new-tokens", type=int, default=16)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--seed", type=int, default=0)
+    _add_sampling_flags(g)
     g.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     g.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     g.add_argument("--kv-tokens", type=int, default=None, help="KV pool size (default: fits every prompt)")
@@ -169,31 +182,30 @@ def cmd_stop(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from raysched.sampling import SamplingParams, validate_prompt
+    from raysched.sampling import SAMPLING_KEYS, SamplingParams, validate_prompt
     from raysched.tokenizer import load_tokenizer, require_tokenizer, with_eos_stop
 
     tok = load_tokenizer(args.model)
-    params = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
-              "seed": args.seed, "stop": args.stop}
+    params = {key: getattr(args, key) for key in SAMPLING_KEYS if getattr(args, key) is not None}
     if args.prompt is not None:
         prompt_ids = [require_tokenizer(args.model).encode(text) for text in args.prompt]
-        params = params if args.ignore_eos else with_eos_stop(params, tok)
+        params = with_eos_stop(params, tok)
     else:
         prompt_ids = args.prompt_ids
     sampling = SamplingParams.from_dict(params)
     if sampling.stop and tok is None:
         require_tokenizer(args.model)  # raises: stop strings need the text
-    _check_kv_tokens(args.kv_tokens, prompt_ids, args.max_new_tokens)
+    _check_kv_tokens(args.kv_tokens, prompt_ids, sampling.max_new_tokens)
     from actors.engine import build_engine  # torch: only once the arguments are known to be good
 
-    need = sum(len(p) + args.max_new_tokens for p in prompt_ids)
+    need = sum(len(p) + sampling.max_new_tokens for p in prompt_ids)
     engine = build_engine(args.model, args.dtype, args.device, kv_tokens=args.kv_tokens or need,
                           mamba_slots=len(prompt_ids))
     for prompt in prompt_ids:
         validate_prompt(prompt, engine.config.vocab_size)
     sampling.validate(engine.config.vocab_size)
     outputs = engine.generate(prompt_ids, [sampling] * len(prompt_ids))
-    rows = [_generate_row(p, o, tok, sampling.stop) for p, o in zip(prompt_ids, outputs)]
+    rows = [_generate_row(p, o, tok, sampling) for p, o in zip(prompt_ids, outputs)]
     if args.json:
         print(json.dumps({"outputs": rows}))
     else:
@@ -219,11 +231,11 @@ def _check_kv_tokens(kv_tokens: int | None, prompt_ids: list[list[int]], max_new
                                f"--max-new-tokens ({max_new_tokens}) needs {need} KV tokens")
 
 
-def _generate_row(prompt_ids: list[int], token_ids: list[int], tok, stop: tuple[str, ...]) -> dict:
+def _generate_row(prompt_ids: list[int], token_ids: list[int], tok, sampling) -> dict:
     """One output: token ids (cut after the token that completes a stop string) and its text."""
     row: dict = {"prompt_ids": list(prompt_ids), "token_ids": list(token_ids)}
     if tok is not None:
-        stream = tok.text_stream(stop)
+        stream = tok.text_stream(sampling.stop, sampling.min_tokens)
         stream.add(token_ids)
         stream.finish()
         row["token_ids"], row["text"] = stream.token_ids, stream.text

@@ -258,8 +258,8 @@ class RequestHandle:
         return self.client.tokenizer
 
     @property
-    def stop(self) -> tuple[str, ...]:
-        return tuple(SamplingParams.from_dict(self.sampling).stop)
+    def params(self) -> SamplingParams:
+        return SamplingParams.from_dict(self.sampling)
 
     def result(self, timeout: float | None = None) -> dict:
         """Block until the request ends; its record (token_ids, text when the model has a
@@ -271,7 +271,8 @@ class RequestHandle:
             except SchedulerDiedError:
                 self.resubmit()
         if self.tokenizer is not None:
-            record["text"] = output_text(self.tokenizer, record["token_ids"], self.stop)
+            p = self.params
+            record["text"] = output_text(self.tokenizer, record["token_ids"], p.stop, p.min_tokens)
         return record
 
     def stream(self) -> Iterator[int]:
@@ -296,7 +297,7 @@ class RequestHandle:
         before a stop string (see `raysched.tokenizer.TextStream`)."""
         if self.tokenizer is None:
             raise RequestError("stream_text: the model has no tokenizer; use stream() for token ids")
-        text = self.tokenizer.text_stream(self.stop)
+        text = self.tokenizer.text_stream(self.params.stop, self.params.min_tokens)
         delta = text.add(list(self.received))  # tokens received before a restart, if any
         for tokens, done in self._chunks():
             delta += text.add(tokens) + (text.finish() if done else "")

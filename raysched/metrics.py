@@ -4,10 +4,14 @@ Series (all prefixed ``raysched_``): per-worker pool occupancy (KV tokens used f
 slots used), requests running / waiting / retracted, and cumulative counters from the scheduler
 (requests, tokens, retractions, resumes, migrations, snapshot bytes, worker failures), read from
 `Scheduler.stats()` at scrape time; plus TTFT and end-to-end latency histograms of the requests
-this server answered (the scheduler's own timings), and client disconnects.
+this server answered (the scheduler's own timings), and client disconnects: requests this server
+aborted because the HTTP client left before they ended (a part of `requests_aborted`; a client
+that leaves after its request ended is not counted, as there was nothing to abort).
 """
 
 from __future__ import annotations
+
+import threading
 
 from prometheus_client import CollectorRegistry, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -42,7 +46,8 @@ class ServeMetrics:
                               registry=self.registry)
         self.latency = Histogram("raysched_request_latency_seconds", "submit to last token",
                                  buckets=LATENCY_BUCKETS, registry=self.registry)
-        self.disconnects = 0
+        self.disconnects = 0  # requests aborted because their HTTP client left (see count_disconnect)
+        self._lock = threading.Lock()
         self._stats: dict = {}
         self.registry.register(self)
 
@@ -54,6 +59,12 @@ class ServeMetrics:
             self.ttft.observe(record["ttft_s"])
         if record.get("latency_s") is not None:
             self.latency.observe(record["latency_s"])
+
+    def count_disconnect(self) -> None:
+        """One request aborted because its client left (not counted: a client that left after
+        its request had ended; there was nothing to abort). Called from the abort threads."""
+        with self._lock:
+            self.disconnects += 1
 
     def render(self, stats: dict) -> bytes:
         self._stats = stats
@@ -70,7 +81,8 @@ class ServeMetrics:
         yield tables
         for key, (name, text) in COUNTERS.items():
             yield CounterMetricFamily(f"raysched_{name}", text, value=s.get(key, 0))
-        yield CounterMetricFamily("raysched_client_disconnects", "requests aborted because the HTTP client left",
+        yield CounterMetricFamily("raysched_client_disconnects",
+                                  "requests aborted because the HTTP client left before they ended",
                                   value=self.disconnects)
         yield GaugeMetricFamily("raysched_workers_alive", "live worker actors", value=s.get("workers_alive", 0))
 

@@ -9,6 +9,8 @@ per-choice `token_ids`).
 
 from __future__ import annotations
 
+import json
+import re
 import secrets
 import time
 import uuid
@@ -16,18 +18,26 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from raysched.sampling import RequestError, SamplingParams
+from raysched.sampling import SAMPLING_KEYS, RequestError, SamplingParams
 from raysched.tokenizer import TextTokenizer, with_eos_stop
 
-DEFAULT_MAX_TOKENS = {"completion": 16, "chat": 128}
-_COMMON_KEYS = ("model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options",
-                "return_token_ids", "ignore_eos", "stop_token_ids", "user", "n", "logprobs",
-                "presence_penalty", "frequency_penalty")
+DEFAULT_MAX_TOKENS = {"completion": 16, "chat": 128}  # OpenAI's completions default; chat: ours
+# HTTP names of the sampling keys (raysched.sampling.SAMPLING_KEYS): OpenAI's, where it has one
+HTTP_NAMES = {"max_new_tokens": "max_tokens"}
+_SAMPLING_HTTP = tuple(HTTP_NAMES.get(key, key) for key in SAMPLING_KEYS)
+# accepted only at a neutral value (raysched does not implement them): key -> neutral values
+_NEUTRAL: dict[str, tuple] = {
+    "n": (1,), "best_of": (1,), "echo": (False,), "logprobs": (False, 0), "top_logprobs": (0,),
+    "presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,), "min_p": (0,),
+    "logit_bias": ({},), "response_format": ({"type": "text"},), "tools": ([],), "tool_choice": ("none", "auto")}
+# informational: accepted and ignored (chat_template_kwargs go to the chat template)
+_INFORMATIONAL = {"user": str, "metadata": dict, "store": bool, "service_tier": str, "chat_template_kwargs": dict}
+_COMMON_KEYS = ("model", *_SAMPLING_HTTP, "stream", "stream_options", "return_token_ids", *_INFORMATIONAL,
+                "n", "logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p",
+                "logit_bias", "response_format")
 COMPLETION_KEYS = (*_COMMON_KEYS, "prompt", "echo", "best_of")
-CHAT_KEYS = (*_COMMON_KEYS, "messages", "max_completion_tokens", "top_logprobs")
-# accepted only at their neutral value (raysched does not implement them)
-_NEUTRAL = {"n": 1, "logprobs": (None, False, 0), "echo": False, "best_of": 1, "presence_penalty": 0,
-            "frequency_penalty": 0, "top_logprobs": (None, 0)}
+CHAT_KEYS = (*_COMMON_KEYS, "messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice")
+_STREAM_OPTIONS = ("include_usage", "continuous_usage_stats")
 
 
 class APIError(Exception):
@@ -42,7 +52,7 @@ class APIError(Exception):
 
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-               413: "invalid_request_error", 503: "service_unavailable"}
+               405: "invalid_request_error", 413: "invalid_request_error", 503: "service_unavailable"}
 
 
 def error_body(status: int, message: str, param: str | None = None) -> dict:
@@ -58,6 +68,8 @@ class ParsedRequest:
     stream: bool
     include_usage: bool  # stream_options.include_usage: a last chunk with usage
     return_token_ids: bool
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage so far on every chunk
+    max_tokens_field: str = "max_tokens"  # the HTTP field that set max_new_tokens (in error messages)
 
 
 def parse_completion(body: Any, tok: TextTokenizer | None, model_name: str) -> ParsedRequest:
@@ -80,69 +92,83 @@ def parse_completion(body: Any, tok: TextTokenizer | None, model_name: str) -> P
 
 
 def parse_chat(body: Any, tok: TextTokenizer | None, model_name: str) -> ParsedRequest:
-    """POST /v1/chat/completions: `messages` rendered through the tokenizer's chat template."""
+    """POST /v1/chat/completions: `messages` rendered through the tokenizer's chat template
+    (with `chat_template_kwargs`, if any); `max_completion_tokens` wins over `max_tokens`."""
     body = _check_body(body, CHAT_KEYS, model_name)
     if tok is None:
         raise APIError(400, f"messages: model {model_name!r} has no tokenizer, so no chat template", "messages")
-    if "max_completion_tokens" in body:
-        body = {**body, "max_tokens": body.pop("max_completion_tokens")}
+    max_field = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+    if max_field in body:
+        body["max_tokens"] = body.pop(max_field)
     try:
-        text = tok.chat_prompt(body.get("messages"))
+        text = tok.chat_prompt(body.get("messages"), extra=body.get("chat_template_kwargs") or {})
     except RequestError as err:
         raise APIError(400, str(err), "messages") from None
-    return _parsed("chat", body, tok.encode(text), tok)
+    return _parsed("chat", body, tok.encode(text), tok, max_field)
 
 
 def _check_body(body: Any, known: tuple[str, ...], model_name: str) -> dict:
+    """The body without its nulls (an explicit null means absent), its keys checked."""
     if not isinstance(body, dict):
         raise APIError(400, "request body must be a JSON object")
     unknown = sorted(k for k in body if k not in known)
     if unknown:
         raise APIError(400, f"unsupported parameter {unknown[0]!r} (supported: {', '.join(known)})", unknown[0])
+    body = {k: v for k, v in body.items() if v is not None}
     for key, neutral in _NEUTRAL.items():
-        if key in body and body[key] not in (neutral if isinstance(neutral, tuple) else (neutral,)):
-            raise APIError(400, f"{key}: only {neutral!r} is supported, got {body[key]!r}", key)
+        if key in body and not any(_same(body[key], value) for value in neutral):
+            shown = " or ".join(json.dumps(v) for v in neutral)
+            raise APIError(400, f"{key}: only {shown} is supported, got {json.dumps(body[key])}", key)
+    for key, kind in _INFORMATIONAL.items():
+        if key in body and not isinstance(body[key], kind):
+            raise APIError(400, f"{key}: must be {_KIND_NAMES[kind]}, got {json.dumps(body[key])}", key)
     model = body.get("model")
     if model is not None and model != model_name:
         raise APIError(404, f"model {model!r} does not exist; this server serves {model_name!r}", "model")
     for key in ("stream", "return_token_ids", "ignore_eos"):
         if key in body and not isinstance(body[key], bool):
             raise APIError(400, f"{key}: must be true or false, got {body[key]!r}", key)
-    return dict(body)
+    return body
 
 
-def _parsed(kind: str, body: dict, prompt_ids: list[int], tok: TextTokenizer | None) -> ParsedRequest:
-    def value(key: str, default: Any) -> Any:  # absent and null both mean the default
-        return default if body.get(key) is None else body[key]
+_KIND_NAMES = {str: "a string", dict: "an object", bool: "true or false"}
 
-    sampling = {"max_new_tokens": value("max_tokens", DEFAULT_MAX_TOKENS[kind]),
-                "temperature": value("temperature", 1.0), "top_p": value("top_p", 1.0),
-                "seed": value("seed", secrets.randbits(63)), "stop": value("stop", []),
-                "stop_token_ids": value("stop_token_ids", [])}
-    if not body.get("ignore_eos", False):
-        sampling = with_eos_stop(sampling, tok)
+
+def _same(value: Any, neutral: Any) -> bool:
+    """`value` is `neutral`: equal, and a bool only where a bool is meant (true is not 1)."""
+    return isinstance(value, bool) == isinstance(neutral, bool) and value == neutral
+
+
+def _parsed(kind: str, body: dict, prompt_ids: list[int], tok: TextTokenizer | None,
+            max_field: str = "max_tokens") -> ParsedRequest:
+    sampling = {key: body[name] for key, name in zip(SAMPLING_KEYS, _SAMPLING_HTTP) if name in body}
+    sampling.setdefault("max_new_tokens", DEFAULT_MAX_TOKENS[kind])
+    sampling.setdefault("temperature", 1.0)  # OpenAI's default, where raysched's own is greedy
+    sampling.setdefault("seed", secrets.randbits(63))
+    sampling = with_eos_stop(sampling, tok)
     try:
         params = SamplingParams.from_dict(sampling)
     except RequestError as err:
-        raise APIError(400, _openai_names(str(err)), _param_of(str(err))) from None
+        raise request_error(err, max_field) from None
     if params.stop and tok is None:
         raise APIError(400, "stop: stop strings need the model's tokenizer", "stop")
-    options = body.get("stream_options") or {}
-    if not isinstance(options, Mapping) or set(options) - {"include_usage", "continuous_usage_stats"}:
-        raise APIError(400, f"stream_options: only include_usage is supported, got {options!r}", "stream_options")
-    return ParsedRequest(kind, prompt_ids, params.to_dict(), bool(body.get("stream", False)),
-                         bool(options.get("include_usage", False)), bool(body.get("return_token_ids", False)))
+    options = body.get("stream_options", {})
+    if (not isinstance(options, Mapping) or set(options) - set(_STREAM_OPTIONS)
+            or not all(isinstance(v, bool) or v is None for v in options.values())):
+        raise APIError(400, f"stream_options: only {' and '.join(_STREAM_OPTIONS)} (true or false) are "
+                            f"supported, got {json.dumps(options)}", "stream_options")
+    return ParsedRequest(kind, prompt_ids, params.to_dict(), body.get("stream", False),
+                         bool(options.get("include_usage")), body.get("return_token_ids", False),
+                         bool(options.get("continuous_usage_stats")), max_field)
 
 
-def _openai_names(message: str) -> str:
-    return message.replace("max_new_tokens", "max_tokens").replace("sampling: ", "")
-
-
-def _param_of(message: str) -> str | None:
-    for key in ("max_new_tokens", "temperature", "top_p", "seed", "stop_token_ids", "stop"):
-        if key in message:
-            return {"max_new_tokens": "max_tokens"}.get(key, key)
-    return None
+def request_error(err: RequestError, max_field: str = "max_tokens") -> APIError:
+    """A 400 for a request the sampling checks or the scheduler refused, in HTTP's names
+    (`max_tokens`, or `max_completion_tokens` when that was sent, for `max_new_tokens`)."""
+    names = {**{key: HTTP_NAMES.get(key, key) for key in SAMPLING_KEYS}, "max_new_tokens": max_field}
+    message = re.sub(r"\bmax_new_tokens\b", max_field, str(err)).removeprefix("sampling: ")
+    found = [(m.start(), key) for key in SAMPLING_KEYS if (m := re.search(rf"\b{key}\b", str(err)))]
+    return APIError(400, message, names[min(found)[1]] if found else None)
 
 
 # ---------------------------------------------------------------------------- responses
@@ -152,10 +178,13 @@ def new_id(kind: str) -> str:
     return f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = 0) -> dict:
+    """OpenAI's usage object; `cached_tokens=None` leaves out the details (a stream's usage so far)."""
+    use = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+           "total_tokens": prompt_tokens + completion_tokens}
+    if cached_tokens is not None:
+        use["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return use
 
 
 def response(req: ParsedRequest, rid: str, model: str, text: str, token_ids: list[int],
@@ -173,8 +202,9 @@ def response(req: ParsedRequest, rid: str, model: str, text: str, token_ids: lis
 
 
 def chunk(req: ParsedRequest, rid: str, model: str, text: str, token_ids: list[int],
-          finish_reason: str | None, first: bool = False) -> dict:
-    """One streamed chunk; a chat stream's first delta carries the role."""
+          finish_reason: str | None, first: bool = False, use: dict | None = None) -> dict:
+    """One streamed chunk; a chat stream's first delta carries the role. `use`: usage so far
+    (`stream_options.continuous_usage_stats`, as vLLM sends it)."""
     if req.kind == "chat":
         delta: dict = {"role": "assistant", "content": text} if first else {"content": text}
         choice: dict = {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
@@ -182,7 +212,10 @@ def chunk(req: ParsedRequest, rid: str, model: str, text: str, token_ids: list[i
         choice = {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}
     _add_ids(choice, req, token_ids, with_prompt=first)
     obj = "chat.completion.chunk" if req.kind == "chat" else "text_completion"
-    return {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": [choice]}
+    out = {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": [choice]}
+    if use is not None:
+        out["usage"] = use
+    return out
 
 
 def usage_chunk(req: ParsedRequest, rid: str, model: str, use: dict) -> dict:

@@ -100,7 +100,8 @@ def _with_text(client: Client, handle: RequestHandle, record: dict) -> dict:
     """The record, plus its output text (cut at a stop string) when the model has a tokenizer."""
     tok = client.tokenizer
     if tok is not None:
-        record["text"] = output_text(tok, record["token_ids"], handle.stop)
+        p = handle.params
+        record["text"] = output_text(tok, record["token_ids"], p.stop, p.min_tokens)
     return record
 
 

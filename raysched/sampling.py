@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 MAX_SEED = 2**64  # seeds are unsigned 64-bit (the sampler mixes them with SplitMix64)
@@ -33,12 +33,19 @@ def _is_finite_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
+def _field(default: Any, help_text: str) -> Any:
+    return field(default=default, metadata={"help": help_text})
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to pick each new token of one request.
+    """How to pick each new token of one request: the one set of sampling keys that the driver
+    (`client.submit`), trace files, `raysched generate` (one flag per field, from `help`) and HTTP
+    (with OpenAI's `max_tokens` for `max_new_tokens`) all accept.
 
-    temperature 0 is greedy; otherwise tokens are drawn from softmax(logits / temperature) cut to
-    the top_p nucleus, with randomness that depends only on (seed, token index).
+    temperature 0 is greedy; otherwise tokens are drawn from softmax(logits / temperature) over
+    the top_k largest logits, cut to the top_p nucleus, with randomness that depends only on
+    (seed, token index).
 
     >>> SamplingParams(max_new_tokens=8, temperature=0.7, seed=3).to_dict()["temperature"]
     0.7
@@ -48,12 +55,15 @@ class SamplingParams:
     raysched.sampling.RequestError: sampling: top_p must be in (0, 1], got 0
     """
 
-    max_new_tokens: int = 16
-    temperature: float = 0.0  # 0 = greedy
-    top_p: float = 1.0  # nucleus mass, in (0, 1]
-    seed: int = 0  # per-request randomness, in [0, 2**64)
-    stop_token_ids: tuple[int, ...] = ()  # generation ends after emitting any of these
-    stop: tuple[str, ...] = ()  # generation ends when the output text contains any of these
+    max_new_tokens: int = _field(16, "tokens to generate at most")
+    temperature: float = _field(0.0, "0 is greedy")
+    top_p: float = _field(1.0, "nucleus mass, in (0, 1]")
+    top_k: int = _field(0, "sample among the k largest logits only (ties: lower id first); 0 or -1: all")
+    seed: int = _field(0, "per-request randomness, in [0, 2**64)")
+    min_tokens: int = _field(0, "stop tokens (eos included) and stop strings end nothing before this many tokens")
+    stop_token_ids: tuple[int, ...] = _field((), "generation ends after emitting any of these")
+    stop: tuple[str, ...] = _field((), "generation ends when the output text contains any of these")
+    ignore_eos: bool = _field(False, "text prompts and HTTP: do not stop at the tokenizer's eos token")
 
     def __post_init__(self) -> None:
         self.validate()
@@ -70,6 +80,13 @@ class SamplingParams:
             raise _error("temperature must be a finite number >= 0", self.temperature)
         if not _is_finite_number(self.top_p) or not 0 < self.top_p <= 1:
             raise _error("top_p must be in (0, 1]", self.top_p)
+        if not _is_int(self.top_k) or self.top_k < -1:
+            raise _error("top_k must be an integer >= -1 (0 or -1: all tokens)", self.top_k)
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_new_tokens:
+            raise _error(f"min_tokens must be an integer in [0, max_new_tokens ({self.max_new_tokens})]",
+                         self.min_tokens)
+        if not isinstance(self.ignore_eos, bool):
+            raise _error("ignore_eos must be true or false", self.ignore_eos)
         if not _is_int(self.seed) or not 0 <= self.seed < MAX_SEED:
             raise _error("seed must be an integer in [0, 2**64)", self.seed)
         self._validate_stop_ids(vocab_size)
@@ -93,23 +110,24 @@ class SamplingParams:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON data; ``SamplingParams.from_dict(p.to_dict()) == p``."""
-        return {"max_new_tokens": self.max_new_tokens, "temperature": self.temperature,
-                "top_p": self.top_p, "seed": self.seed, "stop_token_ids": list(self.stop_token_ids),
-                "stop": list(self.stop)}
+        return {name: list(v) if isinstance(v := getattr(self, name), tuple) else v for name in SAMPLING_KEYS}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> SamplingParams:
         """Build from plain data; absent keys take defaults, unknown keys raise RequestError.
 
-        >>> SamplingParams.from_dict({"max_new_tokens": 4, "stop_token_ids": [2]})
-        SamplingParams(max_new_tokens=4, temperature=0.0, top_p=1.0, seed=0, stop_token_ids=(2,), stop=())
+        An explicit None (JSON null) means absent.
+
+        >>> SamplingParams.from_dict({"max_new_tokens": 4, "stop_token_ids": [2], "seed": None}).to_dict()
+        {'max_new_tokens': 4, 'temperature': 0.0, 'top_p': 1.0, 'top_k': 0, 'seed': 0, 'min_tokens': 0, \
+'stop_token_ids': [2], 'stop': [], 'ignore_eos': False}
         """
         if not isinstance(data, Mapping):
             raise _error("sampling params must be a mapping", data)
-        unknown = sorted(str(k) for k in data if k not in _FIELDS)
+        unknown = sorted(str(k) for k in data if k not in SAMPLING_KEYS)
         if unknown:
-            raise RequestError(f"sampling: unknown key {unknown[0]!r} (known: {', '.join(_FIELDS)})")
-        values = dict(data)
+            raise RequestError(f"sampling: unknown key {unknown[0]!r} (known: {', '.join(SAMPLING_KEYS)})")
+        values = {k: v for k, v in data.items() if v is not None}
         for name in ("stop_token_ids", "stop"):
             if name in values:
                 values[name] = _as_tuple(values[name])
@@ -121,7 +139,7 @@ class SamplingParams:
         return cls(**values)
 
 
-_FIELDS = ("max_new_tokens", "temperature", "top_p", "seed", "stop_token_ids", "stop")
+SAMPLING_KEYS = tuple(f.name for f in fields(SamplingParams))
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 

@@ -173,7 +173,7 @@ class Scheduler:
             raise RequestError(f"request id {rid!r} is already in use")
         req = Request(rid, prompt, params, priority)
         if params.stop:  # stop strings are matched here, on the text, as tokens arrive
-            req.text_stream = require_tokenizer(self.config.model).text_stream(params.stop)
+            req.text_stream = require_tokenizer(self.config.model).text_stream(params.stop, params.min_tokens)
         self.requests[rid] = req
         self._progress[rid] = asyncio.Event()
         enqueue(self.waiting, req)

@@ -41,7 +41,7 @@ from raysched.config import ConfigError, ServeConfig
 from raysched.deployment import DEFAULT_NAME, NAMESPACE, describe, find_scheduler, start_scheduler
 from raysched.metrics import ServeMetrics
 from raysched.openai_api import (APIError, ParsedRequest, chunk, error_body, models_list, new_id, parse_chat,
-                                 parse_completion, response, usage, usage_chunk)
+                                 parse_completion, request_error, response, usage, usage_chunk)
 from raysched.sampling import RequestError
 from raysched.tokenizer import load_tokenizer
 
@@ -59,8 +59,9 @@ async def _api_error(_: Request, err: APIError) -> JSONResponse:
 
 @app.exception_handler(StarletteHTTPException)
 async def _http_error(request: Request, err: StarletteHTTPException) -> JSONResponse:
+    """404 and 405 in OpenAI's error JSON; a 405 keeps Starlette's `Allow` header."""
     message = f"no route {request.method} {request.url.path}" if err.status_code in (404, 405) else str(err.detail)
-    return JSONResponse(error_body(err.status_code, message), status_code=err.status_code)
+    return JSONResponse(error_body(err.status_code, message), status_code=err.status_code, headers=err.headers)
 
 
 def served_model_name(model: str) -> str:
@@ -88,15 +89,32 @@ class ClosingStreamingResponse(StreamingResponse):
     """A StreamingResponse that closes its body iterator however the response ends. Starlette
     leaves the iterator suspended at a `yield` when the disconnect (a cancellation or an OSError)
     lands in `send`, and its `finally` then waits for the garbage collector: the request would run
-    to its last token with nobody reading. Closing it here runs that `finally` (the abort) at once."""
+    to its last token with nobody reading. Closing it here runs that `finally` (the abort) at once.
+    Serve's `receive` raises TaskCancelledError when the client has gone; here that is the
+    disconnect message it means (else the handler's task ends in a logged traceback)."""
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        async def receive_or_disconnect() -> dict:
+            try:
+                return await receive()
+            except ray.exceptions.TaskCancelledError:
+                return {"type": "http.disconnect"}
+
         try:
-            await super().__call__(scope, receive, send)
+            await super().__call__(scope, receive_or_disconnect, send)
         finally:
             close = getattr(self.body_iterator, "aclose", None)
             if close is not None:
                 await close()
+
+
+def _quiet_future(ref: Any) -> asyncio.Future:
+    """`ref` as an asyncio future whose outcome counts as seen even if nobody awaits it any more
+    (a disconnect cancels the awaiting handler while Ray completes the call as cancelled: asyncio
+    would log "exception was never retrieved" for it)."""
+    future = asyncio.wrap_future(ref.future())
+    future.add_done_callback(lambda f: f.cancelled() or f.exception())
+    return future
 
 
 def _sse(data: dict) -> str:
@@ -124,17 +142,18 @@ class OpenAIServer:
         self.created = int(time.time())
 
     # ------------------------------------------------------------------ routes
-    @app.get("/health")
+    # GET routes answer HEAD too (the same status and headers; the HTTP server sends no body)
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health(self) -> dict:
         await self._call(self.scheduler.stats.remote(), timeout=10)
         return {"status": "ok"}
 
-    @app.get("/metrics")
+    @app.api_route("/metrics", methods=["GET", "HEAD"])
     async def metrics(self) -> Response:
         stats = await self._call(self.scheduler.stats.remote(), timeout=10)
         return Response(self.metrics.render(stats), media_type=ServeMetrics.CONTENT_TYPE)
 
-    @app.get("/v1/models")
+    @app.api_route("/v1/models", methods=["GET", "HEAD"])
     async def models(self, request: Request) -> dict:
         self._authorize(request)
         return models_list(self.model, self.created)
@@ -155,7 +174,7 @@ class OpenAIServer:
         owned = True  # this handler must abort the request unless it ends or a stream takes it over
         try:
             try:
-                await self._call(self.scheduler.submit.remote(req.prompt_ids, req.sampling, rid))
+                await self._call(self.scheduler.submit.remote(req.prompt_ids, req.sampling, rid), req=req)
             except APIError:
                 owned = False  # refused: nothing to abort
                 raise
@@ -174,19 +193,21 @@ class OpenAIServer:
 
     async def _events(self, req: ParsedRequest, rid: str) -> AsyncIterator[str]:
         """SSE chunks as tokens arrive; the last one carries finish_reason, then [DONE]."""
-        stream = self.tokenizer.text_stream(req.sampling["stop"]) if self.tokenizer else None
+        stream = self._text_stream(req)
         resp_id, cursor, done, ended = new_id(req.kind), 0, False, False
         try:
             while not done:
                 tokens, done = await self._call(self.scheduler.next_tokens.remote(rid, cursor))
                 text = "" if stream is None else stream.add(tokens) + (stream.finish() if done else "")
                 if tokens or text:
-                    yield _sse(chunk(req, resp_id, self.model, text, tokens, None, first=cursor == 0))
+                    yield _sse(chunk(req, resp_id, self.model, text, tokens, None, cursor == 0,
+                                     self._usage_so_far(req, cursor + len(tokens))))
                 cursor += len(tokens)
             record = await self._call(self.scheduler.wait.remote(rid))
             ended = True
             self.metrics.observe(record)
-            yield _sse(chunk(req, resp_id, self.model, "", [], record["finish_reason"], first=cursor == 0))
+            yield _sse(chunk(req, resp_id, self.model, "", [], record["finish_reason"], cursor == 0,
+                             self._usage_so_far(req, cursor)))
             if req.include_usage:
                 yield _sse(usage_chunk(req, resp_id, self.model, self._usage(req, record)))
             yield "data: [DONE]\n\n"
@@ -196,10 +217,16 @@ class OpenAIServer:
             if not ended:  # client disconnected (or the stream failed): free the request's slots
                 self._abort(rid)
 
-    def _text(self, req: ParsedRequest, token_ids: list[int]) -> tuple[str, list[int]]:
+    def _text_stream(self, req: ParsedRequest) -> Any:
+        """The request's `TextStream` (stop strings, min_tokens), or None without a tokenizer."""
         if self.tokenizer is None:
+            return None
+        return self.tokenizer.text_stream(req.sampling["stop"], req.sampling["min_tokens"])
+
+    def _text(self, req: ParsedRequest, token_ids: list[int]) -> tuple[str, list[int]]:
+        stream = self._text_stream(req)
+        if stream is None:
             return "", token_ids
-        stream = self.tokenizer.text_stream(req.sampling["stop"])
         stream.add(token_ids)
         stream.finish()
         return stream.text, token_ids
@@ -208,17 +235,22 @@ class OpenAIServer:
     def _usage(req: ParsedRequest, record: dict) -> dict:
         return usage(len(req.prompt_ids), len(record["token_ids"]), record.get("cached_tokens") or 0)
 
+    @staticmethod
+    def _usage_so_far(req: ParsedRequest, completion_tokens: int) -> dict | None:
+        return usage(len(req.prompt_ids), completion_tokens, None) if req.continuous_usage else None
+
     def _abort(self, rid: str) -> None:
         """Abort `rid` and have the scheduler forget it (its reader is gone). Sent from a thread
         of its own: Serve cancels a disconnected request's task *recursively*, and a call
         submitted from that task (even in its `finally`) may be cancelled with it, leaving the
         request running with nobody to read it. A new thread submits as no task's child."""
-        self.metrics.disconnects += 1
         threading.Thread(target=self._send_abort, args=(rid,), name=f"abort-{rid}", daemon=True).start()
 
     def _send_abort(self, rid: str) -> None:
+        """Counts a disconnect only when it aborted the request (it may have ended meanwhile)."""
         try:
-            ray.get(self.scheduler.abort.remote(rid, True), timeout=60)
+            if ray.get(self.scheduler.abort.remote(rid, True), timeout=60):
+                self.metrics.count_disconnect()
         except Exception as err:  # the scheduler is gone or restarting: nothing left to free
             print(f"raysched serve: abort of {rid} failed: {err!r}", flush=True)
 
@@ -230,10 +262,13 @@ class OpenAIServer:
         if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(), self.api_key.encode()):
             raise APIError(401, "missing or wrong API key (send 'Authorization: Bearer <key>')")
 
-    async def _call(self, ref: Any, timeout: float | None = None) -> Any:
-        """Await a scheduler call: a rejected request is a 400, a dead scheduler a 503."""
+    async def _call(self, ref: Any, timeout: float | None = None, req: ParsedRequest | None = None) -> Any:
+        """Await a scheduler call: a rejected request is a 400 (in the HTTP names of `req`'s
+        fields), a dead scheduler a 503."""
         try:
-            return await asyncio.wait_for(ref, timeout) if timeout else await ref
+            return await asyncio.wait_for(_quiet_future(ref), timeout)
+        except ray.exceptions.TaskCancelledError:  # Serve cancelled the call: this request's client left
+            raise asyncio.CancelledError() from None  # a cancelled handler, not a failed one (no traceback)
         except ray.exceptions.RayActorError:
             self._refresh()
             raise APIError(503, f"the raysched scheduler {self.scheduler_name!r} is gone") from None
@@ -241,7 +276,7 @@ class OpenAIServer:
             raise APIError(503, f"the raysched scheduler {self.scheduler_name!r} does not answer") from None
         except ray.exceptions.RayTaskError as err:
             if isinstance(err.cause, RequestError):
-                raise APIError(400, str(err.cause)) from None
+                raise request_error(err.cause, req.max_tokens_field if req else "max_tokens") from None
             raise
 
     def _refresh(self) -> None:

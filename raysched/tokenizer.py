@@ -59,18 +59,21 @@ class TextTokenizer:
         """Text of `token_ids`, special tokens left out."""
         return self.raw.decode(list(token_ids), skip_special_tokens=True)
 
-    def chat_prompt(self, messages: Any, add_generation_prompt: bool = True) -> str:
-        """Render OpenAI-style `messages` through the chat template; RequestError on bad messages."""
+    def chat_prompt(self, messages: Any, add_generation_prompt: bool = True,
+                    extra: Mapping[str, Any] | None = None) -> str:
+        """Render OpenAI-style `messages` through the chat template; RequestError on bad messages.
+        `extra`: more template variables (HTTP's `chat_template_kwargs`), never the ones set here."""
         template = self.config.get("chat_template")
         if not template:
             raise RequestError(f"messages: the tokenizer of {self.source} has no chat template")
         if self._template is None:
             self._template = _compile_template(template)
-        return self._template.render(messages=check_messages(messages), add_generation_prompt=add_generation_prompt,
-                                     bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+        return self._template.render({**(extra or {}), "messages": check_messages(messages),
+                                      "add_generation_prompt": add_generation_prompt,
+                                      "bos_token": self.bos_token or "", "eos_token": self.eos_token or ""})
 
-    def text_stream(self, stop: Sequence[str] = ()) -> TextStream:
-        return TextStream(self, stop)
+    def text_stream(self, stop: Sequence[str] = (), min_tokens: int = 0) -> TextStream:
+        return TextStream(self, stop, min_tokens)
 
 
 class TextStream:
@@ -81,11 +84,14 @@ class TextStream:
     possible beginning of a stop string (the last `max(len(stop)) - 1` characters wait). Once a
     stop string appears, the text is cut before it, `stopped` is set, and later tokens are
     ignored; `num_tokens` is then the number of tokens up to the one that completed it.
+    A stop string counts only once `min_tokens` tokens were added (the token that completes it
+    counts), and only where it ends in text added then: one completed earlier stays in the text.
     `finish()` releases what was held back.
     """
 
-    def __init__(self, tokenizer: TextTokenizer, stop: Sequence[str] = ()) -> None:
+    def __init__(self, tokenizer: TextTokenizer, stop: Sequence[str] = (), min_tokens: int = 0) -> None:
         self._tok = tokenizer
+        self._min_tokens = min_tokens
         self._decoder = DecodeStream(skip_special_tokens=True)
         self._stop = tuple(stop)
         self._holdback = max((len(s) for s in self._stop), default=1) - 1
@@ -117,9 +123,11 @@ class TextStream:
         return self._release(final=True)
 
     def _append(self, piece: str) -> None:
-        start = max(0, len(self.text) - self._holdback)
+        before = len(self.text)
         self.text += piece
-        hits = [(i, s) for s in self._stop if (i := self.text.find(s, start)) >= 0]
+        if len(self.token_ids) < self._min_tokens:
+            return
+        hits = [(i, s) for s in self._stop if (i := self.text.find(s, max(0, before - len(s) + 1))) >= 0]
         if hits:
             cut, self.stopped = min(hits)
             self.text = self.text[:cut]
@@ -132,18 +140,20 @@ class TextStream:
 
 def with_eos_stop(sampling: Mapping[str, Any], tokenizer: TextTokenizer | None) -> dict[str, Any]:
     """Sampling params that also stop at the tokenizer's eos token (the default for text prompts
-    and for the HTTP server, as in vLLM); unchanged without a tokenizer or eos token."""
+    and for the HTTP server, as in vLLM); unchanged with `ignore_eos`, or without a tokenizer or
+    eos token."""
     out = dict(sampling)
-    eos = None if tokenizer is None else tokenizer.eos_token_id
+    eos = None if tokenizer is None or out.get("ignore_eos") else tokenizer.eos_token_id
     stops = list(out.get("stop_token_ids") or [])
     if eos is not None and eos not in stops:
         out["stop_token_ids"] = [*stops, eos]
     return out
 
 
-def output_text(tokenizer: TextTokenizer, token_ids: Sequence[int], stop: Sequence[str] = ()) -> str:
-    """The text of a request's output tokens, cut before the first stop string."""
-    stream = tokenizer.text_stream(stop)
+def output_text(tokenizer: TextTokenizer, token_ids: Sequence[int], stop: Sequence[str] = (),
+                min_tokens: int = 0) -> str:
+    """The text of a request's output tokens, cut before the first stop string (see `TextStream`)."""
+    stream = tokenizer.text_stream(stop, min_tokens)
     stream.add(token_ids)
     stream.finish()
     return stream.text

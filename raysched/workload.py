@@ -14,9 +14,10 @@ A workload YAML is either *synthetic*::
 
 or a *trace*: ``trace: requests.jsonl`` (relative to the YAML file's folder), one JSON object per
 line with ``prompt_ids`` (or ``prompt``: text, encoded with the model's tokenizer; a text prompt
-also stops at the tokenizer's eos token) and ``max_new_tokens``, and optionally ``arrival_s``,
-``temperature``, ``top_p``, ``seed``, ``stop_token_ids``, ``stop`` (stop strings), ``priority``
-(int, lower is more urgent) and ``request_id``; blank lines are skipped.
+also stops at the tokenizer's eos token unless ``ignore_eos``) and ``max_new_tokens``, and
+optionally ``arrival_s``, ``priority`` (int, lower is more urgent), ``request_id`` and any other
+sampling key (`raysched.sampling.SAMPLING_KEYS`: ``temperature``, ``top_p``, ``top_k``, ``seed``,
+``min_tokens``, ``stop_token_ids``, ``stop``, ``ignore_eos``); blank lines are skipped.
 `RequestSpec.to_dict` writes exactly such a line.
 
 Problems raise `ConfigError` naming the key path, or the trace file and line. Never imports torch.
@@ -49,7 +50,7 @@ from raysched.config import (
     parse_fields,
     read_config_source,
 )
-from raysched.sampling import RequestError, SamplingParams, check_priority, validate_prompt
+from raysched.sampling import SAMPLING_KEYS, RequestError, SamplingParams, check_priority, validate_prompt
 from raysched.tokenizer import TextTokenizer, with_eos_stop
 
 _ROOT = KeyPath("workload")
@@ -317,9 +318,7 @@ def _sampling_params(config: WorkloadConfig, count: int, rng: random.Random) -> 
 
 # ---------------------------------------------------------------------------- trace
 
-_TRACE_KEYS = ("request_id", "prompt_ids", "prompt", "max_new_tokens", "arrival_s",
-               "temperature", "top_p", "seed", "stop_token_ids", "stop", "priority")
-_SAMPLING_KEYS = ("max_new_tokens", "temperature", "top_p", "seed", "stop_token_ids", "stop")
+_TRACE_KEYS = ("request_id", "prompt_ids", "prompt", "arrival_s", "priority", *SAMPLING_KEYS)
 
 
 def read_trace(path: str | os.PathLike[str], vocab_size: int,
@@ -363,7 +362,7 @@ def _parse_trace_line(line: str, key: KeyPath, vocab_size: int, default_id: str,
     if arrival_s < 0:
         raise key.child("arrival_s").error(f"must be >= 0, got {raw['arrival_s']!r}")
     try:
-        sampling = {k: raw[k] for k in _SAMPLING_KEYS if k in raw}
+        sampling = {k: raw[k] for k in SAMPLING_KEYS if k in raw}
         text = raw.get("prompt")
         if text is not None:
             prompt = validate_prompt(_encode(text, tokenizer), vocab_size)

@@ -106,7 +106,22 @@ def test_top_p_outside_zero_one(client, value):
 
 def test_mistyped_sampling_key(client):
     rejects(client, VALID_PROMPT, {"max_tokens": 4},
-            "sampling: unknown key 'max_tokens' (known: max_new_tokens, temperature, top_p, seed, stop_token_ids, stop)")
+            "sampling: unknown key 'max_tokens' (known: max_new_tokens, temperature, top_p, top_k, seed, "
+            "min_tokens, stop_token_ids, stop, ignore_eos)")
+
+
+def test_negative_top_k(client):
+    rejects(client, VALID_PROMPT, {"top_k": -2},
+            "sampling: top_k must be an integer >= -1 (0 or -1: all tokens), got -2")
+
+
+def test_min_tokens_above_max_new_tokens(client):
+    rejects(client, VALID_PROMPT, {"max_new_tokens": 4, "min_tokens": 5},
+            "sampling: min_tokens must be an integer in [0, max_new_tokens (4)], got 5")
+
+
+def test_ignore_eos_not_a_boolean(client):
+    rejects(client, VALID_PROMPT, {"ignore_eos": "yes"}, "sampling: ignore_eos must be true or false, got 'yes'")
 
 
 def test_stop_token_outside_the_vocabulary(client):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import doctest
+import json
 import math
 import re
 
@@ -160,3 +161,73 @@ def test_request_error_is_a_value_error() -> None:
 def test_docstring_examples_run() -> None:
     result = doctest.testmod(raysched.sampling)
     assert result.attempted > 0 and result.failed == 0
+
+
+# ---------------------------------------------------------------------------- top_k, min_tokens, ignore_eos
+
+
+def test_new_fields_round_trip_and_nulls_mean_absent() -> None:
+    params = SamplingParams(max_new_tokens=9, temperature=0.5, top_k=7, min_tokens=4, ignore_eos=True)
+    assert SamplingParams.from_dict(params.to_dict()) == params
+    assert SamplingParams.from_dict({"top_k": None, "min_tokens": None, "seed": None}) == SamplingParams()
+    assert SamplingParams.from_dict({"top_k": -1}).top_k == -1  # vLLM's "all tokens", as 0
+
+
+@pytest.mark.parametrize("data,message", [
+    ({"top_k": -2}, "top_k must be an integer >= -1"),
+    ({"top_k": 2.5}, "top_k must be an integer >= -1"),
+    ({"min_tokens": -1}, "min_tokens must be an integer in [0, max_new_tokens (16)], got -1"),
+    ({"max_new_tokens": 4, "min_tokens": 5}, "min_tokens must be an integer in [0, max_new_tokens (4)], got 5"),
+    ({"ignore_eos": "yes"}, "ignore_eos must be true or false, got 'yes'"),
+])
+def test_bad_new_fields_are_rejected(data: dict, message: str) -> None:
+    with pytest.raises(RequestError, match=re.escape(f"sampling: {message}")):
+        SamplingParams.from_dict(data)
+
+
+def test_ignore_eos_keeps_the_eos_out_of_the_stop_ids() -> None:
+    from raysched.tokenizer import load_tokenizer, with_eos_stop
+
+    tok = load_tokenizer("tiny")
+    assert with_eos_stop({"stop_token_ids": [3]}, tok)["stop_token_ids"] == [3, tok.eos_token_id]
+    assert with_eos_stop({"stop_token_ids": [3], "ignore_eos": True}, tok)["stop_token_ids"] == [3]
+
+
+# one non-default value per sampling key; the four ways in must all accept each
+ONE_VALUE = {"max_new_tokens": 5, "temperature": 0.5, "top_p": 0.5, "top_k": 3, "seed": 11, "min_tokens": 2,
+             "stop_token_ids": [4, 6], "stop": ["xy"], "ignore_eos": True}
+CLI_ARGS = {"stop_token_ids": "4,6", "stop": "xy"}
+
+
+def test_every_sampling_key_has_a_test_value() -> None:
+    assert set(ONE_VALUE) == set(raysched.sampling.SAMPLING_KEYS)
+    assert all(ONE_VALUE[k] != v for k, v in SamplingParams().to_dict().items())
+
+
+@pytest.mark.parametrize("key", list(ONE_VALUE))
+def test_driver_trace_cli_and_http_accept_the_same_key(key: str, tmp_path) -> None:
+    from raysched.cli import build_parser
+    from raysched.openai_api import HTTP_NAMES, parse_completion
+    from raysched.tokenizer import load_tokenizer
+    from raysched.workload import read_trace
+
+    value = ONE_VALUE[key]
+    expected = value if key != "stop_token_ids" else tuple(value)
+    expected = tuple(expected) if key == "stop" else expected
+    # the driver: client.submit sends the dict to the scheduler, which reads it so
+    assert getattr(SamplingParams.from_dict({"max_new_tokens": 5, key: value}), key) == expected
+    # a trace line
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(json.dumps({"prompt_ids": [1, 2], "max_new_tokens": 5, key: value}) + "\n")
+    assert getattr(read_trace(trace, vocab_size=512)[0].sampling, key) == expected
+    # raysched generate's flags
+    flag = ["--" + key.replace("_", "-")]
+    flag += [] if isinstance(value, bool) else [str(CLI_ARGS.get(key, value))]
+    args = build_parser().parse_args(["generate", "--prompt-ids", "1", *flag])
+    cli_value = getattr(args, key)
+    assert (tuple(cli_value) if isinstance(cli_value, list) else cli_value) == expected
+    # HTTP, under OpenAI's name
+    body = {"prompt": [1, 2], "max_tokens": 5, HTTP_NAMES.get(key, key): value}
+    parsed = parse_completion(body, load_tokenizer("tiny"), "tiny")
+    got = SamplingParams.from_dict(parsed.sampling)
+    assert getattr(got, key) == expected or (key == "stop_token_ids" and got.stop_token_ids[:2] == expected)

@@ -15,6 +15,7 @@ import random
 import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 import openai
@@ -214,6 +215,92 @@ def test_stop_string_cuts_text_and_ends_early(running: Running) -> None:
     assert [i for _, ids in pieces for i in ids] == out.token_ids
 
 
+NEUTRAL = {"logit_bias": {}, "repetition_penalty": 1, "min_p": 0, "top_k": -1, "min_tokens": 0, "n": 1,
+           "presence_penalty": 0.0, "frequency_penalty": 0, "metadata": {"run": "x"}, "store": False,
+           "service_tier": "auto", "user": "u", "response_format": {"type": "text"}}
+NULLS = {k: None for k in ("n", "presence_penalty", "frequency_penalty", "echo", "best_of", "stream", "logprobs",
+                           "stop", "top_p", "top_k", "min_tokens", "stream_options", "user", "metadata",
+                           "stop_token_ids", "repetition_penalty", "min_p", "logit_bias", "response_format")}
+
+
+def test_neutral_informational_and_null_parameters_change_nothing(running: Running) -> None:
+    """What benchmark clients and typed SDKs send (guidellm, aiperf, openai-python): neutral values,
+    informational keys and explicit nulls are accepted and change no token; a null
+    max_completion_tokens leaves max_tokens in force. Control: a real max_completion_tokens wins."""
+    base = {"prompt": [5, 17, 42], "max_tokens": 6, "temperature": 0.9, "seed": 2, "ignore_eos": True,
+            "return_token_ids": True}
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "ignore_eos": True,
+            "return_token_ids": True}
+    with running.http() as http:
+        plain = http.post("/v1/completions", json=base).json()["choices"][0]["token_ids"]
+        for extra in (NEUTRAL, NULLS):  # nulls for the keys `base` leaves out
+            r = http.post("/v1/completions", json={**extra, **base})
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["token_ids"] == plain
+        tools = {"tools": [], "tool_choice": "none", "chat_template_kwargs": {"enable_thinking": False}}
+        r = http.post("/v1/chat/completions", json={**chat, **tools, "max_completion_tokens": None})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 4
+        r = http.post("/v1/chat/completions", json={**chat, "max_completion_tokens": 6})
+        assert r.json()["usage"]["completion_tokens"] == 6
+
+
+def test_top_k_and_min_tokens_over_http_equal_generate_and_the_driver(running: Running,
+                                                                      capsys: pytest.CaptureFixture) -> None:
+    """The same sampling keys through HTTP, `raysched generate` and `client.submit` give the same
+    tokens. min_tokens holds back stop tokens the request would otherwise end on (control: without
+    it, the request stops early on one of them)."""
+    body = {"prompt": [5, 17, 42], "max_tokens": 16, "temperature": 0.9, "seed": 3, "top_k": 5,
+            "ignore_eos": True, "return_token_ids": True}
+    with running.http() as http:
+        free = http.post("/v1/completions", json=body).json()["choices"][0]["token_ids"]
+        stops = sorted(set(free[1:6]))
+        early = http.post("/v1/completions", json={**body, "stop_token_ids": stops}).json()["choices"][0]
+        held = http.post("/v1/completions", json={**body, "stop_token_ids": stops, "min_tokens": 10}).json()
+    held_ids = held["choices"][0]["token_ids"]
+    assert early["finish_reason"] == "stop" and len(early["token_ids"]) <= 6  # control
+    assert len(held_ids) >= 10 and not set(held_ids[:10]) & set(stops)
+    ref = _generate(capsys, "--prompt-ids", "5,17,42", "--max-new-tokens", "16", "--temperature", "0.9",
+                    "--seed", "3", "--top-k", "5", "--min-tokens", "10",
+                    "--stop-token-ids", ",".join(map(str, stops)))
+    assert held_ids == ref["token_ids"]
+    sampling = {"max_new_tokens": 16, "temperature": 0.9, "seed": 3, "top_k": 5, "min_tokens": 10,
+                "stop_token_ids": stops, "ignore_eos": True}
+    assert running.client.submit([5, 17, 42], sampling).result()["token_ids"] == held_ids
+
+
+def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(running: Running) -> None:
+    body = {"prompt": [5, 17, 42], "max_tokens": 8, "ignore_eos": True, "stream": True, "return_token_ids": True}
+    with running.http() as http:
+        with http.stream("POST", "/v1/completions", json={**body, "stream_options": {
+                "include_usage": True, "continuous_usage_stats": True}}) as r:
+            events = _sse_events(r)
+        with http.stream("POST", "/v1/completions", json=body) as r:
+            plain = _sse_events(r)
+    chunks, final = events[:-2], events[-2]
+    so_far = 0
+    for c in chunks:
+        so_far += len(c["choices"][0]["token_ids"])
+        assert c["usage"] == {"prompt_tokens": 3, "completion_tokens": so_far, "total_tokens": 3 + so_far}
+    assert so_far == 8 and final["choices"] == [] and final["usage"]["completion_tokens"] == 8
+    assert plain[-1] == "[DONE]" and not any("usage" in c for c in plain[:-1])  # control: not asked for
+
+
+def test_head_answers_like_get_without_a_body_and_405_says_allow(running: Running) -> None:
+    with httpx.Client(base_url=running.server.url, timeout=60) as http:
+        for path in ("/health", "/metrics", "/open/v1/models"):
+            r = http.head(path)
+            assert r.status_code == 200 and r.content == b"", path
+        r = http.head("/v1/models")  # the keyed app
+        assert r.status_code == 401 and r.content == b""
+        for method, path, allow in (("DELETE", "/open/v1/models", "GET, HEAD"),
+                                    ("GET", "/open/v1/completions", "POST")):
+            r = http.request(method, path)
+            assert r.status_code == 405 and set(r.headers["allow"].split(", ")) == set(allow.split(", "))
+            assert r.json()["error"]["type"] == "invalid_request_error"
+            assert r.json()["error"]["message"] == f"no route {method} {path}"
+
+
 def test_32_concurrent_streams(running: Running) -> None:
     rng = random.Random(11)
     prompts = [[rng.randrange(512) for _ in range(rng.randint(4, 20))] for _ in range(32)]
@@ -236,8 +323,22 @@ def test_32_concurrent_streams(running: Running) -> None:
     _wait_idle(running.client)
 
 
+def _disconnects(running: Running) -> float:
+    """raysched_client_disconnects_total of the `open` app (each app's server counts its own)."""
+    text = httpx.get(f"{running.open_url}/metrics", timeout=60).text
+    return float(next(ln for ln in text.splitlines() if ln.startswith("raysched_client_disconnects_total")).split()[-1])
+
+
+def _unretrieved_in_logs() -> int:
+    """'... exception was never retrieved' lines in this Ray session's logs (the replica's stderr)."""
+    logs = Path(ray._private.worker.global_worker.node.get_logs_dir_path())
+    return sum(p.read_text(errors="replace").count("exception was never retrieved")
+               for p in logs.rglob("*") if p.is_file() and p.suffix in (".err", ".out", ".log"))
+
+
 def test_client_disconnect_aborts_and_frees_slots(running: Running) -> None:
-    aborted = running.client.stats()["aborted"]
+    """...and counts one disconnect per aborted request, without a traceback in the server's log."""
+    aborted, disconnects, unretrieved = running.client.stats()["aborted"], _disconnects(running), _unretrieved_in_logs()
     body = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 4000, "ignore_eos": True, "stream": True}
     with running.http() as http:
         with http.stream("POST", "/v1/completions", json=body) as r:
@@ -250,6 +351,8 @@ def test_client_disconnect_aborts_and_frees_slots(running: Running) -> None:
         http.post("/v1/completions", json={**body, "stream": False})  # the client gives up waiting
     wait_until(lambda: running.client.stats()["aborted"] == aborted + 2, 60, "the waiting request's abort")
     _wait_idle(running.client)
+    wait_until(lambda: _disconnects(running) == disconnects + 2, 60, "two disconnects counted")
+    assert _unretrieved_in_logs() == unretrieved
 
 
 def test_abort_with_forget_leaves_no_record_behind(running: Running) -> None:
@@ -316,6 +419,80 @@ def test_disconnect_in_send_runs_the_stream_cleanup(spec: str, closing: bool) ->
     asyncio.run(run())
 
 
+@pytest.mark.parametrize("closing", [True, False], ids=["closing", "plain-starlette"])
+def test_serve_receive_raising_task_cancelled_is_a_disconnect(closing: bool) -> None:
+    """Serve's `receive` raises TaskCancelledError once the client has gone (under ASGI spec 2.0,
+    Starlette listens for the disconnect). ClosingStreamingResponse reads that as the disconnect
+    and returns; Starlette's own response lets it escape (negative control), and the handler's
+    task then ends in the logged 'Task exception was never retrieved'."""
+    from fastapi.responses import StreamingResponse
+
+    from raysched.serve import ClosingStreamingResponse
+
+    async def body():
+        for i in range(3):
+            yield f"data: {i}\n\n"
+        await asyncio.sleep(3600)  # a long stream: only the disconnect ends it
+
+    async def receive() -> dict:
+        await asyncio.sleep(0.05)
+        raise ray.exceptions.TaskCancelledError()
+
+    async def send(message: dict) -> None:
+        pass
+
+    async def run() -> BaseException | None:
+        response = (ClosingStreamingResponse if closing else StreamingResponse)(body(), media_type="text/event-stream")
+        try:
+            await asyncio.wait_for(response({"type": "http", "asgi": {"spec_version": "2.0"}}, receive, send), 5)
+        except Exception as err:
+            return err
+        return None
+
+    err = asyncio.run(run())
+    if closing:
+        assert err is None
+    else:
+        assert isinstance(err, ray.exceptions.TaskCancelledError) or (
+            isinstance(err, BaseExceptionGroup) and err.subgroup(ray.exceptions.TaskCancelledError))
+
+
+@pytest.mark.parametrize("quiet", [True, False], ids=["quiet", "plain-wrap_future"])
+def test_a_call_abandoned_by_a_cancelled_handler_logs_nothing(quiet: bool) -> None:
+    """The handler awaiting a scheduler call is cancelled, then Ray completes the call as cancelled:
+    `_quiet_future` marks that outcome seen; a plain wrapped future (negative control) makes asyncio
+    report 'Future exception was never retrieved'."""
+    import concurrent.futures
+    import gc
+
+    from raysched.serve import _quiet_future
+
+    class Ref:  # what _quiet_future uses of an ObjectRef
+        def __init__(self) -> None:
+            self.fut: concurrent.futures.Future = concurrent.futures.Future()
+
+        def future(self) -> concurrent.futures.Future:
+            return self.fut
+
+    reported: list[str] = []
+
+    async def run() -> None:
+        asyncio.get_running_loop().set_exception_handler(lambda _, ctx: reported.append(ctx["message"]))
+        ref = Ref()
+        future = _quiet_future(ref) if quiet else asyncio.wrap_future(ref.future())
+        waiter = asyncio.ensure_future(asyncio.shield(future))
+        await asyncio.sleep(0)
+        waiter.cancel()  # the handler goes; the call itself is not cancelled by that
+        ref.fut.set_exception(ray.exceptions.TaskCancelledError())  # Ray: the call was cancelled
+        await asyncio.sleep(0.05)
+        del future, waiter
+        gc.collect()
+        await asyncio.sleep(0)
+
+    asyncio.run(run())
+    assert reported == ([] if quiet else ["Future exception was never retrieved"])
+
+
 def test_bench_serve_measures_both_sides_with_equal_tokens(running: Running) -> None:
     """`raysched bench serve`'s measuring functions, on this module's server (its own smoke run,
     which starts another Serve, is behind the serve_slow marker)."""
@@ -341,7 +518,10 @@ BAD = [  # (path, body, status, fragment of the message)
     ("/v1/completions", {"prompt": ""}, 400, "prompt: must not be empty"),
     ("/v1/completions", {"prompt": [1, 99999]}, 400, "outside [0, 512)"),
     ("/v1/completions", {"prompt": [1.5]}, 400, "prompt: must be a string or a list of token ids"),
-    ("/v1/completions", {"prompt": "hi", "max_tokens": 9000}, 400, "exceeds the model context"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 9000}, 400, "prompt (2) + max_tokens (9000) = 9002 exceeds"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 5000}, 400, "max_tokens (5000) needs 5001 KV tokens, more"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 9000}, 400,
+     "+ max_completion_tokens (9000) = "),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens must be a positive integer"),
     ("/v1/completions", {"prompt": "hi", "temperature": -1}, 400, "temperature must be"),
     ("/v1/completions", {"prompt": "hi", "top_p": 0}, 400, "top_p must be in (0, 1]"),
@@ -349,6 +529,21 @@ BAD = [  # (path, body, status, fragment of the message)
     ("/v1/completions", {"prompt": "hi", "stop": 7}, 400, "stop must be a list"),
     ("/v1/completions", {"prompt": "hi", "stop": [""]}, 400, "stop[0] must be a non-empty string"),
     ("/v1/completions", {"prompt": "hi", "n": 2}, 400, "n: only 1 is supported"),
+    ("/v1/completions", {"prompt": "hi", "repetition_penalty": 1.1}, 400, "repetition_penalty: only 1 is supported"),
+    ("/v1/completions", {"prompt": "hi", "min_p": 0.05}, 400, "min_p: only 0 is supported"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 1}}, 400, "logit_bias: only {} is supported"),
+    ("/v1/completions", {"prompt": "hi", "response_format": {"type": "json_object"}}, 400,
+     'response_format: only {"type": "text"} is supported'),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
+     400, "tools: only [] is supported"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}, 400,
+     'tool_choice: only "none" or "auto" is supported'),
+    ("/v1/completions", {"prompt": "hi", "metadata": "x"}, 400, "metadata: must be an object"),
+    ("/v1/completions", {"prompt": "hi", "top_k": -2}, 400, "top_k must be an integer >= -1"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 4, "min_tokens": 5}, 400,
+     "min_tokens must be an integer in [0, max_tokens (4)], got 5"),
+    ("/v1/completions", {"prompt": "hi", "stream": True, "stream_options": {"usage": True}}, 400,
+     "stream_options: only include_usage and continuous_usage_stats"),
     ("/v1/completions", {"prompt": "hi", "stream": "yes"}, 400, "stream: must be true or false"),
     ("/v1/completions", {"prompt": "hi", "frobnicate": 1}, 400, "unsupported parameter 'frobnicate'"),
     ("/v1/completions", {"prompt": "hi", "model": "gpt-4"}, 404, "model 'gpt-4' does not exist"),
@@ -356,8 +551,21 @@ BAD = [  # (path, body, status, fragment of the message)
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages[0].role"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": 3}]}, 400, "messages[0].content"),
     ("/v1/nothing", {}, 404, "v1/nothing"),
+    ("/v1/models", {}, 405, "no route POST /open/v1/models"),
     ("/v1/completions", b"{" + b" " * (2 << 20) + b"}", 413, "larger than"),
 ]
+
+
+PARAMS = {  # the HTTP field an error names in `param` (the body's own names, never max_new_tokens)
+    "prompt (2) + max_tokens (9000) = 9002 exceeds": "max_tokens",
+    "max_tokens (5000) needs 5001 KV tokens, more": "max_tokens",
+    "+ max_completion_tokens (9000) = ": "max_completion_tokens",
+    "max_tokens must be a positive integer": "max_tokens",
+    "min_tokens must be an integer in [0, max_tokens (4)], got 5": "min_tokens",
+    "top_k must be an integer >= -1": "top_k",
+    "repetition_penalty: only 1 is supported": "repetition_penalty",
+    "temperature must be": "temperature",
+}
 
 
 @pytest.mark.parametrize("path,body,status,fragment", BAD, ids=[f"{b[0]}:{b[3][:24]}" for b in BAD])
@@ -369,6 +577,8 @@ def test_bad_input_is_a_4xx_and_the_server_keeps_serving(running: Running, path:
         assert r.status_code == status, r.text
         error = r.json()["error"]
         assert fragment in error["message"] and error["code"] == status
+        assert error["type"] != "server_error"
+        assert error["param"] == PARAMS.get(fragment, error["param"])
         ok = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
         assert ok.status_code == 200
 

@@ -209,3 +209,33 @@ def got_snapshot(cfg: ModelConfig) -> Snapshot:
     eng = engine(model=cfg)
     eng.prefill(sequences(GREEDY)[:1])
     return eng.snapshot("r0")
+
+
+def _suppressing_params() -> SamplingParams:
+    """Sampled with top_k, and min_tokens holding back stop tokens this run would draw early:
+    tokens that the uninterrupted run without min_tokens emits at draws 1 to 6 of request r0."""
+    free = uninterrupted(dataclasses.replace(SAMPLED, top_k=6))
+    stops = tuple(sorted(set(free.outputs["r0"][len(PROMPTS[0]) + 1:len(PROMPTS[0]) + 7])))
+    return dataclasses.replace(SAMPLED, top_k=6, min_tokens=12, stop_token_ids=stops)
+
+
+def test_top_k_and_min_tokens_survive_a_snapshot(k=5):
+    """A snapshot inside the min_tokens window carries top_k and min_tokens: the continuation is
+    bit-exact. Negative control: restoring the same snapshot without them changes the output."""
+    params = _suppressing_params()
+    ref = uninterrupted(params)
+    got = interrupted(params, k)
+    for rid in ref.outputs:
+        assert got.outputs[rid] == ref.outputs[rid], rid
+        assert same_logits(got, ref, rid), rid
+    generated = ref.outputs["r0"][len(PROMPTS[0]):]
+    assert not set(generated[:12]) & set(params.stop_token_ids)  # min_tokens held them back
+    stripped = engine()
+    stripped.prefill(sequences(params))
+    stripped.decode(k)
+    snap = stripped.snapshot("r0")
+    plain = {**snap.sampling, "top_k": 0, "min_tokens": 0}
+    assert stripped.restore(dataclasses.replace(snap, sampling=plain))
+    resumed = stripped.running["r0"]
+    run_to_end(stripped)
+    assert resumed.token_ids != ref.outputs["r0"]

@@ -126,3 +126,20 @@ def test_text_and_serving_modules_do_not_import_torch() -> None:
     code = ("import sys; import raysched.serve, raysched.client, raysched.deployment, raysched.tokenizer, "
             "raysched.openai_api, raysched.metrics, raysched.scheduler; assert 'torch' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_min_tokens_defers_stop_strings_to_text_added_from_then_on(tok) -> None:
+    ids = tok.encode(TEXT)
+    stop = "Köln"
+    first = tok.text_stream([stop])
+    first.add(ids)
+    assert first.stopped == stop  # control: without min_tokens it stops there
+    late = tok.text_stream([stop], min_tokens=len(ids))  # every stop string is completed before
+    late.add(ids)
+    late.finish()
+    assert late.stopped is None and late.text == TEXT and late.num_tokens == len(ids)
+    at = first.num_tokens  # the token that completes the stop string
+    exact = tok.text_stream([stop], min_tokens=at)  # that token counts: it stops on it
+    exact.add(ids)
+    assert exact.stopped == stop and exact.num_tokens == at
+    assert output_text(tok, ids, [stop], min_tokens=at + 1) == TEXT  # one later: it stays in the text
