@@ -102,8 +102,12 @@ def run(setup: Setup, ckpt: Path, quick: bool) -> dict:
                  for b in setup.batches]
         prefill.append(prefill_row(setup, ours, hf, dtype))
         varlen.append(varlen_row(setup, ours, dtype))
+    from actors.cpu_info import describe
+    from actors.model import kernel_paths
+
     result = {"model": setup.model, "threads": THREADS, "prompt_len": setup.prompt_len,
               "max_new_tokens": setup.max_new_tokens, "repeats": setup.repeats, "machine": machine(),
+              "platform": describe(), "kernel_paths": kernel_paths(),
               "kernels_present": [], "rows": rows, "prefill": prefill, "varlen_prefill": varlen,
               "targets": targets(rows, prefill)}
     missed = [t for t in result["targets"] if not t["met"] and t["what"].startswith("decode")]
@@ -327,6 +331,7 @@ def _short(path: str) -> str:
 
 
 def _print(result: dict) -> None:
+    _print_platform(result)
     cols = [Column("dtype", "dtype"), Column("batch", "batch"),
             Column("ours ms/step", "ours_ms_per_step", ".1f"), Column("HF ms/step", "hf_ms_per_step", ".1f"),
             Column("ours/HF", "ratio", ".2f"), Column("floor ms", "floor_ms_per_step", ".1f"),
@@ -359,6 +364,20 @@ def _print(result: dict) -> None:
             print(f"  {f['cum_share']:6.1%} cumulative  {f['calls']:>7} calls  {f['function']}")
         for op in prof["torch_ops"][:8]:
             print(f"  {op['self_share']:6.1%} self  {op['calls']:>7} calls  {op['op']}")
+
+
+def _print_platform(result: dict) -> None:
+    """The CPU, torch's build, MKL's code path, and the matrix path each fp32 weight shape took."""
+    p = result["platform"]
+    env = " ".join(f"{k}={v}" for k, v in p["env"].items()) or "none set"
+    print(f"CPU: {p['cpu_model']} ({p['cpu_vendor']}, family/model {p['cpu_family_model']}; "
+          f"{' '.join(p['cpu_flags'])}); torch {p['torch']}, ATen CPU capability "
+          f"{p['aten_cpu_capability']}")
+    print(f"MKL: {p['mkl_version']}; path: {p['mkl_path']}; env: {env}; "
+          f"GEMM fingerprint {p['gemm_fingerprint']}")
+    shapes = ", ".join(f"{shape}: {path}" for shape, path in result["kernel_paths"].items())
+    print(f"fp32 matrix path per weight shape (out x in): {shapes or 'none probed'}; "
+          "bf16: tiles of 16 (decode) / 128 (prefill) rows (no packed bf16 GEMM)")
 
 
 if __name__ == "__main__":
