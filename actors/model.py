@@ -10,12 +10,13 @@ with a `ForwardBatch` naming the slots.
 Batch invariance: a sequence's logits are bit-identical whatever else is in the batch, in
 decode and in prefill. What is fixed-shape, and why:
 - Every matrix product goes through `TiledLinear`. On the CPU in fp32 each weight is packed once
-  for MKL's packed GEMM, and a call of M rows is one M-row call: a row's result there is
-  bit-identical whatever M is and wherever the row sits (measured: the summation order follows
-  the packing, not the call), so nothing is padded. That is not MKL's documented contract, so it
-  is probed per weight shape at first use (row counts up to `MAX_CALL_ROWS` against exact tile
-  calls, then up to `PREFILL_CALL_ROWS` against those), calls are split at those counts, and a
-  shape that fails the probe (and every other device or dtype) falls back to calls of exactly
+  for MKL's packed GEMM, and a call of M rows is one call of max(M, m) rows, m the CPU's
+  minimum (1 on an Intel Xeon, 4 on an AMD EPYC): a row's result there is bit-identical
+  whatever M is and wherever the row sits (measured: the summation order follows the packing,
+  not the call, from m rows on). That is not MKL's documented contract, so m is probed per
+  weight shape at first use (every row count up to 17, and some up to `MAX_CALL_ROWS`, against
+  exact tile calls, then up to `PREFILL_CALL_ROWS` against those), calls are split at those
+  counts, and a shape with no such m <= the tile (and every other device or dtype) falls back to calls of exactly
   `DECODE_TILE` (16) rows in decode and `PREFILL_TILE` (128) in prefill, the last tile
   zero-padded: a BLAS kernel picks its blocking (and so its summation order) from the shape, so
   one shape per call makes a row's result depend on nothing but that row.
