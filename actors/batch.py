@@ -142,6 +142,14 @@ class ForwardBatch:
         return out
 
     @cached_property
+    def mamba_run(self) -> tuple[int, int] | None:
+        """(start, count) when a decode batch's Mamba slots are one ascending run on the CPU
+        (every layer then updates the pool's rows in place), else None; found once per batch."""
+        if self.mamba_slots.device.type != "cpu":
+            return None
+        return contiguous_run(self.mamba_slots)
+
+    @cached_property
     def kv_table(self) -> KVTable:
         """The decode batch's token slots in chunks: built once per batch, shared by all
         attention layers (one gather each)."""

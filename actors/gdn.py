@@ -26,8 +26,8 @@ from torch import Tensor, nn
 
 from actors.config import ModelConfig
 from actors.batch import Segment
-from actors.mamba import (Kernels, Pointwise, causal_conv_step, conv_segments, decay_exp_, scan_segments,
-                          whole)
+from actors.mamba import (Kernels, Pointwise, SlotRun, causal_conv_step, conv_segments, decay_exp_,
+                          scan_segments, whole)
 from actors.norms import rms_normalize
 
 
@@ -180,11 +180,12 @@ class GatedDeltaNet(nn.Module):
         return self._output(y, z, kernels)
 
     def decode(self, h: Tensor, conv_state: Tensor, state: Tensor, slots: Tensor,
-               kernels: Kernels) -> Tensor:
-        """One token per request, updating the conv/recurrent state at `slots` (R,). h (R, hidden)."""
+               kernels: Kernels, run: SlotRun = None) -> Tensor:
+        """One token per request, updating the conv/recurrent state at `slots` (R,) (`run`: the
+        same as one ascending run, `ForwardBatch.mamba_run`). h (R, hidden)."""
         pw = kernels.pointwise
         qkv, z, b, a = self._project(h, kernels)
-        qkv = causal_conv_step(conv_state, slots, qkv, self.conv1d.weight, None, pw)  # (R, conv_dim)
+        qkv = causal_conv_step(conv_state, slots, qkv, self.conv1d.weight, None, pw, run)  # (R, conv_dim)
         q, k, v = self._split(qkv)
         g, beta = self._gates(a, b, pw)
         y = gdn_step(state, slots, q, k, v, g, beta, pw)  # (R, Hv, dv)

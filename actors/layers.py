@@ -56,12 +56,12 @@ KINDS: dict[str, KindSpec] = {
     "mamba": KindSpec(
         ("conv", "ssm"), MambaMixer,
         lambda m, x, b, st, kn: m.prefill(x, b.segments, st[0], st[1], kn),
-        lambda m, x, b, st, kn: m.decode(x, st[0], st[1], b.mamba_slots, kn)),
+        lambda m, x, b, st, kn: m.decode(x, st[0], st[1], b.mamba_slots, kn, b.mamba_run)),
     "gdn": KindSpec(
         ("gdn_conv", "gdn_state"),
         lambda c, dtype: (GatedDeltaNetNext if c.architecture == "qwen3_next" else GatedDeltaNet)(c, dtype),
         lambda m, x, b, st, kn: m.prefill(x, b.segments, st[0], st[1], kn),
-        lambda m, x, b, st, kn: m.decode(x, st[0], st[1], b.mamba_slots, kn)),
+        lambda m, x, b, st, kn: m.decode(x, st[0], st[1], b.mamba_slots, kn, b.mamba_run)),
     "mlp": KindSpec((), _mlp, _feed_forward, _feed_forward),
     "moe": KindSpec((), NemotronMoE, _feed_forward, _feed_forward),
 }

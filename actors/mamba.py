@@ -35,10 +35,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from actors.batch import Segment, cat_rows, contiguous_run
+from actors.batch import Segment, cat_rows
 from actors.config import ModelConfig
 from actors.norms import inv_rms
 
+SlotRun = "tuple[int, int] | None"  # slots as one ascending run (start, count) (`ForwardBatch.mamba_run`)
 LinearFn = Callable[[Tensor, Tensor, "Tensor | None"], Tensor]
 Pointwise = Callable[[Callable[[Tensor], Tensor], Tensor], Tensor]
 
@@ -239,15 +240,16 @@ def _carry_states(local: Tensor, chunk_log_decay: Tensor, state: Tensor) -> tupl
 
 
 def ssd_step(ssm_state: Tensor, slots: Tensor, x: Tensor, dt: Tensor, A: Tensor, B: Tensor,
-             C: Tensor, pointwise: Pointwise = whole) -> Tensor:
+             C: Tensor, pointwise: Pointwise = whole, run: SlotRun = None) -> Tensor:
     """One decode token per request: update `ssm_state[slots]` in place and return y.
 
     ssm_state (S, H, P, N) fp32 (one Mamba layer of the pool), slots (R,), x (R, H, P),
     dt (R, H), A (H,), B and C (R, G, N). Returns y (R, H, P) fp32.
 
     The state is the big tensor here (R x 256 KiB for the `small` preset), so it is touched as
-    few times as possible: when the slots are one ascending run (the engine sorts its decode
-    batch by slot) it is updated in place in the pool, else gathered once and scattered back.
+    few times as possible: when the slots are one ascending run (`run`,
+    `ForwardBatch.mamba_run`; the engine sorts its decode batch by slot) it is updated in place in the pool, else gathered
+    once and scattered back.
     The K = H/G heads of a group share its B and C, so each (request, group) is one matrix
     (K*P, N): the rank-1 update is (x dt)(K*P) times B (N) and the readout is C (1, N) times
     the state transposed, batched products of one fixed shape per (request, group) (the
@@ -260,7 +262,6 @@ def ssd_step(ssm_state: Tensor, slots: Tensor, x: Tensor, dt: Tensor, A: Tensor,
     dt = dt.float()  # (R, H)
     xdt = (x.float() * dt[..., None]).view(R * G, 1, -1)  # (R*G, 1, K*P)
     decay = pointwise(torch.exp, dt * A.float())  # (R, H)
-    run = contiguous_run(slots) if slots.device.type == "cpu" else None
     state = ssm_state.narrow(0, run[0], R) if run else ssm_state.index_select(0, slots)
     state.mul_(decay[..., None, None])  # (R, H, P, N)
     flat_t = state.view(R * G, -1, N).transpose(1, 2)  # (R*G, N, K*P), a view
@@ -294,17 +295,16 @@ def causal_conv_prefill(xBC: Tensor, weight: Tensor, bias: Tensor | None,
 
 
 def causal_conv_step(conv_state: Tensor, slots: Tensor, xBC: Tensor, weight: Tensor,
-                     bias: Tensor | None, pointwise: Pointwise = whole) -> Tensor:
+                     bias: Tensor | None, pointwise: Pointwise = whole, run: SlotRun = None) -> Tensor:
     """One decode token per request: conv over [state | new], SiLU; shift the state in place.
 
     conv_state (S, D, K-1) (one Mamba layer of the pool), slots (R,), xBC (R, D),
     weight (D, 1, K), bias (D,). Returns (R, D).
 
     The taps are summed in order with one elementwise multiply and add per tap (no window is
-    built, no reduction over the short K axis); when the slots are one ascending run the pool's
-    rows are shifted in place, column by column.
+    built, no reduction over the short K axis); when the slots are one ascending run (`run`,
+    `ForwardBatch.mamba_run`) the pool's rows are shifted in place, column by column.
     """
-    run = contiguous_run(slots) if slots.device.type == "cpu" else None
     R, K = xBC.shape[0], weight.shape[-1]
     old = conv_state.narrow(0, run[0], R) if run else conv_state[slots]  # (R, D, K-1)
     taps = weight[:, 0, :].t().contiguous()  # (K, D)
@@ -413,14 +413,15 @@ class MambaMixer(nn.Module):
         return self._output(y, x, z, kernels)
 
     def decode(self, h: Tensor, conv_state: Tensor, ssm_state: Tensor, slots: Tensor,
-               kernels: Kernels) -> Tensor:
-        """One token per request, updating the conv/SSM state at `slots` (R,). h (R, hidden)."""
+               kernels: Kernels, run: SlotRun = None) -> Tensor:
+        """One token per request, updating the conv/SSM state at `slots` (R,) (`run`: the
+        same as one ascending run, `ForwardBatch.mamba_run`). h (R, hidden)."""
         pw = kernels.pointwise
         z, xBC, dt = self._project(h, kernels)  # (R, I), (R, conv_dim), (R, H)
-        xBC = causal_conv_step(conv_state, slots, xBC, self.conv1d.weight, self.conv1d.bias, pw)
+        xBC = causal_conv_step(conv_state, slots, xBC, self.conv1d.weight, self.conv1d.bias, pw, run)
         x, B, C = self._split_xBC(xBC)  # (R, H, P), (R, G, N), (R, G, N)
         dt = discretize_dt(dt, self.dt_bias, self.config.time_step_limit, pw)  # (R, H) fp32
-        y = ssd_step(ssm_state, slots, x, dt, self._A(), B, C, pw)  # (R, H, P)
+        y = ssd_step(ssm_state, slots, x, dt, self._A(), B, C, pw, run)  # (R, H, P)
         return self._output(y, x, z, kernels)
 
     def _A(self) -> Tensor:

@@ -10,12 +10,13 @@ with a `ForwardBatch` naming the slots.
 Batch invariance: a sequence's logits are bit-identical whatever else is in the batch, in
 decode and in prefill. What is fixed-shape, and why:
 - Every matrix product goes through `TiledLinear`. On the CPU in fp32 each weight is packed once
-  for MKL's packed GEMM, and a call of M rows is one M-row call: a row's result there is
-  bit-identical whatever M is and wherever the row sits (measured: the summation order follows
-  the packing, not the call), so nothing is padded. That is not MKL's documented contract, so it
-  is probed per weight shape at first use (row counts up to `MAX_CALL_ROWS` against exact tile
-  calls, then up to `PREFILL_CALL_ROWS` against those), calls are split at those counts, and a
-  shape that fails the probe (and every other device or dtype) falls back to calls of exactly
+  for MKL's packed GEMM, and a call of M rows is one call of max(M, m) rows, m the CPU's
+  minimum (1 on an Intel Xeon, 4 on an AMD EPYC): a row's result there is bit-identical
+  whatever M is and wherever the row sits (measured: the summation order follows the packing,
+  not the call, from m rows on). That is not MKL's documented contract, so m is probed per
+  weight shape at first use (every row count up to 17, and some up to `MAX_CALL_ROWS`, against
+  exact tile calls, then up to `PREFILL_CALL_ROWS` against those), calls are split at those
+  counts, and a shape with no such m <= the tile (and every other device or dtype) falls back to calls of exactly
   `DECODE_TILE` (16) rows in decode and `PREFILL_TILE` (128) in prefill, the last tile
   zero-padded: a BLAS kernel picks its blocking (and so its summation order) from the shape, so
   one shape per call makes a row's result depend on nothing but that row.
@@ -84,9 +85,10 @@ def tiled_linear(x: Tensor, weight: Tensor, bias: Tensor | None, tile: int) -> T
 PACK_ROWS = 128  # MKL packs each fp32 weight once, for calls of this many rows
 MAX_CALL_ROWS = 256  # a row-free decode call takes at most this many rows (all of them probed)
 PREFILL_CALL_ROWS = 2048  # a row-free prefill call takes at most this many rows
-PROBE_ROWS = (1, 2, 3, 5, 7, 8, 13, 16, 17, 31, 32, 33, 64, 100, 128, 129, 200, 256)
+PROBE_ROWS = tuple(range(1, 18)) + (31, 32, 33, 64, 100, 128, 129, 200, 256)  # every count to 17
 PROBE_ROWS_LARGE = (300, 512, 1000, 2048)  # checked against 256-row calls once those pass
-_ROWS_FREE: dict[tuple[int, int], bool] = {}  # (out, in) -> probed: are packed rows row-free here?
+_MIN_ROWS: dict[tuple[int, int], int | None] = {}  # (out, in) -> probed: fewest rows of a row-free
+#   packed call of this shape (smaller calls are zero-padded up to it), or None: tiles
 
 
 class TiledLinear:
@@ -94,14 +96,18 @@ class TiledLinear:
     `torch.ops.mkl._mkl_linear`), and where a probe shows it safe, no tiles at all.
 
     Packing saves re-packing the weight on every call, which at few rows costs as much as the
-    product itself. Measured here (MKL, fp32): with a weight packed once for `PACK_ROWS` rows, a
-    call of *any* row count gives every row bit-identical to a `tile`-row call's (the packed
-    kernel's summation order depends on the packing, not on the call's rows; packing for 1, 3,
-    5, 6 or 7 rows would not). So a batch of M rows is one M-row call: no padding (batch 1 costs
-    one row, not 16) and no split (batch 32 is one call). This is not documented by MKL, so it
-    is probed once per weight shape in this process (`PROBE_ROWS` against `tile`-row calls, at
-    two row offsets; calls are split at `MAX_CALL_ROWS`): where any probe differs, that shape
-    falls back to exact `tile`-row calls. The packed copies cost about the model's fp32 size again,
+    product itself. Measured (MKL, fp32): with a weight packed once for `PACK_ROWS` rows, a
+    call of any row count from some small minimum on gives every row bit-identical to a
+    `tile`-row call's (the packed kernel's summation order depends on the packing, not on the
+    call's rows). That minimum depends on the CPU: 1 on the Intel Xeon this was tuned on; 4 on
+    an AMD EPYC (Zen, MKL's generic dispatch with its Zen kernel), where calls of 1 to 3 rows
+    take another kernel. So a batch of M rows is one call of max(M, minimum) rows, the padding
+    rows zero: batch 1 costs the minimum, not a 16-row tile, and batch 32 is one call. This is
+    not documented by MKL, so it is probed once per weight shape in this process (every row
+    count up to 17 and `PROBE_ROWS` beyond, against `tile`-row calls, at two row offsets; calls
+    are split at `max_rows`): the minimum is one above the largest failing count; where a count
+    at or above `tile` fails, that shape falls back to exact `tile`-row calls (`kernel_paths`
+    says which shape took which path). The packed copies cost about the model's fp32 size again,
     and the probe about 2,500 rows of each shape's product once per process (0.2 s for the
     `small` LM head on one thread; a 128k-vocabulary LM head of width 4096 would take ~30 s).
     """
@@ -118,12 +124,13 @@ class TiledLinear:
 
     def __call__(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         """x (M, in) -> (M, out), contiguous."""
-        if self.pack and x.device.type == "cpu" and x.dtype == torch.float32 and self._rows_free(weight):
-            packed = self._packed_weight(weight)
-            parts = x.contiguous().split(self.max_rows) if self.max_rows else (x.contiguous(),)
-            outs = [torch.ops.mkl._mkl_linear(part, packed, weight, bias, part.shape[0])
-                    for part in parts]  # (<= max_rows, out)
-            return outs[0] if len(outs) == 1 else torch.cat(outs)
+        if self.pack and x.device.type == "cpu" and x.dtype == torch.float32:
+            min_rows = self._min_rows(weight)
+            if min_rows is not None:
+                packed = self._packed_weight(weight)
+                parts = x.contiguous().split(self.max_rows) if self.max_rows else (x.contiguous(),)
+                outs = [_packed_call(part, packed, weight, bias, min_rows) for part in parts]
+                return outs[0] if len(outs) == 1 else torch.cat(outs)  # (M, out)
         M = x.shape[0]
         padded = F.pad(x, (0, 0, 0, (-M) % self.tile))  # (ceil(M/tile)*tile, in)
         outs = [self._one_tile(t, weight, bias) for t in padded.split(self.tile)]  # (tile, out)
@@ -143,20 +150,38 @@ class TiledLinear:
             self._packed[id(weight)] = entry
         return entry[1]
 
-    def _rows_free(self, weight: Tensor) -> bool:
+    def _min_rows(self, weight: Tensor) -> int | None:
+        """Fewest rows of a row-free packed call of this weight's shape; None: use tiles."""
         if not self.row_free:
-            return False
+            return None
         shape = (weight.shape[0], weight.shape[1])
-        if shape not in _ROWS_FREE:
-            _ROWS_FREE[shape] = _probe_rows_free(*shape, self.tile)
-        return _ROWS_FREE[shape]
+        if shape not in _MIN_ROWS:
+            _MIN_ROWS[shape] = _probe_min_rows(*shape, self.tile)
+        return _MIN_ROWS[shape]
 
 
-def _probe_rows_free(out_features: int, in_features: int, tile: int) -> bool:
-    """Do packed calls of every `PROBE_ROWS` count, at row offsets 0 and 3, give rows
-    bit-identical to `tile`-row calls on a random (out, in) weight? And, those passing, do
-    calls of every `PROBE_ROWS_LARGE` count give rows bit-identical to `MAX_CALL_ROWS`-row
-    calls (the cheap reference for long prefill calls)?"""
+def _packed_call(x: Tensor, packed: Tensor, weight: Tensor, bias: Tensor | None,
+                 min_rows: int) -> Tensor:
+    """One packed MKL call on x (M, in) contiguous, zero-padded to `min_rows` rows. -> (M, out)."""
+    M = x.shape[0]
+    if M >= min_rows:
+        return torch.ops.mkl._mkl_linear(x, packed, weight, bias, M)
+    padded = F.pad(x, (0, 0, 0, min_rows - M))  # (min_rows, in)
+    return torch.ops.mkl._mkl_linear(padded, packed, weight, bias, min_rows)[:M]
+
+
+def kernel_paths() -> dict[str, str]:
+    """What the probe chose for each fp32 weight shape probed in this process, by "out x in":
+    "packed, row-free from N rows" or "tiles" (`TiledLinear`)."""
+    return {f"{o}x{i}": "tiles" if m is None else f"packed, row-free from {m} rows"
+            for (o, i), m in sorted(_MIN_ROWS.items())}
+
+
+def _probe_min_rows(out_features: int, in_features: int, tile: int) -> int | None:
+    """Fewest rows m <= `tile` such that packed calls of every probed count >= m, at row
+    offsets 0 and 3, give rows bit-identical to `tile`-row calls on a random (out, in) weight,
+    and calls of every `PROBE_ROWS_LARGE` count give rows bit-identical to `MAX_CALL_ROWS`-row
+    calls (the cheap reference for long prefill calls). None: no such m (use tiles)."""
     g = torch.Generator().manual_seed(0)
     w = torch.randn(out_features, in_features, generator=g)
     x = torch.randn(max(PROBE_ROWS_LARGE) + 3, in_features, generator=g)
@@ -164,13 +189,16 @@ def _probe_rows_free(out_features: int, in_features: int, tile: int) -> bool:
     small = x[: max(PROBE_ROWS) + 3]
     expected = ref(small, w, None)  # (rows, out)
     if not torch.allclose(expected, F.linear(small, w), rtol=1e-4, atol=1e-3):
-        return False  # not even the tile calls agree with a plain product: trust nothing here
+        return None  # not even the tile calls agree with a plain product: trust nothing here
     packed = ref._packed_weight(w)
     call = lambda rows: torch.ops.mkl._mkl_linear(rows.contiguous(), packed, w, None, rows.shape[0])
-    if not _rows_match(call, small, expected, PROBE_ROWS):
-        return False
-    expected = torch.cat([call(part) for part in x.split(MAX_CALL_ROWS)])  # now proven row-free
-    return _rows_match(call, x, expected, PROBE_ROWS_LARGE)
+    failing = [m for m in PROBE_ROWS if not _rows_match(call, small, expected, (m,))]
+    min_rows = max(failing, default=0) + 1
+    if min_rows > tile:
+        return None
+    expected = torch.cat([_packed_call(part, packed, w, None, min_rows)
+                          for part in x.split(MAX_CALL_ROWS)])  # now proven row-free
+    return min_rows if _rows_match(call, x, expected, PROBE_ROWS_LARGE) else None
 
 
 def _rows_match(call, x: Tensor, expected: Tensor, counts: tuple[int, ...]) -> bool:

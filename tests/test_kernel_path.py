@@ -1,0 +1,86 @@
+"""The matrix path the start-up probe picks on this CPU, and what the bench reports about it.
+
+`TiledLinear` pads a packed MKL call of fewer rows than the probed minimum up to it (on an
+AMD EPYC, calls of 1 to 3 rows take another kernel than calls of 4 or more). Held here: every
+row count gives each row bit-identical to exact 16-row tile calls, on whichever path the probe
+chose; the negative control shows that unpadded calls below the minimum differ (where the
+minimum is above 1 on this CPU). Also: the slots' run found once per decode batch gives the
+same bits as the gather-and-scatter path, and `actors.cpu_info` names the CPU and MKL's path.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from actors.batch import ForwardBatch
+from actors.cpu_info import describe, gemm_fingerprint
+from actors.mamba import causal_conv_step, ssd_step
+from actors.model import TiledLinear, _packed_call, _probe_min_rows, kernel_paths
+
+OUT, IN, TILE = 96, 64, 16
+
+
+def _inputs(rows: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, IN, generator=g), torch.randn(OUT, IN, generator=g), torch.randn(OUT, generator=g)
+
+
+def test_every_row_count_matches_tile_calls_on_the_chosen_path():
+    x, w, b = _inputs(40)
+    reference = TiledLinear(TILE, pack=True, row_free=False)(x, w, b)  # exact 16-row calls
+    linear = TiledLinear(TILE)
+    for rows in range(1, 41):
+        for at in (0, 40 - rows):
+            assert torch.equal(linear(x[at:at + rows], w, b), reference[at:at + rows]), (rows, at)
+    assert f"{OUT}x{IN}" in kernel_paths()
+
+
+def test_negative_control_calls_below_the_minimum_take_another_kernel():
+    if not TiledLinear(TILE).pack:
+        pytest.skip("no MKL packed GEMM in this torch build: tiles everywhere")
+    min_rows = _probe_min_rows(OUT, IN, TILE)
+    if min_rows is None or min_rows == 1:
+        pytest.skip(f"probe chose {min_rows}: no row count below a minimum to control for here")
+    x, w, b = _inputs(TILE)
+    lin = TiledLinear(TILE)
+    packed = lin._packed_weight(w)
+    reference = TiledLinear(TILE, pack=True, row_free=False)(x, w, b)
+    unpadded = [torch.ops.mkl._mkl_linear(x[:m].contiguous(), packed, w, b, m) for m in range(1, min_rows)]
+    assert any(not torch.equal(u, reference[:u.shape[0]]) for u in unpadded)
+    padded = [_packed_call(x[:m].contiguous(), packed, w, b, min_rows) for m in range(1, min_rows)]
+    assert all(torch.equal(p, reference[:p.shape[0]]) for p in padded)
+
+
+def _decode_batch(mamba_slots: list[int]) -> ForwardBatch:
+    zeros = torch.zeros(len(mamba_slots), dtype=torch.int64)
+    return ForwardBatch(False, zeros, zeros, [1] * len(zeros), zeros, torch.tensor(mamba_slots))
+
+
+def test_mamba_run_is_found_once_and_gives_the_gather_path_bits():
+    batch = _decode_batch([2, 3, 4])
+    assert batch.mamba_run == (2, 3)
+    assert _decode_batch([2, 4, 3]).mamba_run is None
+    g = torch.Generator().manual_seed(1)
+    R, H, P, N, G, D, K = 3, 4, 8, 16, 2, 12, 4
+    x, dt = torch.randn(R, H, P, generator=g), torch.rand(R, H, generator=g)
+    A, B, C = -torch.rand(H, generator=g), torch.randn(R, G, N, generator=g), torch.randn(R, G, N, generator=g)
+    ssm, conv = torch.randn(6, H, P, N, generator=g), torch.randn(6, D, K - 1, generator=g)
+    xBC, weight, bias = torch.randn(R, D, generator=g), torch.randn(D, 1, K, generator=g), torch.randn(D, generator=g)
+    slots = batch.mamba_slots
+    ssm2, conv2 = ssm.clone(), conv.clone()
+    y_run = ssd_step(ssm, slots, x, dt, A, B, C, run=batch.mamba_run)
+    y_gather = ssd_step(ssm2, slots, x, dt, A, B, C, run=None)
+    c_run = causal_conv_step(conv, slots, xBC, weight, bias, run=batch.mamba_run)
+    c_gather = causal_conv_step(conv2, slots, xBC, weight, bias, run=None)
+    assert torch.equal(y_run, y_gather) and torch.equal(ssm, ssm2)
+    assert torch.equal(c_run, c_gather) and torch.equal(conv, conv2)
+
+
+def test_describe_names_the_cpu_torch_and_mkl_path():
+    info = describe()
+    assert info["torch"] == torch.__version__
+    assert info["aten_cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    if torch.backends.mkl.is_available():
+        assert info["mkl_version"] and "Math Kernel Library" in info["mkl_version"]
+    assert gemm_fingerprint() == info["gemm_fingerprint"]  # deterministic within a process
