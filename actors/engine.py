@@ -470,8 +470,8 @@ def build_engine(model: str | ModelConfig, dtype: str = "float32", device: str =
     if pool_config is not None:
         itemsize = torch.empty(0, dtype=torch_dtype).element_size()
         sized = pool_config.resolve(max(1, config.kv_bytes_per_token(itemsize)),
-                                    max(1, config.mamba_bytes_per_slot(itemsize)))
-        kv_tokens, mamba_slots, page_size = sized.kv_tokens, sized.mamba_slots, sized.page_size
+                                    max(1, config.state_bytes_per_slot(itemsize)))
+        kv_tokens, mamba_slots, page_size = sized.kv_tokens, sized.state_slots, sized.page_size
     fixed = fixed_shape_decode
     if fixed is None:
         fixed = dev.type == "cuda" and not config.has_experts

@@ -217,7 +217,7 @@ class HybridPool:
                     page_size: int = 1) -> "HybridPool":
         """Size the KV pool with whatever `budget_bytes` leaves after `mamba_slots` Mamba slots."""
         itemsize = torch.empty(0, dtype=dtype).element_size()
-        left = budget_bytes - mamba_slots * config.mamba_bytes_per_slot(itemsize)
+        left = budget_bytes - mamba_slots * config.state_bytes_per_slot(itemsize)
         per_token = max(1, config.kv_bytes_per_token(itemsize))
         if left < per_token * page_size:
             raise ValueError(f"pool budget {budget_bytes} B cannot hold {mamba_slots} Mamba slots "
@@ -283,5 +283,5 @@ class HybridPool:
 
     def is_empty(self) -> bool:
         u = self.usage()
-        return (u.kv_free_tokens == u.kv_total_tokens and u.mamba_free_slots == u.mamba_total_slots
+        return (u.kv_free_tokens == u.kv_total_tokens and u.state_free_slots == u.state_total_slots
                 and not self.owners())

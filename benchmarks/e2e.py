@@ -62,7 +62,7 @@ def serve_config(setup: Setup, mode: str) -> ServeConfig:
     admission = "reserve" if mode == "reserve" else "overcommit"
     retract = "snapshot" if mode == "reserve" else mode
     return ServeConfig(model=setup.model, workers=2, device="cpu",
-                       pool=PoolConfig(kv_tokens=setup.kv_tokens, mamba_slots=setup.mamba_slots),
+                       pool=PoolConfig(kv_tokens=setup.kv_tokens, state_slots=setup.mamba_slots),
                        scheduler=SchedulerConfig(retract=retract, admission=admission))
 
 

@@ -39,7 +39,7 @@ def _engine(model: str = "tiny", device: str = DEV, **kw):
     from actors.engine import build_engine
 
     return build_engine(model, device=device, record_logits=True,
-                        **{"kv_tokens": 4096, "mamba_slots": 32, **kw})
+                        **{"kv_tokens": 4096, "state_slots": 32, **kw})
 
 
 def _prompt(n: int, seed: int, vocab: int = 512) -> list[int]:

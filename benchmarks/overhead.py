@@ -44,7 +44,7 @@ QUICK = Setup("tiny", kv_tokens=1024, mamba_slots=8, repeats=1,
 
 def serve_config(setup: Setup) -> ServeConfig:
     return ServeConfig(model=setup.model, workers=1, device="cpu",
-                       pool=PoolConfig(kv_tokens=setup.kv_tokens, mamba_slots=setup.mamba_slots),
+                       pool=PoolConfig(kv_tokens=setup.kv_tokens, state_slots=setup.mamba_slots),
                        scheduler=SchedulerConfig(admission="reserve"))
 
 
@@ -124,7 +124,7 @@ def _result(setup: Setup, specs: list[RequestSpec], bare_runs: list[dict], sched
     ratio = sched["tokens_per_s"] / bare["tokens_per_s"]
     strip = lambda r: {k: v for k, v in r.items() if k != "outputs"}  # noqa: E731
     return {
-        "model": setup.model, "kv_tokens": setup.kv_tokens, "mamba_slots": setup.mamba_slots,
+        "model": setup.model, "kv_tokens": setup.kv_tokens, "state_slots": setup.mamba_slots,
         "requests": len(specs), "prompt_tokens": sum(len(s.prompt_ids) for s in specs),
         "bare_threads": 1, "actor_threads": actor_threads, "machine": machine(),
         "rows": [{"side": "bare engine (Engine.generate)", **strip(bare)},

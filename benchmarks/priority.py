@@ -74,7 +74,7 @@ def workload(setup: Setup) -> list[RequestSpec]:
 def serve_config(setup: Setup, mode: str) -> ServeConfig:
     sched = SchedulerConfig(retract="recompute" if mode == "recompute" else "snapshot", preemption=mode != "none")
     return ServeConfig(model=setup.model, workers=2, device="cpu",
-                       pool=PoolConfig(kv_tokens=setup.kv_tokens, mamba_slots=setup.mamba_slots), scheduler=sched)
+                       pool=PoolConfig(kv_tokens=setup.kv_tokens, state_slots=setup.mamba_slots), scheduler=sched)
 
 
 def main(out_dir: Path = Path("bench-out"), quick: bool = False) -> dict:

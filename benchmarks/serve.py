@@ -52,7 +52,7 @@ def main(out_dir: Path = Path("bench-out"), quick: bool = False) -> dict:
     load_start = load_average()
     setup = QUICK if quick else FULL
     config = ServeConfig(model=setup.model, workers=1, device="cpu",
-                         pool=PoolConfig(kv_tokens=setup.kv_tokens, mamba_slots=setup.mamba_slots))
+                         pool=PoolConfig(kv_tokens=setup.kv_tokens, state_slots=setup.mamba_slots))
     server = start_server(config, port=_free_port(), name=SCHEDULER_NAME, num_cpus=2)
     try:
         client = raysched.connect(name=SCHEDULER_NAME)

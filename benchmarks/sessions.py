@@ -54,7 +54,7 @@ QUICK = Setup("tiny", conversations=4, turns=3, first_prompt=(100, 150), user_to
 
 def serve_config(setup: Setup, mode: str) -> ServeConfig:
     return ServeConfig(model=setup.model, workers=2, device="cpu",
-                       pool=PoolConfig(kv_tokens=setup.kv_tokens, mamba_slots=setup.mamba_slots),
+                       pool=PoolConfig(kv_tokens=setup.kv_tokens, state_slots=setup.mamba_slots),
                        state_cache=StateCacheConfig(enabled=mode == "cache_on", min_tokens=setup.min_tokens))
 
 

@@ -133,7 +133,7 @@ def format_status(workers: list[dict], stats: dict) -> None:
         v = views.get(w["worker"], {})
         print(f"worker {w['worker']}: node {w['node'][:12]} device {w['device']}  "
               f"kv free {v.get('free_tokens')}/{w['kv_tokens']}  "
-              f"mamba free {v.get('free_slots')}/{w['mamba_slots']}  running {v.get('running')}")
+              f"state slots free {v.get('free_slots')}/{w['state_slots']}  running {v.get('running')}")
     t = stats["tables"]
     print(f"queues: waiting {t['waiting']}  running {t['running']}  retracted {t['retracted']}  "
           f"snapshots held {t['snapshots_held']}")
@@ -225,7 +225,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 def _print_workers(workers: list[dict]) -> None:
     for w in workers:
         print(f"worker {w['worker']}: node {w['node'][:12]} device {w['device']} "
-              f"kv_tokens {w['kv_tokens']} mamba_slots {w['mamba_slots']}")
+              f"kv_tokens {w['kv_tokens']} state_slots {w['state_slots']}")
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

@@ -53,27 +53,29 @@ class StepPlan:
 @dataclass(frozen=True)
 class FaultPoint:
     """Fault injection (the `faults:` config): where the worker process dies inside the call that
-    carries it, as if it crashed there (`os._exit`, no clean-up, no reply).
+    carries it, as if it crashed there (`os._exit`, no clean-up, no reply), or what it breaks.
+    Only the worker class `actors.faults.with_faults` derives acts on it.
 
     kill_in_step: after `after_decode_steps` decode steps of the step call (or after all of
     them, if the call runs fewer); kill_in_restore: in the step call, right after restoring its
     first snapshot into the pools; kill_in_retract: in the retract call, after the gather (the
-    slots are freed, the snapshot built), before the snapshot is returned.
+    slots are freed, the snapshot built), before the snapshot is returned; corrupt_snapshot (a
+    retract call): one payload byte of the snapshot is flipped after its checksum was taken.
     """
 
-    kind: str  # kill_in_step | kill_in_restore | kill_in_retract
+    kind: str  # kill_in_step | kill_in_restore | kill_in_retract | corrupt_snapshot
     after_decode_steps: int = 0
 
 
 @dataclass(frozen=True)
 class Usage:
-    """A worker's pool: free/total KV tokens and Mamba slots; what the scheduler plans with
+    """A worker's pool: free/total KV tokens and recurrent-state slots; what the scheduler plans with
     (`actors.pools.HybridPool.usage` fills it)."""
 
     kv_free_tokens: int
     kv_total_tokens: int
-    mamba_free_slots: int
-    mamba_total_slots: int
+    state_free_slots: int
+    state_total_slots: int
     page_size: int
 
 
@@ -104,6 +106,6 @@ class WorkerInfo:
     max_context: int
     usage: Usage
     kv_bytes_per_token: int
-    mamba_bytes_per_slot: int
+    state_bytes_per_slot: int
     copy_bytes_per_s: float = 0.0  # measured at start-up (for the auto retract mode)
     prefill_tokens_per_s: float = 0.0

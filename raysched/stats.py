@@ -94,7 +94,7 @@ class Counters:
         u = result.usage
         self.timeline.append((round(now - self.started_s, 4), worker,
                               1.0 - u.kv_free_tokens / u.kv_total_tokens,
-                              u.mamba_total_slots - u.mamba_free_slots,
+                              u.state_total_slots - u.state_free_slots,
                               sum(len(t) for t in result.new_tokens.values())))
 
     def summary(self, tables: dict, views: list) -> dict:

@@ -2,7 +2,9 @@
 
 The scheduler never imports the data plane: the actor class it starts is `Worker` below, a
 torch-free shell whose constructor imports `actors.worker` *inside the worker's process* and whose
-methods hand each call to the real `actors.worker.Worker`. Ray pickles this class by reference
+methods hand each call to the real `actors.worker.Worker` (or, when the config has faults, to
+the class `actors.faults.with_faults` derives from it: fault code stays out of the production
+worker). Ray pickles this class by reference
 (`raysched.workers.Worker`), so the scheduler's process loads neither torch nor model code, and
 the actor keeps the class name `Worker` in Ray's actor table.
 
@@ -29,8 +31,7 @@ class Worker:
     have the same public methods."""
 
     def __init__(self, config: ServeConfig, index: int) -> None:
-        impl = importlib.import_module(DATA_PLANE_WORKER).Worker  # in the worker's process only
-        self._impl = impl(config, index)
+        self._impl = data_plane_class(config)(config, index)  # imported in the worker's process only
 
     def info(self) -> WorkerInfo:
         return self._impl.info()
@@ -47,15 +48,21 @@ class Worker:
     def retract(self, request_id: str) -> Any:
         return self._impl.retract(request_id)
 
-    def retract_pending(self, request_id: str, corrupt: bool = False,
-                        fault: FaultPoint | None = None) -> tuple[Any, int]:
-        return self._impl.retract_pending(request_id, corrupt, fault)
+    def retract_pending(self, request_id: str, fault: FaultPoint | None = None) -> tuple[Any, int]:
+        return self._impl.retract_pending(request_id, fault)
 
     def step(self, plan: StepPlan, *snapshots: Any) -> StepResult:
         return self._impl.step(plan, *snapshots)
 
     def take_parked(self, keys: list[tuple[str, str]]) -> Any:
         return self._impl.take_parked(keys)
+
+
+def data_plane_class(config: ServeConfig) -> type:
+    """The data-plane worker class for `config` (imports the data plane: call it in a worker)."""
+    cls = importlib.import_module(DATA_PLANE_WORKER).Worker
+    faults = importlib.import_module("actors.faults")
+    return faults.with_faults(cls) if faults.needs_faults(config) else cls
 
 
 def worker_options(config: ServeConfig) -> dict:

@@ -286,7 +286,7 @@ def test_cluster_run_with_migrations(multinode_cluster, checkpoints, arch):
     model = str(checkpoints[arch])
     want = reference_tokens(model, prompts, params)
     client = raysched.launch({"model": model, "workers": 2,
-                              "pool": {"kv_tokens": 100, "mamba_slots": 3},
+                              "pool": {"kv_tokens": 100, "state_slots": 3},
                               "scheduler": {"force_retract_every": 2}})
     try:
         moved = 0

@@ -38,7 +38,7 @@ def client() -> Iterator[raysched.Client]:
     ray.init(address="local", num_cpus=3, object_store_memory=80 << 20, include_dashboard=False,
              logging_level="WARNING")
     try:
-        c = raysched.launch({"workers": 1, "pool": {"kv_tokens": POOL_TOKENS, "mamba_slots": 4}})
+        c = raysched.launch({"workers": 1, "pool": {"kv_tokens": POOL_TOKENS, "state_slots": 4}})
         try:
             yield c
         finally:
@@ -141,7 +141,7 @@ def test_unknown_serve_config_key(client):
 
 def test_malformed_serve_yaml_names_file_and_line(client, tmp_path, capsys):
     bad = tmp_path / "serve.yaml"
-    bad.write_text("workers: 2\npool:\n  kv_tokens: [160\n  mamba_slots: 4\n")
+    bad.write_text("workers: 2\npool:\n  kv_tokens: [160\n  state_slots: 4\n")
     with pytest.raises(ConfigError) as info:
         load_serve_config(bad)
     text = str(info.value)

@@ -206,7 +206,7 @@ def _worker(chunk: int):
     from actors.worker import Worker
     from raysched.config import PoolConfig, SchedulerConfig, ServeConfig
 
-    cfg = ServeConfig(device="cpu", pool=PoolConfig(kv_tokens=256, mamba_slots=4),
+    cfg = ServeConfig(device="cpu", pool=PoolConfig(kv_tokens=256, state_slots=4),
                       scheduler=SchedulerConfig(prefill_chunk_tokens=chunk))
     return Worker(cfg, 0)
 
