@@ -9,8 +9,9 @@ tests) it also zeroes each restored request's recurrent state. The scheduler's s
 this class only when the config has faults or that switch (`raysched.workers`).
 
 It overrides three hooks of the worker it wraps: `_restore_one`, `_decode`, `retract_pending`;
-and needs from it `engine.decode(steps)` and, for `debug_drop_state`, `engine.pool.mamba` (a
-worker class without that pool overrides `_zero_state`). No torch import here.
+and needs from it `engine.decode(steps)` and, for `debug_drop_state`, `engine.pool.mamba`. A
+worker class may define its own `_zero_state` and `_die_at` (the simulated one does: it dies
+alone, its process stays). No torch import here.
 """
 
 from __future__ import annotations
@@ -31,27 +32,36 @@ class FaultHooks:
         snap, nbytes = super().retract_pending(request_id)  # type: ignore[misc]
         if fault is not None and fault.kind == "corrupt_snapshot":
             snap = corrupted(snap)
-        die_at(fault, "kill_in_retract")
+        self._die_at(fault, "kill_in_retract")
         return snap, nbytes
 
-    def _decode(self, plan: StepPlan) -> Any:
+    def _decode(self, plan: StepPlan, *rest: Any) -> Any:
         fault = plan.fault
         if fault is not None and fault.kind == "kill_in_step":
             self.engine.decode(min(fault.after_decode_steps, plan.decode_steps))  # tokens never leave
-            die_at(fault, "kill_in_step")
-        return super()._decode(plan)  # type: ignore[misc]
+            self._die_at(fault, "kill_in_step")
+        return super()._decode(plan, *rest)  # type: ignore[misc]
 
     def _restore_one(self, plan: StepPlan, rid: str, snap: Any, result: StepResult) -> bool | None:
         ok = super()._restore_one(plan, rid, snap, result)  # type: ignore[misc]
         if ok is not None:
-            die_at(plan.fault, "kill_in_restore")
+            self._die_at(plan.fault, "kill_in_restore")
         if ok and self.config.scheduler.debug_drop_state:  # deliberately broken: the negative control
             self._zero_state(rid)
         return ok
 
     def _zero_state(self, rid: str) -> None:
+        parent = getattr(super(), "_zero_state", None)  # the worker's own way, if it has one
+        if parent is not None:
+            return parent(rid)
         states = self.engine.pool.mamba
         states.zero(states.slot(rid))
+
+    def _die_at(self, fault: FaultPoint | None, kind: str) -> None:
+        parent = getattr(super(), "_die_at", None)  # a simulated worker dies alone
+        if parent is not None:
+            return parent(fault, kind)
+        die_at(fault, kind)
 
 
 @lru_cache(maxsize=None)

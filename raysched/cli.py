@@ -170,7 +170,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         require_tokenizer(args.model)  # raises: stop strings need the text
     need = sum(len(p) + args.max_new_tokens for p in prompt_ids)
     engine = build_engine(args.model, args.dtype, args.device, kv_tokens=args.kv_tokens or need,
-                          mamba_slots=len(prompt_ids))
+                          state_slots=len(prompt_ids))
     for prompt in prompt_ids:
         validate_prompt(prompt, engine.config.vocab_size)
     sampling.validate(engine.config.vocab_size)

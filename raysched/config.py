@@ -28,6 +28,7 @@ RETRACT_MODES = ("snapshot", "recompute", "auto")
 ADMISSION_MODES = ("overcommit", "reserve")
 VICTIM_ORDERS = ("fewest_generated", "most_generated", "newest", "oldest", "largest_memory")
 DTYPES = ("float32", "bfloat16")
+DATA_PLANES = ("torch", "sim")
 DEVICES = ("auto", "cuda", "cpu")
 FAULT_KINDS = ("kill_worker", "remove_node", "corrupt_snapshot", "kill_in_step", "kill_in_retract",
                "kill_in_restore", "kill_scheduler")
@@ -424,6 +425,56 @@ class StateCacheConfig:
         return {name: getattr(self, name) for name in self.CHECKS}
 
 
+def check_non_negative_number(value: Any, key: KeyPath) -> float:
+    if not _is_number(value) or not math.isfinite(value) or value < 0:
+        raise key.error(f"must be a finite number >= 0, got {_describe(value)}")
+    return float(value)
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """The simulated data plane (`data_plane: sim`, see `actors.sim`): workers that keep the pool
+    accounting and the worker interface but run no model. A step call sleeps
+
+        prefill_ms_per_token * prompt tokens fed + decode_steps * (decode_ms + decode_ms_per_row * rows)
+
+    and emits pseudo-tokens, a function of (seed, request id, position)."""
+
+    decode_ms: float = 10.0  # one decode step, fixed part
+    decode_ms_per_row: float = 0.0  # one decode step, per running request
+    prefill_ms_per_token: float = 0.0
+    kv_bytes_per_token: int = 4096  # nominal sizes: pools from pool.memory_bytes, snapshot bytes
+    state_bytes: int = 1 << 20  # recurrent state per request
+    workers_per_process: int = 16  # simulated workers sharing one actor process
+    vocab_size: int = 32000
+    max_context: int = 32768
+
+    CHECKS: ClassVar[dict[str, Check]] = {
+        "decode_ms": check_non_negative_number,
+        "decode_ms_per_row": check_non_negative_number,
+        "prefill_ms_per_token": check_non_negative_number,
+        "kv_bytes_per_token": check_positive_int,
+        "state_bytes": check_positive_int,
+        "workers_per_process": check_positive_int,
+        "vocab_size": check_positive_int,
+        "max_context": check_positive_int,
+    }
+
+    def __post_init__(self) -> None:
+        check_fields(self, _ROOT.child("sim"))
+
+    @classmethod
+    def from_dict(cls, raw: Any, key: KeyPath = _ROOT.child("sim")) -> SimConfig:
+        return cls(**parse_fields(cls, raw, key))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in self.CHECKS}
+
+    def step_ms(self, prefill_tokens: int, decode_steps: int, rows: int) -> float:
+        """The modeled time of one step call."""
+        return self.prefill_ms_per_token * prefill_tokens + decode_steps * (self.decode_ms + self.decode_ms_per_row * rows)
+
+
 @dataclass(frozen=True)
 class FaultSpec:
     """An injected fault, fired once worker `worker` has run `after_steps` calls.
@@ -534,6 +585,8 @@ class ServeConfig:
     object_store_memory: int | None = None  # bytes, for the embedded Ray cluster
     invariant_tile: int = 16  # rows per matrix-kernel call in batch-invariant decode
     fixed_shape_decode: bool | None = None  # decode at bucket shapes, CUDA graphs (null: on CUDA)
+    data_plane: str = "torch"  # torch: the model | sim: simulated workers (`sim`, `actors.sim`)
+    sim: SimConfig = SimConfig()
 
     CHECKS: ClassVar[dict[str, Check]] = {
         "model": check_nonempty_str,
@@ -548,12 +601,15 @@ class ServeConfig:
         "object_store_memory": check_optional(check_positive_int),
         "invariant_tile": check_positive_int,
         "fixed_shape_decode": check_optional(check_bool),
+        "data_plane": check_one_of(DATA_PLANES),
+        "sim": _check_instance(SimConfig),
     }
     PARSERS: ClassVar[dict[str, Check]] = {
         "pool": PoolConfig.from_dict,
         "scheduler": SchedulerConfig.from_dict,
         "state_cache": StateCacheConfig.from_dict,
         "faults": _parse_faults,
+        "sim": SimConfig.from_dict,
     }
 
     def __post_init__(self) -> None:
@@ -562,6 +618,8 @@ class ServeConfig:
             if fault.worker >= self.workers:
                 raise _ROOT.child("faults").item(i).child("worker").error(
                     f"must be < workers ({self.workers}), got {fault.worker}")
+        if self.data_plane != "sim" and self.sim != SimConfig():
+            raise _ROOT.child("sim").error(f"applies only to data_plane: sim, not {self.data_plane}")
 
     @classmethod
     def from_dict(cls, raw: Any) -> ServeConfig:
@@ -577,6 +635,7 @@ class ServeConfig:
         out["scheduler"] = self.scheduler.to_dict()
         out["state_cache"] = self.state_cache.to_dict()
         out["faults"] = [fault.to_dict() for fault in self.faults]
+        out["sim"] = self.sim.to_dict()
         return out
 
 

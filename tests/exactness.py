@@ -49,7 +49,7 @@ def _reference(model: str, seed: int, prompts: tuple[tuple[int, ...], ...],
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as in Ray's workers (OMP_NUM_THREADS=1); 2 threads on 2 busy cores crawl
     try:
-        engine = build_engine(model, "float32", "cpu", kv_tokens=kv_tokens, mamba_slots=len(prompts), seed=seed)
+        engine = build_engine(model, "float32", "cpu", kv_tokens=kv_tokens, state_slots=len(prompts), seed=seed)
         return tuple(tuple(out) for out in engine.generate([list(p) for p in prompts], list(sampling)))
     finally:
         torch.set_num_threads(threads)

@@ -94,7 +94,7 @@ SAMPLED = SamplingParams(max_new_tokens=16, temperature=0.8, top_p=0.9, seed=77)
 
 
 def _engine(preset: str) -> Engine:
-    return build_engine(preset, device="cpu", record_logits=True, kv_tokens=512, mamba_slots=6)
+    return build_engine(preset, device="cpu", record_logits=True, kv_tokens=512, state_slots=6)
 
 
 def _seqs(params: SamplingParams) -> list[Sequence]:

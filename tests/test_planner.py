@@ -174,7 +174,7 @@ def test_a_retracted_request_that_does_not_fit_still_blocks_admissions() -> None
     assert p.resume == [] and p.admit == [] and p.is_empty()
 
 
-def test_resumes_stop_at_the_free_mamba_slots() -> None:
+def test_resumes_stop_at_the_free_state_slots() -> None:
     back = [request(f"r{i}", 4, 1, retractions=1) for i in range(3)]
     p = plan(view([request("a", 4, 1)], total_slots=3), retracted=back)
     assert [r.request_id for r in p.resume] == ["r0", "r1"]

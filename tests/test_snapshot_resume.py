@@ -93,7 +93,7 @@ def test_resume_on_another_engine_with_another_pool_layout():
     a.prefill(seqs)
     a.decode(5)
     snap = a.snapshot("r3")
-    b = engine(kv_tokens=300, mamba_slots=3, page_size=4)
+    b = engine(kv_tokens=300, state_slots=3, page_size=4)
     b.prefill([Sequence("other", [9] * 50, 50, GREEDY)])
     assert b.restore(snap)
     resumed = b.running["r3"]

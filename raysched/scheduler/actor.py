@@ -37,6 +37,7 @@ from raysched.scheduler.table import Limits, RequestTable, validate_generated
 from raysched.scheduler.turn_cache import TurnCacheGlue
 from raysched.stats import Counters
 from raysched.tokenizer import require_tokenizer
+from raysched.workers import kill_worker, release_workers
 
 
 class Scheduler:
@@ -49,7 +50,7 @@ class Scheduler:
         self.counters = Counters()
         self.table = RequestTable(self.counters, f"req-r{os.getpid()}-" if self.restarted else "req-")
         self.fleet = Fleet()
-        self.faults = FaultSeam(config.faults, kill=lambda h: ray.kill(h, no_restart=True))
+        self.faults = FaultSeam(config.faults, kill=kill_worker)
         self.ledger = RetractionLedger(config.scheduler, self.table, self.fleet, self.counters, self.faults)
         self.turn_cache = TurnCacheGlue(_state_cache(config), self.table, self.counters)
         self.recovery = Recovery(config, self.table, self.fleet, self.counters, on_added=self._start_loop)
@@ -108,8 +109,7 @@ class Scheduler:
         for r in self.table.requests.values():
             r.snapshot_ref = None
         self.turn_cache.clear()
-        for w in self.fleet.slots:
-            ray.kill(w.handle)
+        release_workers([w.handle for w in self.fleet.slots])
 
     # ================================================================== client API
     async def submit(self, prompt_ids: list[int], sampling: dict | None = None,

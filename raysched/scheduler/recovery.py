@@ -40,9 +40,9 @@ class ActorOps:
         return spawn_worker(config, index)
 
     def kill(self, handle: Any) -> None:
-        import ray
+        from raysched.workers import kill_worker
 
-        ray.kill(handle, no_restart=True)
+        kill_worker(handle)
 
     def is_death(self, err: BaseException) -> bool:
         """Did the actor die (rather than fail one call, after which it may still hold its GPU)?"""
