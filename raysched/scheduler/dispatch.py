@@ -54,12 +54,13 @@ class Dispatcher:
         """Worker `w`'s loop, until the scheduler closes or the worker is retired."""
         try:
             while not self.recovery.closing and w.alive:
+                t0 = time.perf_counter()
                 decision = self.decide(w)
                 if decision.is_empty():
                     w.event.clear()
                     await w.event.wait()
                     continue
-                await self.execute(w, decision)
+                await self.execute(w, decision, t0)
         except asyncio.CancelledError:
             pass
         except Exception as err:  # a bug in the scheduler itself: fail loudly, do not hang clients
@@ -79,9 +80,9 @@ class Dispatcher:
         return decision
 
     # ------------------------------------------------------------------ call
-    async def execute(self, w: WorkerSlot, decision: Decision) -> None:
+    async def execute(self, w: WorkerSlot, decision: Decision, t0: float | None = None) -> None:
         """Send `decision` to `w` (retractions, the step call, maybe a pipelined successor),
-        await the replies, and apply them."""
+        await the replies, and apply them. `t0`: when the decision began (its latency is counted)."""
         self.faults.before_call(w, self.fleet)
         snap_victims, drop = self.ledger.take_victims(w, decision)
         resume_snap = [r for r in decision.resume if not r.recompute]
@@ -97,6 +98,8 @@ class Dispatcher:
             step_refs.append(w.handle.step.remote(self.successor_plan(w, decision.decode_steps)))
             self.counters.pipelined_calls += 1
         w.view.calls += len(step_refs)
+        if t0 is not None:
+            self.counters.decision_s.append(time.perf_counter() - t0)
         results = await asyncio.gather(*step_refs, *[call[1] for call in retract_calls], return_exceptions=True)
         self.apply(w, decision, results[0], resume_snap)
         if len(step_refs) == 2:
