@@ -173,7 +173,7 @@ class TestOnCluster:
             assert summary["snapshots_refused"] == 1 and summary["worker_failures"] == 0, summary
             assert_idle(summary["idle_after"])
             log = scheduler_log(client)
-        assert "flipped one byte of the snapshot" in log
+        assert "corrupt_snapshot sent to worker 0 retracting" in log
         assert "refused on worker" in log and "checksum mismatch" in log and "recomputing it instead" in log
 
     def test_snapshot_budget_falls_back_to_recompute_under_store_pressure(self):

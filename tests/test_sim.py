@@ -132,3 +132,15 @@ def test_sim_fleet_on_ray_loses_no_token_through_retractions_and_faults(tmp_path
     assert stats["worker_failures"] == 2 and stats["retractions"] > 0 and stats["pipelined_calls"] > 0
     assert stats["snapshots_refused"] >= 1
     assert idle["workers_idle"] and idle["tables"]["requests"] == 0
+
+
+def test_simulated_worker_offers_every_public_method_of_the_real_one() -> None:
+    import inspect
+
+    from actors.worker import Worker
+
+    def public(cls: type) -> dict[str, list[str]]:
+        return {name: [p for p in inspect.signature(fn).parameters if not p.startswith("_ray")]
+                for name, fn in vars(cls).items() if callable(fn) and not name.startswith("_")}
+
+    assert public(SimWorker) == public(Worker)

@@ -57,8 +57,7 @@ class Dispatcher:
                 t0 = time.perf_counter()
                 decision = self.decide(w)
                 if decision.is_empty():
-                    w.event.clear()
-                    await w.event.wait()
+                    await self.sleep(w)
                     continue
                 await self.execute(w, decision, t0)
         except asyncio.CancelledError:
@@ -67,13 +66,25 @@ class Dispatcher:
             log.exception("worker loop %d crashed", w.index)
             self.table.fail(f"scheduler loop for worker {w.index} crashed: {err!r}")
 
+    async def sleep(self, w: WorkerSlot) -> None:
+        """Nothing to do for `w`: wait until `Fleet.notify` wakes it."""
+        w.event.clear()
+        self.fleet.idle[w.index] = w
+        try:
+            await w.event.wait()
+        finally:
+            self.fleet.idle.pop(w.index, None)
+
     def decide(self, w: WorkerSlot) -> Decision:
-        """The planner's decision for `w`'s next call (takes requests off the queues)."""
-        others = self.fleet.others(w)
-        best_elsewhere = max((o.view.room() for o in others), default=-1.0)
+        """The planner's decision for `w`'s next call (takes requests off the queues). The other
+        workers are looked at only when something waits for admission (where it goes, and
+        whether it could fit elsewhere before preempting)."""
+        waiting = self.table.waiting
+        best_elsewhere = self.fleet.best_room_except(w) if waiting else -1.0
+        others = tuple(o.view for o in self.fleet.others(w)) if waiting and self.config.scheduler.preemption else ()
         reserve = self.config.scheduler.admission == "reserve"
-        decision = plan_step(w.view, self.table.waiting, self.table.retracted, self.config.scheduler,
-                             best_elsewhere, reserve, tuple(o.view for o in others))
+        decision = plan_step(w.view, waiting, self.table.retracted, self.config.scheduler,
+                             best_elsewhere, reserve, others)
         self.counters.preemptions += decision.preempted
         if decision.forced_round:
             w.view.forced_round = decision.forced_round
@@ -94,7 +105,7 @@ class Dispatcher:
         step_refs = [w.handle.step.remote(step, *[[r.snapshot_ref] for r in resume_snap],
                                           *[[e.ref] for _, e in prefixes])]
         self.ledger.count_resume_bytes(w, resume_snap)
-        if self.can_pipeline(w, decision, snap_victims):  # the worker never waits for us
+        if self.can_pipeline(w, decision):  # the worker never waits for us
             step_refs.append(w.handle.step.remote(self.successor_plan(w, decision.decode_steps)))
             self.counters.pipelined_calls += 1
         w.view.calls += len(step_refs)
@@ -125,13 +136,12 @@ class Dispatcher:
                         fault=self.faults.step_point(w, w.view.calls + 1, decode_steps, None, pipelined=True),
                         prefill_chunk_tokens=cfg.prefill_chunk_tokens, prefill_budget_tokens=cfg.prefill_budget_tokens)
 
-    def can_pipeline(self, w: WorkerSlot, decision: Decision, victims: list[Request]) -> bool:
-        """Whether the call after this one needs no decision: nothing new starts on `w`, nothing
-        waits but the victims this call just retracted, and the running requests have room for
-        twice the steps."""
-        if decision.resume or decision.admit or self.table.waiting:
-            return False
-        if any(r not in victims for r in self.table.retracted):
+    def can_pipeline(self, w: WorkerSlot, decision: Decision) -> bool:
+        """Whether the call after this one needs no decision: nothing new starts on `w` (so
+        whatever waits could not start here now either: no room, or another worker has more),
+        and the running requests have room for twice the steps. The worker then never waits for
+        the scheduler between the two calls."""
+        if decision.resume or decision.admit:
             return False
         return decode_need(w.view, w.view.running, 2 * decision.decode_steps) <= w.view.free_tokens
 
@@ -156,6 +166,7 @@ class Dispatcher:
         now = time.monotonic()
         assert isinstance(result, StepResult)
         update_view(w, result)
+        self.fleet.note_room(w)
         self.add_tokens(w, result, now)
         self.cache.on_result(w, decision, result)
         for r in resumed:

@@ -13,6 +13,7 @@ several parts ask about the whole set (which node, how much room, any alive).
 from __future__ import annotations
 
 import asyncio
+import heapq
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,11 +54,27 @@ class Fleet:
     def __init__(self) -> None:
         self.slots: list[WorkerSlot] = []
         self.node_id: str | None = None  # the scheduler's own node (for bytes-moved accounting)
+        self.idle: dict[int, WorkerSlot] = {}  # slots whose loop sleeps on its event
+        self._rooms: list[float] = []  # room() of each slot after its last reply; -1.0 when retired
 
     def add(self, handle: Any, info: WorkerInfo) -> WorkerSlot:
         slot = WorkerSlot.from_info(handle, info)
         self.slots.append(slot)
+        self._rooms.append(slot.view.room())
         return slot
+
+    def note_room(self, w: WorkerSlot) -> None:
+        """`w`'s pools changed (a reply arrived, or it was retired)."""
+        self._rooms[w.index] = w.view.room() if w.alive else -1.0
+
+    def best_room_except(self, w: WorkerSlot) -> float:
+        """The most room any other live worker has (-1.0 if there is none): one pass over a list
+        of floats kept up to date by `note_room`, not a call per worker."""
+        if len(self._rooms) < 2:
+            return -1.0
+        top, second = heapq.nlargest(2, self._rooms)
+        mine = self._rooms[w.index]
+        return second if mine == top else top
 
     def alive(self) -> list[WorkerSlot]:
         return [w for w in self.slots if w.alive]
@@ -67,8 +84,9 @@ class Fleet:
         return [o for o in self.slots if o is not w and o.alive]
 
     def notify(self) -> None:
-        """Wake every dispatch loop (new work, or room freed somewhere)."""
-        for w in self.slots:
+        """Wake every sleeping dispatch loop (new work, or room freed somewhere); the others decide
+        again as soon as their call returns anyway."""
+        for w in list(self.idle.values()):
             w.event.set()
 
     def any_alive(self) -> bool:

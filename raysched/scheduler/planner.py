@@ -179,6 +179,8 @@ def _preempt(view: WorkerView, waiting: deque[Request], retracted: deque[Request
     if not waiting or (retracted and retracted[0].priority <= waiting[0].priority):
         return
     head = waiting[0]
+    if not any(r.priority > head.priority for r in running):
+        return  # no one here is less urgent (checked first: the fit checks scan every worker)
     need = _admit_need(head, steps, view.page_size)
     if _fits(need, view, free, slots) or _fits_anywhere(need, others, steps):
         return

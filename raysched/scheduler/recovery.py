@@ -90,6 +90,7 @@ class Recovery:
         log.error("worker %d %s (%r); recovering its %d requests", w.index,
                   "died" if dead else "failed a call", err, len(w.view.running))
         w.alive = False
+        self.fleet.note_room(w)
         if not dead:
             self.actors.kill(w.handle)  # its state is unknown after a failed call
         self.counters.worker_failures += 1
