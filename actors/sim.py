@@ -36,7 +36,7 @@ from typing import Any
 
 from actors.accounting import PageLedger, PoolLedger, SlotLedger
 from raysched.config import ServeConfig
-from raysched.messages import SNAPSHOT_LOST, FaultPoint, PrefillItem, StepPlan, StepResult, Usage, WorkerInfo
+from raysched.messages import FaultPoint, PrefillItem, StepPlan, StepResult, Usage, WorkerInfo
 from raysched.sampling import SamplingParams
 
 MASK64 = (1 << 64) - 1
@@ -253,13 +253,7 @@ class SimWorker:
         return self.engine.decode(plan.decode_steps, result)
 
     def _restore_one(self, plan: StepPlan, rid: str, snap: Any, result: StepResult) -> bool | None:
-        try:
-            return self.engine.restore(_fetch(snap), rid)
-        except SnapshotError as err:
-            result.resume_failed[rid] = str(err)
-        except SnapshotLost as err:
-            result.resume_failed[rid] = f"{SNAPSHOT_LOST}: {err}"
-        return None
+        return result.record_restore(rid, lambda: self.engine.restore(_fetch(snap), rid), SnapshotError, SnapshotLost)
 
     def _zero_state(self, rid: str) -> None:
         self.engine.running[rid].state = 0

@@ -185,13 +185,7 @@ class Worker:
         """Restore one snapshot into the pools: True, False (no room), or None (refused or lost:
         the reason is in `result.resume_failed`). A hook: `actors.faults` dies right after, or
         drops the state."""
-        try:
-            return self.engine.restore(_fetch(snap), rid)
-        except SnapshotError as err:
-            result.resume_failed[rid] = str(err)
-        except SnapshotLost as err:
-            result.resume_failed[rid] = f"{SNAPSHOT_LOST}: {err}"
-        return None
+        return result.record_restore(rid, lambda: self.engine.restore(_fetch(snap), rid), SnapshotError, SnapshotLost)
 
     def _result(self, result: StepResult, out: StepOutput, busy_s: float) -> StepResult:
         result.new_tokens, result.finished = out.new_tokens, out.finished

@@ -84,15 +84,11 @@ def _scheduler_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _stream(client, prompt: list[int], params: dict, out: list) -> None:
-    """Stream one request; records (submit time, arrival time and size of each token chunk)."""
-    t0 = time.perf_counter()
-    handle = client.submit(prompt, params)
-    arrivals = []
+def _stream(handle, t0: float, arrivals: list) -> None:
+    """Stream one request, appending (seconds since submit, tokens) per arrival of tokens."""
     for tokens, _ in handle._chunks():
         if tokens:
             arrivals.append((time.perf_counter() - t0, len(tokens)))
-    out.append(arrivals)
 
 
 def run_point(workers: int, step_ms: float, setup: Setup, seed: int = 0) -> dict:
@@ -111,7 +107,7 @@ def run_point(workers: int, step_ms: float, setup: Setup, seed: int = 0) -> dict
         pid = ray.get(client.scheduler.__ray_call__.remote(lambda _s: os.getpid()))
         rng = random.Random(seed)
         streams: list = []
-        threads = []
+        threads, handles = [], []
         submitted = 0
         t0 = time.perf_counter()
         next_t = 0.0
@@ -128,7 +124,9 @@ def run_point(workers: int, step_ms: float, setup: Setup, seed: int = 0) -> dict
             prompt = [rng.randrange(32000) for _ in range(prompt_len)]
             params = {"max_new_tokens": out_len}
             if submitted % max(1, int(rate * setup.duration_s / STREAMED)) == 0 and len(threads) < STREAMED:
-                t = threading.Thread(target=_stream, args=(client, prompt, params, streams), daemon=True)
+                handles.append(client.submit(prompt, params))
+                streams.append([])
+                t = threading.Thread(target=_stream, args=(handles[-1], time.perf_counter(), streams[-1]), daemon=True)
                 t.start()
                 threads.append(t)
             else:
@@ -136,8 +134,10 @@ def run_point(workers: int, step_ms: float, setup: Setup, seed: int = 0) -> dict
             submitted += 1
             next_t += rng.expovariate(rate)
         end = (time.perf_counter(), client.stats(detail=True), _scheduler_cpu_s(pid))
+        for h in handles:  # the streams measured what they needed: end them before Ray goes
+            h.abort()
         for t in threads:
-            t.join(timeout=60)
+            t.join(timeout=120)
     finally:
         client.shutdown()
     (w_t, w_tokens, w_cpu, w_busy), (e_t, stats, e_cpu) = window, end
@@ -152,6 +152,18 @@ def run_point(workers: int, step_ms: float, setup: Setup, seed: int = 0) -> dict
             "decision_p50_ms": _ms(stats["decision_p50_s"]), "decision_p99_ms": _ms(stats["decision_p99_s"]),
             "calls": stats["calls"], "pipelined_calls": stats["pipelined_calls"],
             **_client_overheads(streams, step_ms)}
+
+
+def _point_or_error(workers: int, step_ms: float, setup: Setup) -> dict:
+    """`run_point`, or a row saying why it failed (the other points still run)."""
+    try:
+        return run_point(workers, step_ms, setup)
+    except Exception as err:
+        import ray
+
+        if ray.is_initialized():
+            ray.shutdown()
+        return {"workers": workers, "step_ms": step_ms, "error": repr(err)[:300]}
 
 
 def _ms(seconds: float | None) -> float | None:
@@ -170,7 +182,7 @@ def _client_overheads(streams: list, step_ms: float) -> dict:
 def main(out_dir: Path = Path("bench-out"), quick: bool = False) -> dict:
     setup = QUICK if quick else FULL
     load_start = load_average()
-    rows = [run_point(n, ms, setup) for ms in setup.step_ms for n in setup.sizes]
+    rows = [_point_or_error(n, ms, setup) for ms in setup.step_ms for n in setup.sizes]
     result = {"setup": {**setup.__dict__, "load": LOAD}, "rows": rows, "load_avg_1m": [load_start, load_average()],
               "cpus": os.cpu_count(), "targets": _targets(rows)}
     _print(result)
@@ -181,7 +193,7 @@ def main(out_dir: Path = Path("bench-out"), quick: bool = False) -> dict:
 
 def _targets(rows: list[dict]) -> dict:
     def at(n: int, ms: float) -> dict | None:
-        return next((r for r in rows if r["workers"] == n and r["step_ms"] == ms), None)
+        return next((r for r in rows if r["workers"] == n and r["step_ms"] == ms and "error" not in r), None)
 
     out = {}
     for n, want in ((256, 0.9), (32, 0.97)):
@@ -218,8 +230,9 @@ def _plot(result: dict, out_dir: Path) -> None:
         return
     fig, ax = plt.subplots(figsize=(6, 4))
     for ms in sorted({r["step_ms"] for r in result["rows"]}):
-        pts = [(r["workers"], r["vs_ideal"]) for r in result["rows"] if r["step_ms"] == ms]
-        ax.plot(*zip(*pts), marker="o", label=f"{ms:.0f} ms steps")
+        pts = [(r["workers"], r["vs_ideal"]) for r in result["rows"] if r["step_ms"] == ms and "error" not in r]
+        if pts:
+            ax.plot(*zip(*pts), marker="o", label=f"{ms:.0f} ms steps")
     ax.axhline(LOAD, color="grey", linestyle="--", label=f"offered ({LOAD:.0%} of ideal)")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("simulated workers")
@@ -227,6 +240,18 @@ def _plot(result: dict, out_dir: Path) -> None:
     ax.set_ylim(0, 1)
     ax.legend()
     save_figure(fig, out_dir, "scale")
+
+
+def main_points(out: Path, sizes: tuple[int, ...], step_ms: tuple[float, ...], duration_s: float, warmup_s: float) -> dict:
+    """Part of the full curve (these sizes and steps, shorter windows): for recording a curve on a
+    busy machine, one point at a time."""
+    setup = Setup(**{**FULL.__dict__, "sizes": sizes, "step_ms": step_ms, "duration_s": duration_s, "warmup_s": warmup_s})
+    rows = [_point_or_error(n, ms, setup) for ms in setup.step_ms for n in setup.sizes]
+    result = {"setup": {**setup.__dict__, "load": LOAD}, "rows": rows, "load_avg_1m": [load_average()],
+              "cpus": os.cpu_count(), "targets": _targets(rows)}
+    _print(result)
+    write_json(out, f"scale-{'-'.join(map(str, sizes))}-{'-'.join(f'{m:g}' for m in step_ms)}", result)
+    return result
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ the same node) and a lost one fails only its own resume.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 SNAPSHOT_LOST = "snapshot lost"  # prefix of a `StepResult.resume_failed` reason: recompute, no blame
@@ -94,6 +95,19 @@ class StepResult:
     #   used (lost, refused): it was prefilled in full instead
     parked: list[tuple[str, str, int, int]] = field(default_factory=list)  # (id, kind, tokens
     #   covered, bytes) of states copied this call, waiting for `Worker.take_parked`
+
+    def record_restore(self, request_id: str, restore: Callable[[], bool], refused: type[Exception],
+                       lost: type[Exception]) -> bool | None:
+        """Run one snapshot `restore`: its answer (True, or False: no room), or None when it raised
+        `refused` (the snapshot is refused) or `lost` (unreadable), with the reason recorded in
+        `resume_failed` (a lost one with the SNAPSHOT_LOST prefix: recompute, no blame)."""
+        try:
+            return restore()
+        except refused as err:
+            self.resume_failed[request_id] = str(err)
+        except lost as err:
+            self.resume_failed[request_id] = f"{SNAPSHOT_LOST}: {err}"
+        return None
 
 
 @dataclass(frozen=True)
