@@ -111,11 +111,11 @@ class Dispatcher:
         w.view.calls += len(step_refs)
         if t0 is not None:
             self.counters.decision_s.append(time.perf_counter() - t0)
-        results = await asyncio.gather(*step_refs, *[call[1] for call in retract_calls], return_exceptions=True)
-        self.apply(w, decision, results[0], resume_snap)
-        if len(step_refs) == 2:
-            self.apply(w, Decision(decode_steps=decision.decode_steps), results[1], [])
-        self.ledger.on_sizes(w, snap_victims, retract_calls, results[len(step_refs):])
+        self.apply(w, decision, await settled(step_refs[0]), resume_snap)  # its tokens go out now,
+        if len(step_refs) == 2:  # while the pipelined call runs
+            self.apply(w, Decision(decode_steps=decision.decode_steps), await settled(step_refs[1]), [])
+        sizes = await asyncio.gather(*[call[1] for call in retract_calls], return_exceptions=True)
+        self.ledger.on_sizes(w, snap_victims, retract_calls, sizes)
         self.fleet.notify()
 
     def step_plan(self, w: WorkerSlot, decision: Decision, drop: list[str], resume_snap: list[Request],
@@ -217,6 +217,14 @@ class Dispatcher:
             if req in view.running:
                 view.running.remove(req)
         self.table.finish(req, state, reason)
+
+
+async def settled(ref: Any) -> Any:
+    """A call's reply, or the exception it raised."""
+    try:
+        return await ref
+    except Exception as err:
+        return err
 
 
 def update_view(w: WorkerSlot, result: StepResult) -> None:
