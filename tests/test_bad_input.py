@@ -232,12 +232,12 @@ def test_refused_snapshot_is_recomputed_and_logged_by_the_scheduler(caplog):
         sched, w = bare_scheduler()
         rid = await sched.submit(VALID_PROMPT, {"max_new_tokens": 8})
         req = sched.requests[rid]
-        plan = sched._plan(w)
-        sched._mark_running(w, plan.admit)
+        plan = sched.dispatch.decide(w)
+        sched.dispatch.mark_running(w, plan.admit)
         req.output_ids, req.retractions, req.snapshot_ref = [3, 4], 1, object()  # resuming
         why = "snapshot of 'req-0' was taken on model other, this worker runs model mine"
         with caplog.at_level(logging.WARNING, logger="raysched.scheduler"):
-            sched._on_result(w, plan, StepResult(resume_failed={rid: why}, usage=Usage(256, 256, 4, 4, 1)), [req])
+            sched.dispatch.apply(w, plan, StepResult(resume_failed={rid: why}, usage=Usage(256, 256, 4, 4, 1)), [req])
         assert req.state is State.RETRACTED and req.recompute and req.snapshot_ref is None
         assert list(sched.retracted) == [req]
         assert sched.counters.snapshots_refused == 1

@@ -126,7 +126,7 @@ def test_cli_start_status_stop_a_detached_scheduler(cluster: str, reference: lis
     capsys.readouterr()
     assert cli.main(["status", "--name", "t-cli"]) == 0
     out = capsys.readouterr().out
-    assert "worker 0:" in out and "kv free 256/256" in out and "mamba free 4/4" in out
+    assert "worker 0:" in out and "kv free 256/256" in out and "state slots free 4/4" in out
     assert "finished 2" in out and "waiting 0" in out
     assert cli.main(["start", "--config", str(config), "--name", "t-cli"]) == 2  # name taken
 
