@@ -192,7 +192,7 @@ class ModelConfig:
         """K and V of every attention layer for one token."""
         return 2 * self.num_attention_layers * self.num_key_value_heads * self.head_dim * itemsize
 
-    def mamba_bytes_per_slot(self, itemsize: int) -> int:
+    def state_bytes_per_slot(self, itemsize: int) -> int:
         """Recurrent state of one request (every state tensor of every layer; the name is kept
         from the Mamba-only days): conv states in the model dtype, SSM/recurrent states fp32."""
         total = 0

@@ -445,7 +445,7 @@ def load_model(model: str | ModelConfig, dtype: torch.dtype, device: torch.devic
 
 
 def build_engine(model: str | ModelConfig, dtype: str = "float32", device: str = "auto",
-                 kv_tokens: int = 512, mamba_slots: int = 8, page_size: int = 1,
+                 kv_tokens: int = 512, state_slots: int = 8, page_size: int = 1,
                  pool_config: PoolConfig | None = None, invariant_tile: int = 16,
                  record_logits: bool = False, seed: int = 0,
                  fixed_shape_decode: bool | None = None) -> Engine:
@@ -455,7 +455,7 @@ def build_engine(model: str | ModelConfig, dtype: str = "float32", device: str =
     data-dependent shapes) decodes at padded bucket shapes, captured as CUDA graphs on a GPU
     (`actors.graph`); its pool gets scratch slots for the padding rows.
 
-    >>> eng = build_engine("tiny", kv_tokens=256, mamba_slots=4)
+    >>> eng = build_engine("tiny", kv_tokens=256, state_slots=4)
     >>> len(eng.generate([[5, 17, 42]], [SamplingParams(max_new_tokens=4)])[0])
     4
     """
@@ -468,11 +468,11 @@ def build_engine(model: str | ModelConfig, dtype: str = "float32", device: str =
     if pool_config is not None:
         itemsize = torch.empty(0, dtype=torch_dtype).element_size()
         sized = pool_config.resolve(max(1, config.kv_bytes_per_token(itemsize)),
-                                    max(1, config.mamba_bytes_per_slot(itemsize)))
-        kv_tokens, mamba_slots, page_size = sized.kv_tokens, sized.mamba_slots, sized.page_size
+                                    max(1, config.state_bytes_per_slot(itemsize)))
+        kv_tokens, state_slots, page_size = sized.kv_tokens, sized.state_slots, sized.page_size
     fixed = fixed_shape_decode
     if fixed is None:
         fixed = dev.type == "cuda" and not config.has_experts
-    pool = HybridPool(config, kv_tokens, mamba_slots, torch_dtype, dev, page_size, scratch=fixed)
+    pool = HybridPool(config, kv_tokens, state_slots, torch_dtype, dev, page_size, scratch=fixed)
     return Engine(net, config, pool, weights_fingerprint(net.state_dict()), record_logits,
                   FixedShapeDecode(net, pool) if fixed else None)

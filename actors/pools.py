@@ -1,7 +1,7 @@
 """The hybrid memory pool: a paged KV pool for attention layers and a state pool for the others.
 
-Ownership rules
-- A request owns a list of KV pages (its token slots, in order) and exactly one Mamba slot.
+Ownership rules (the accounting is `actors.accounting`, shared with the simulated data plane)
+- A request owns a list of KV pages (its token slots, in order) and exactly one state slot.
 - `HybridPool.admit` takes both or neither; `HybridPool.release` frees both. Nobody else frees.
 - Running out of pages or slots is a normal outcome: `admit` / `extend` return False. Freeing
   something a request does not own, or freeing twice, raises `PoolError`: it is always a bug.
@@ -23,80 +23,36 @@ from __future__ import annotations
 
 import torch
 
+from actors.accounting import PageLedger, PoolError, PoolLedger, SlotLedger
 from actors.config import ModelConfig
-from raysched.messages import Usage
+
+__all__ = ["HybridPool", "KVPool", "PoolError", "StatePool"]
 
 
-class PoolError(RuntimeError):
-    """Misuse of a pool: double free, or freeing slots the request does not own."""
-
-
-class KVPool:
-    """Paged token slots for the K/V of all attention layers."""
+class KVPool(PageLedger):
+    """Paged token slots for the K/V of all attention layers (the accounting: `PageLedger`)."""
 
     def __init__(self, config: ModelConfig, num_tokens: int, page_size: int,
                  dtype: torch.dtype, device: torch.device, scratch: bool = False) -> None:
-        if num_tokens <= 0 or page_size <= 0:
-            raise ValueError(f"KVPool: num_tokens ({num_tokens}) and page_size ({page_size}) must be > 0")
-        self.page_size = page_size
-        self.num_pages = -(-num_tokens // page_size)
+        super().__init__(num_tokens, page_size)
         # the scratch token slot: first slot of the page past the last (None without scratch)
         self.scratch_slot = self.num_pages * page_size if scratch else None
         shape = (config.num_attention_layers, (self.num_pages + int(scratch)) * page_size,
                  config.num_key_value_heads, config.head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self._free_pages = list(range(self.num_pages - 1, -1, -1))  # pop() gives the lowest page
-        self._pages: dict[str, list[int]] = {}
-        self._lens: dict[str, int] = {}
         self._slots: dict[str, torch.Tensor] = {}  # (capacity,) int64 token slots on CPU, the
         #   first `_lens` valid: grown in place as pages are added (doubling), never rebuilt
 
-    @property
-    def num_tokens(self) -> int:
-        return self.num_pages * self.page_size
-
-    @property
-    def num_free_tokens(self) -> int:
-        return len(self._free_pages) * self.page_size
-
-    def pages_needed(self, request_id: str, total_tokens: int) -> int:
-        """Pages `request_id` would have to take to hold `total_tokens` tokens."""
-        have = len(self._pages.get(request_id, ()))
-        return max(0, -(-total_tokens // self.page_size) - have)
-
-    @property
-    def num_free_pages(self) -> int:
-        return len(self._free_pages)
-
-    def can_allocate(self, num_tokens: int, request_id: str | None = None) -> bool:
-        return self.pages_needed(request_id or "", num_tokens) <= len(self._free_pages)
-
-    def allocate(self, request_id: str, num_tokens: int) -> bool:
-        """Give a new request room for `num_tokens` tokens. False (nothing taken) if it does not fit."""
-        if request_id in self._pages:
-            raise PoolError(f"KVPool: request {request_id!r} already holds KV pages")
-        self._pages[request_id], self._lens[request_id] = [], 0
+    def _on_new(self, request_id: str, num_tokens: int) -> None:
         self._slots[request_id] = torch.empty(max(num_tokens, 1), dtype=torch.int64)
-        if not self.extend(request_id, num_tokens):
-            del self._pages[request_id], self._lens[request_id], self._slots[request_id]
-            return False
-        return True
 
-    def extend(self, request_id: str, total_tokens: int) -> bool:
-        """Grow a request to `total_tokens` tokens. False (nothing taken) if pages run out."""
-        pages = self._owned(request_id)
-        need = self.pages_needed(request_id, total_tokens)
-        if need > len(self._free_pages):
-            return False
-        if need:
-            taken = self._free_pages[-need:]  # the lowest free pages sit at the end
-            del self._free_pages[-need:]
-            self._add_slots(request_id, len(pages), list(reversed(taken)))
-            pages.extend(reversed(taken))
-        if total_tokens > self._lens[request_id]:
-            self._lens[request_id] = total_tokens
-        return True
+    def _forget(self, request_id: str) -> None:
+        super()._forget(request_id)
+        del self._slots[request_id]
+
+    def _on_pages(self, request_id: str, first_page: int, new_pages: list[int]) -> None:
+        self._add_slots(request_id, first_page, new_pages)
 
     def _add_slots(self, request_id: str, first_page: int, new_pages: list[int]) -> None:
         """Write the token slots of `new_pages` (the request's pages first_page, ...) into its
@@ -120,27 +76,10 @@ class KVPool:
         self._owned(request_id)
         return self._slots[request_id][: self._lens[request_id]]
 
-    def num_request_tokens(self, request_id: str) -> int:
-        self._owned(request_id)
-        return self._lens[request_id]
 
-    def free(self, request_id: str) -> None:
-        pages = self._owned(request_id)
-        self._free_pages.extend(reversed(pages))
-        del self._pages[request_id], self._lens[request_id], self._slots[request_id]
-
-    def owners(self) -> list[str]:
-        return list(self._pages)
-
-    def _owned(self, request_id: str) -> list[int]:
-        try:
-            return self._pages[request_id]
-        except KeyError:
-            raise PoolError(f"KVPool: request {request_id!r} holds no KV pages (double free?)") from None
-
-
-class StatePool:
-    """One slot per running request: every per-request state tensor of every recurrent layer.
+class StatePool(SlotLedger):
+    """One slot per running request: every per-request state tensor of every recurrent layer
+    (the accounting: `SlotLedger`).
 
     `tensors[name]`: (layers of the tensor's kind, num_slots, *shape) for each entry of
     `config.state_tensors`.
@@ -148,63 +87,30 @@ class StatePool:
 
     def __init__(self, config: ModelConfig, num_slots: int, dtype: torch.dtype,
                  device: torch.device, scratch: bool = False) -> None:
-        if num_slots <= 0:
-            raise ValueError(f"StatePool: num_slots must be > 0, got {num_slots}")
-        self.num_slots = num_slots
+        super().__init__(num_slots)
         self.scratch_slot = num_slots if scratch else None  # never handed out
         self.tensors = {
             t.name: torch.zeros((len(config.layers_of_kind(t.kind)), num_slots + int(scratch), *t.shape),
                                 dtype=torch.float32 if t.fp32 else dtype, device=device)
             for t in config.state_tensors}
-        self._free = list(range(num_slots - 1, -1, -1))
-        self._slot_of: dict[str, int] = {}
-
-    @property
-    def num_free_slots(self) -> int:
-        return len(self._free)
-
-    def allocate(self, request_id: str, zero: bool = True) -> int | None:
-        """A slot for the request (zeroed unless the caller overwrites it, e.g. a restore), or
-        None when all slots are taken."""
-        if request_id in self._slot_of:
-            raise PoolError(f"StatePool: request {request_id!r} already holds slot {self._slot_of[request_id]}")
-        if not self._free:
-            return None
-        slot = self._free.pop()
-        if zero:
-            self.zero(slot)
-        self._slot_of[request_id] = slot
-        return slot
 
     def zero(self, slot: int) -> None:
         """Reset every state tensor at `slot`."""
         for t in self.tensors.values():
             t[:, slot].zero_()
 
-    def slot(self, request_id: str) -> int:
-        try:
-            return self._slot_of[request_id]
-        except KeyError:
-            raise PoolError(f"StatePool: request {request_id!r} holds no state slot (double free?)") from None
 
-    def free(self, request_id: str) -> None:
-        self._free.append(self.slot(request_id))
-        del self._slot_of[request_id]
+class HybridPool(PoolLedger):
+    """KV pool + state pool, and the table request -> (token slots, state slot); admit, extend,
+    release and usage are `PoolLedger`'s."""
 
-    def owners(self) -> list[str]:
-        return list(self._slot_of)
-
-
-class HybridPool:
-    """KV pool + Mamba pool, and the table request -> (token slots, Mamba slot)."""
-
-    def __init__(self, config: ModelConfig, kv_tokens: int, mamba_slots: int, dtype: torch.dtype,
+    def __init__(self, config: ModelConfig, kv_tokens: int, state_slots: int, dtype: torch.dtype,
                  device: torch.device | str = "cpu", page_size: int = 1,
                  scratch: bool = False) -> None:
         device = torch.device(device)
         self.config = config
-        self.kv = KVPool(config, kv_tokens, page_size, dtype, device, scratch)
-        self.mamba = StatePool(config, mamba_slots, dtype, device, scratch)  # state slots (all kinds)
+        super().__init__(KVPool(config, kv_tokens, page_size, dtype, device, scratch),
+                         StatePool(config, state_slots, dtype, device, scratch))  # state slots (all kinds)
 
     @property
     def has_scratch(self) -> bool:
@@ -212,17 +118,17 @@ class HybridPool:
         return self.kv.scratch_slot is not None
 
     @classmethod
-    def from_budget(cls, config: ModelConfig, budget_bytes: int, mamba_slots: int,
+    def from_budget(cls, config: ModelConfig, budget_bytes: int, state_slots: int,
                     dtype: torch.dtype, device: torch.device | str = "cpu",
                     page_size: int = 1) -> "HybridPool":
-        """Size the KV pool with whatever `budget_bytes` leaves after `mamba_slots` Mamba slots."""
+        """Size the KV pool with whatever `budget_bytes` leaves after `state_slots` Mamba slots."""
         itemsize = torch.empty(0, dtype=dtype).element_size()
-        left = budget_bytes - mamba_slots * config.mamba_bytes_per_slot(itemsize)
+        left = budget_bytes - state_slots * config.state_bytes_per_slot(itemsize)
         per_token = max(1, config.kv_bytes_per_token(itemsize))
         if left < per_token * page_size:
-            raise ValueError(f"pool budget {budget_bytes} B cannot hold {mamba_slots} Mamba slots "
+            raise ValueError(f"pool budget {budget_bytes} B cannot hold {state_slots} Mamba slots "
                              f"plus one KV page")
-        return cls(config, left // per_token, mamba_slots, dtype, device, page_size)
+        return cls(config, left // per_token, state_slots, dtype, device, page_size)
 
     # tensors the model reads/writes
     @property
@@ -250,38 +156,3 @@ class HybridPool:
         except KeyError:
             raise PoolError(f"pool has no tensor {name!r}; it has k, v, "
                             f"{', '.join(self.mamba.tensors)}") from None
-
-    def can_admit(self, num_tokens: int) -> bool:
-        return self.mamba.num_free_slots > 0 and self.kv.can_allocate(num_tokens)
-
-    def admit(self, request_id: str, num_tokens: int, zero_state: bool = True) -> bool:
-        """Take a Mamba slot and room for `num_tokens` tokens, both or neither. The Mamba state
-        starts at zero unless `zero_state` is False (the caller writes all of it, as restore does)."""
-        if not self.can_admit(num_tokens):
-            return False
-        self.mamba.allocate(request_id, zero=zero_state)
-        if not self.kv.allocate(request_id, num_tokens):  # cannot happen after can_admit
-            self.mamba.free(request_id)
-            return False
-        return True
-
-    def extend(self, request_id: str, total_tokens: int) -> bool:
-        return self.kv.extend(request_id, total_tokens)
-
-    def release(self, request_id: str) -> None:
-        """Free the request's token slots and Mamba slot."""
-        self.mamba.slot(request_id)  # raises before anything is freed if it holds none
-        self.kv.free(request_id)
-        self.mamba.free(request_id)
-
-    def usage(self) -> Usage:
-        return Usage(self.kv.num_free_tokens, self.kv.num_tokens, self.mamba.num_free_slots,
-                         self.mamba.num_slots, self.kv.page_size)
-
-    def owners(self) -> set[str]:
-        return set(self.kv.owners()) | set(self.mamba.owners())
-
-    def is_empty(self) -> bool:
-        u = self.usage()
-        return (u.kv_free_tokens == u.kv_total_tokens and u.mamba_free_slots == u.mamba_total_slots
-                and not self.owners())

@@ -2,9 +2,10 @@
 
 It follows step plans from the scheduler and never decides anything itself. Snapshots it takes
 are the *return values* of `retract_pending` (parked turn states those of `take_parked`), so the
-caller (the scheduler) owns them in the object store and they outlive this process. Fault
-injection is data too: a `FaultPoint` in a step plan or a retract call says where this process
-dies (`os._exit`) inside that call.
+caller (the scheduler) owns them in the object store and they outlive this process. This class
+has no fault-injection code: `actors.faults.with_faults` derives the class that honours the
+`FaultPoint`s calls carry, overriding the hook methods `_restore_one`, `_decode` and
+`retract_pending` (the scheduler starts it only when faults are configured).
 
     worker = ray.remote(num_gpus=1)(Worker).remote(config, index=0)
     info = ray.get(worker.info.remote())
@@ -15,9 +16,6 @@ in the worker's own process.
 
 from __future__ import annotations
 
-import dataclasses
-import os
-import sys
 import time
 
 import ray
@@ -38,7 +36,6 @@ class Worker:
                                            pool_config=config.pool, invariant_tile=config.invariant_tile,
                                            seed=config.seed,
                                            fixed_shape_decode=config.fixed_shape_decode)
-        self.drop_mamba_state = config.scheduler.debug_drop_mamba_state
         self._speeds: tuple[float, float] | None = None
         self._parked: dict[tuple[str, str], Snapshot] = {}  # (id, kind) -> copy, until taken
 
@@ -49,7 +46,7 @@ class Worker:
         copy_bps, prefill_tps = self._measure_speeds() if self.config.scheduler.retract == "auto" else (0.0, 0.0)
         return WorkerInfo(self.index, _node_id(), str(e.device), e.fingerprint, e.config.vocab_size,
                           e.config.max_position_embeddings, self.usage(),
-                          e.config.kv_bytes_per_token(itemsize), e.config.mamba_bytes_per_slot(itemsize),
+                          e.config.kv_bytes_per_token(itemsize), e.config.state_bytes_per_slot(itemsize),
                           copy_bps, prefill_tps)
 
     def usage(self) -> Usage:
@@ -78,21 +75,15 @@ class Worker:
             self.engine.release(request_id)
             raise
 
-    def retract_pending(self, request_id: str, corrupt: bool = False,
-                        fault: FaultPoint | None = None) -> tuple[Snapshot, int]:
+    def retract_pending(self, request_id: str, fault: FaultPoint | None = None) -> tuple[Snapshot, int]:
         """`retract` for a call made with ``num_returns=2``: (snapshot, its payload bytes).
 
         The scheduler queues the request at once with the first ref (a destination worker reads
         the bytes from where they lie, see `_fetch`) and awaits only the small second one.
-        `corrupt` (fault injection) flips one payload byte after the checksum was taken; `fault`
-        (`kill_in_retract`) ends this process after the gather, before the reply.
+        `fault` is for the class `actors.faults.with_faults` derives (None from a scheduler
+        without faults).
         """
         snap = self.retract(request_id)
-        if corrupt:
-            payload = snap.payload.copy()
-            payload[len(payload) // 2] ^= 0x01
-            snap = dataclasses.replace(snap, payload=payload)
-        _die_at(fault, "kill_in_retract")
         return snap, int(snap.nbytes)
 
     def step(self, plan: StepPlan, *snapshots: Snapshot | list) -> StepResult:
@@ -179,29 +170,22 @@ class Worker:
         result.parked.append((rid, kind, num_tokens, int(snap.nbytes)))
 
     def _decode(self, plan: StepPlan) -> StepOutput:
-        fault = plan.fault
-        if fault is not None and fault.kind == "kill_in_step":
-            self.engine.decode(min(fault.after_decode_steps, plan.decode_steps))  # tokens never leave
-            _die_at(fault, "kill_in_step")
+        """The plan's decode steps (a hook: `actors.faults` dies part-way)."""
         return self.engine.decode(plan.decode_steps)
 
     def _resume(self, plan: StepPlan, snapshots: tuple, result: StepResult, out: StepOutput) -> None:
         if len(plan.resume) != len(snapshots):
             raise ValueError(f"step plan names {len(plan.resume)} resumes but {len(snapshots)} snapshots came")
         for rid, snap in zip(plan.resume, snapshots):
-            try:
-                ok = self.engine.restore(_fetch(snap), rid)
-            except SnapshotError as err:
-                result.resume_failed[rid] = str(err)
-                continue
-            except SnapshotLost as err:
-                result.resume_failed[rid] = f"{SNAPSHOT_LOST}: {err}"
-                continue
-            _die_at(plan.fault, "kill_in_restore")
-            if not ok:
+            ok = self._restore_one(plan, rid, snap, result)
+            if ok is False:
                 out.not_admitted.append(rid)
-            elif self.drop_mamba_state:  # deliberately broken mode: the negative control
-                self.engine.pool.mamba.zero(self.engine.pool.mamba.slot(rid))
+
+    def _restore_one(self, plan: StepPlan, rid: str, snap: Snapshot | list, result: StepResult) -> bool | None:
+        """Restore one snapshot into the pools: True, False (no room), or None (refused or lost:
+        the reason is in `result.resume_failed`). A hook: `actors.faults` dies right after, or
+        drops the state."""
+        return result.record_restore(rid, lambda: self.engine.restore(_fetch(snap), rid), SnapshotError, SnapshotLost)
 
     def _result(self, result: StepResult, out: StepOutput, busy_s: float) -> StepResult:
         result.new_tokens, result.finished = out.new_tokens, out.finished
@@ -232,13 +216,6 @@ def _fetch(snap: Snapshot | list) -> Snapshot:
         return ray.get(snap[0])
     except (ray.exceptions.RayError, OSError) as err:
         raise SnapshotLost(type(err).__name__) from None
-
-
-def _die_at(fault: FaultPoint | None, kind: str) -> None:
-    """Fault injection: end this process on the spot, as a crash would (no reply, no clean-up)."""
-    if fault is not None and fault.kind == kind:
-        print(f"fault injection: {kind}: worker process {os.getpid()} exits", file=sys.stderr, flush=True)
-        os._exit(1)
 
 
 def _sequence(item: PrefillItem) -> Sequence:

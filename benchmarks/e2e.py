@@ -45,16 +45,16 @@ class Setup:
 
     model: str
     kv_tokens: int  # per worker
-    mamba_slots: int  # per worker
+    state_slots: int  # per worker
     workload: WorkloadConfig
     bin_s: float  # width of the time bins in the plot
     rounds: int  # 2: every mode twice, the second round in reverse order
 
 
-FULL = Setup("small", kv_tokens=2048, mamba_slots=8, bin_s=2.0, rounds=1,
+FULL = Setup("small", kv_tokens=2048, state_slots=8, bin_s=2.0, rounds=1,
              workload=WorkloadConfig(requests=12, seed=11, prompt_len=(400, 1200),
                                      max_new_tokens=(128, 384)))
-QUICK = Setup("tiny", kv_tokens=768, mamba_slots=8, bin_s=0.5, rounds=1,
+QUICK = Setup("tiny", kv_tokens=768, state_slots=8, bin_s=0.5, rounds=1,
               workload=WorkloadConfig(requests=10, seed=11, prompt_len=(100, 300),
                                       max_new_tokens=(16, 64)))
 
@@ -63,7 +63,7 @@ def serve_config(setup: Setup, mode: str) -> ServeConfig:
     admission = "reserve" if mode == "reserve" else "overcommit"
     retract = "snapshot" if mode == "reserve" else mode
     return ServeConfig(model=setup.model, workers=2, device="cpu",
-                       pool=PoolConfig(kv_tokens=setup.kv_tokens, mamba_slots=setup.mamba_slots),
+                       pool=PoolConfig(kv_tokens=setup.kv_tokens, state_slots=setup.state_slots),
                        scheduler=SchedulerConfig(retract=retract, admission=admission))
 
 
@@ -194,7 +194,7 @@ def _result(setup: Setup, runs: dict[str, list[dict]], order: list[str]) -> dict
     rows = {m: _row(m, runs[m], reference) for m in MODES}
     return {
         "model": setup.model, "workers": 2, "kv_tokens_per_worker": setup.kv_tokens,
-        "mamba_slots_per_worker": setup.mamba_slots, "workload": runs[MODES[0]][0]["workload"],
+        "state_slots_per_worker": setup.state_slots, "workload": runs[MODES[0]][0]["workload"],
         "workload_config": {k: (list(v) if isinstance(v, tuple) else v)
                             for k, v in dataclasses.asdict(setup.workload).items()},
         "rounds": setup.rounds, "run_order": order, "machine": machine(),

@@ -126,8 +126,8 @@ def _load(setup: Setup, ckpt: Path, dtype: str):
 
     size = max(setup.batches)
     kv = max(size * (setup.prompt_len + setup.max_new_tokens), setup.prefill_len + 8)
-    ours = build_engine(str(ckpt), dtype, device="cpu", kv_tokens=kv, mamba_slots=size)
-    plain = build_engine(str(ckpt), dtype, device="cpu", kv_tokens=kv, mamba_slots=size,
+    ours = build_engine(str(ckpt), dtype, device="cpu", kv_tokens=kv, state_slots=size)
+    plain = build_engine(str(ckpt), dtype, device="cpu", kv_tokens=kv, state_slots=size,
                          invariant_tile=None)
     hf = BambaForCausalLM.from_pretrained(ckpt, dtype=DTYPES[dtype]).eval()
     return ours, hf, plain

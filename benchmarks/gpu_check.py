@@ -39,7 +39,7 @@ def _engine(model: str = "tiny", device: str = DEV, **kw):
     from actors.engine import build_engine
 
     return build_engine(model, device=device, record_logits=True,
-                        **{"kv_tokens": 4096, "mamba_slots": 32, **kw})
+                        **{"kv_tokens": 4096, "state_slots": 32, **kw})
 
 
 def _prompt(n: int, seed: int, vocab: int = 512) -> list[int]:
@@ -187,8 +187,8 @@ def check_speed() -> str:
         ckpt = save_preset_checkpoint("small", Path(tmp))
         from actors.engine import build_engine
 
-        ours = build_engine(str(ckpt), device=DEV, kv_tokens=32 * 100 + 2100, mamba_slots=32)
-        eager = build_engine(str(ckpt), device=DEV, kv_tokens=32 * 100 + 2100, mamba_slots=32,
+        ours = build_engine(str(ckpt), device=DEV, kv_tokens=32 * 100 + 2100, state_slots=32)
+        eager = build_engine(str(ckpt), device=DEV, kv_tokens=32 * 100 + 2100, state_slots=32,
                              fixed_shape_decode=False)
         hf = BambaForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval().to(DEV)
         for batch in (1, 8, 32):

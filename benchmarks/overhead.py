@@ -29,22 +29,22 @@ TARGET_RATIO = 0.9
 class Setup:
     model: str
     kv_tokens: int
-    mamba_slots: int
+    state_slots: int
     workload: WorkloadConfig
     repeats: int  # runs of each side, alternating
 
 
-FULL = Setup("small", kv_tokens=4096, mamba_slots=8, repeats=2,
+FULL = Setup("small", kv_tokens=4096, state_slots=8, repeats=2,
              workload=WorkloadConfig(requests=16, seed=5, prompt_len=(200, 600),
                                      max_new_tokens=(64, 128)))
-QUICK = Setup("tiny", kv_tokens=1024, mamba_slots=8, repeats=1,
+QUICK = Setup("tiny", kv_tokens=1024, state_slots=8, repeats=1,
               workload=WorkloadConfig(requests=8, seed=5, prompt_len=(50, 150),
                                       max_new_tokens=(16, 48)))
 
 
 def serve_config(setup: Setup) -> ServeConfig:
     return ServeConfig(model=setup.model, workers=1, device="cpu",
-                       pool=PoolConfig(kv_tokens=setup.kv_tokens, mamba_slots=setup.mamba_slots),
+                       pool=PoolConfig(kv_tokens=setup.kv_tokens, state_slots=setup.state_slots),
                        scheduler=SchedulerConfig(admission="reserve"))
 
 
@@ -54,7 +54,7 @@ def main(out_dir: Path = Path("bench-out"), quick: bool = False) -> dict:
     from actors.engine import build_engine
 
     engine = build_engine(setup.model, device="cpu", kv_tokens=setup.kv_tokens,
-                          mamba_slots=setup.mamba_slots)
+                          state_slots=setup.state_slots)
     specs = build_requests(setup.workload, engine.config.vocab_size)
     bare_runs, sched_runs = [], []
     with local_ray(num_cpus=1):
@@ -124,7 +124,7 @@ def _result(setup: Setup, specs: list[RequestSpec], bare_runs: list[dict], sched
     ratio = sched["tokens_per_s"] / bare["tokens_per_s"]
     strip = lambda r: {k: v for k, v in r.items() if k != "outputs"}  # noqa: E731
     return {
-        "model": setup.model, "kv_tokens": setup.kv_tokens, "mamba_slots": setup.mamba_slots,
+        "model": setup.model, "kv_tokens": setup.kv_tokens, "state_slots": setup.state_slots,
         "requests": len(specs), "prompt_tokens": sum(len(s.prompt_ids) for s in specs),
         "bare_threads": 1, "actor_threads": actor_threads, "machine": machine(),
         "rows": [{"side": "bare engine (Engine.generate)", **strip(bare)},

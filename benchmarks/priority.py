@@ -40,7 +40,7 @@ LOW, URGENT = 5, 0
 class Setup:
     model: str
     kv_tokens: int  # per worker
-    mamba_slots: int  # per worker: the low-priority requests fill them all
+    state_slots: int  # per worker: the low-priority requests fill them all
     low_prompt: tuple[int, int]
     low_new: tuple[int, int]
     urgent: int  # how many urgent requests
@@ -51,12 +51,12 @@ class Setup:
     vocab: int
 
 
-FULL = Setup("small", kv_tokens=8192, mamba_slots=4, low_prompt=(1500, 1900), low_new=(160, 224),
+FULL = Setup("small", kv_tokens=8192, state_slots=4, low_prompt=(1500, 1900), low_new=(160, 224),
              urgent=12, urgent_prompt=(32, 64), urgent_new=(16, 24), first_urgent_s=3.0,
              urgent_every_s=0.5, vocab=8192)  # every urgent one arrives while the low ones still run:
 #   the run's length is set by the work, not by the last arrival (with arrivals until t=20.5 s,
 #   every mode took 20.9 s and throughput could not tell them apart)
-QUICK = Setup("tiny", kv_tokens=1024, mamba_slots=2, low_prompt=(150, 200), low_new=(48, 64),
+QUICK = Setup("tiny", kv_tokens=1024, state_slots=2, low_prompt=(150, 200), low_new=(48, 64),
               urgent=3, urgent_prompt=(16, 24), urgent_new=(4, 8), first_urgent_s=0.3,
               urgent_every_s=0.2, vocab=512)
 
@@ -66,7 +66,7 @@ def workload(setup: Setup) -> list[RequestSpec]:
     def spec(rid: str, prompt: tuple[int, int], new: tuple[int, int], arrival: float, prio: int) -> RequestSpec:
         ids = tuple(rng.randrange(setup.vocab) for _ in range(rng.randint(*prompt)))
         return RequestSpec(rid, ids, SamplingParams(max_new_tokens=rng.randint(*new)), arrival, prio)
-    low = [spec(f"low-{i}", setup.low_prompt, setup.low_new, 0.0, LOW) for i in range(2 * setup.mamba_slots)]
+    low = [spec(f"low-{i}", setup.low_prompt, setup.low_new, 0.0, LOW) for i in range(2 * setup.state_slots)]
     urgent = [spec(f"urgent-{i}", setup.urgent_prompt, setup.urgent_new,
                    setup.first_urgent_s + i * setup.urgent_every_s, URGENT) for i in range(setup.urgent)]
     return low + urgent
@@ -75,7 +75,7 @@ def workload(setup: Setup) -> list[RequestSpec]:
 def serve_config(setup: Setup, mode: str) -> ServeConfig:
     sched = SchedulerConfig(retract="recompute" if mode == "recompute" else "snapshot", preemption=mode != "none")
     return ServeConfig(model=setup.model, workers=2, device="cpu",
-                       pool=PoolConfig(kv_tokens=setup.kv_tokens, mamba_slots=setup.mamba_slots), scheduler=sched)
+                       pool=PoolConfig(kv_tokens=setup.kv_tokens, state_slots=setup.state_slots), scheduler=sched)
 
 
 def main(out_dir: Path = Path("bench-out"), quick: bool = False) -> dict:
@@ -156,8 +156,8 @@ def _result(setup: Setup, runs: dict) -> dict:
 # ---------------------------------------------------------------------------- output
 def _print(result: dict) -> None:
     s = result["setup"]
-    print(f"priority: model {result['model']}, 2 workers x {s['mamba_slots']} slots, "
-          f"{2 * s['mamba_slots']} low-priority requests (prompts {s['low_prompt']}, {s['low_new']} new) at t=0, "
+    print(f"priority: model {result['model']}, 2 workers x {s['state_slots']} slots, "
+          f"{2 * s['state_slots']} low-priority requests (prompts {s['low_prompt']}, {s['low_new']} new) at t=0, "
           f"{s['urgent']} urgent ones (prompts {s['urgent_prompt']}) from t={s['first_urgent_s']} s "
           f"every {s['urgent_every_s']} s")
     cols = [Column("mode", "mode"), Column("tokens/s", "tokens_per_s", ".1f"), Column("time s", "duration_s", ".1f"),

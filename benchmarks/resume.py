@@ -41,7 +41,7 @@ def main(out_dir: Path = Path("bench-out"), quick: bool = False) -> dict:
     model, lengths = ("tiny", QUICK_LENGTHS) if quick else ("small", FULL_LENGTHS)
     rounds = 2 if quick else 3
     config = ServeConfig(model=model, workers=2, device="cpu",
-                         pool=PoolConfig(kv_tokens=max(lengths) + 64, mamba_slots=4))
+                         pool=PoolConfig(kv_tokens=max(lengths) + 64, state_slots=4))
     with two_node_cluster(cpus_per_node=1) as (head, other):
         a = _start_worker(config, 0, head)
         b = _start_worker(config, 1, other)

@@ -32,14 +32,14 @@ SCHEDULER_NAME = "bench-serve"
 class Setup:
     model: str
     kv_tokens: int
-    mamba_slots: int
+    state_slots: int
     workload: WorkloadConfig
     repeats: int
 
 
-FULL = Setup("small", kv_tokens=8192, mamba_slots=32, repeats=2,
+FULL = Setup("small", kv_tokens=8192, state_slots=32, repeats=2,
              workload=WorkloadConfig(requests=32, seed=9, prompt_len=(32, 128), max_new_tokens=(64, 128)))
-QUICK = Setup("tiny", kv_tokens=2048, mamba_slots=16, repeats=1,
+QUICK = Setup("tiny", kv_tokens=2048, state_slots=16, repeats=1,
               workload=WorkloadConfig(requests=16, seed=9, prompt_len=(8, 32), max_new_tokens=(16, 32)))
 
 
@@ -52,7 +52,7 @@ def main(out_dir: Path = Path("bench-out"), quick: bool = False) -> dict:
     load_start = load_average()
     setup = QUICK if quick else FULL
     config = ServeConfig(model=setup.model, workers=1, device="cpu",
-                         pool=PoolConfig(kv_tokens=setup.kv_tokens, mamba_slots=setup.mamba_slots))
+                         pool=PoolConfig(kv_tokens=setup.kv_tokens, state_slots=setup.state_slots))
     server = start_server(config, port=_free_port(), name=SCHEDULER_NAME, num_cpus=2)
     try:
         client = raysched.connect(name=SCHEDULER_NAME)

@@ -42,20 +42,20 @@ class Setup:
     user_tokens: tuple[int, int]  # new user tokens per later turn
     output_tokens: tuple[int, int]  # max_new_tokens per turn (greedy, no stop token)
     kv_tokens: int  # per worker
-    mamba_slots: int
+    state_slots: int
     min_tokens: int  # turn cache: smallest state parked
     vocab: int
 
 
 FULL = Setup("small", conversations=8, turns=6, first_prompt=(1800, 2600), user_tokens=(64, 256),
-             output_tokens=(64, 128), kv_tokens=16384, mamba_slots=8, min_tokens=64, vocab=8192)
+             output_tokens=(64, 128), kv_tokens=16384, state_slots=8, min_tokens=64, vocab=8192)
 QUICK = Setup("tiny", conversations=4, turns=3, first_prompt=(100, 150), user_tokens=(16, 32),
-              output_tokens=(8, 16), kv_tokens=2048, mamba_slots=4, min_tokens=16, vocab=512)
+              output_tokens=(8, 16), kv_tokens=2048, state_slots=4, min_tokens=16, vocab=512)
 
 
 def serve_config(setup: Setup, mode: str) -> ServeConfig:
     return ServeConfig(model=setup.model, workers=2, device="cpu",
-                       pool=PoolConfig(kv_tokens=setup.kv_tokens, mamba_slots=setup.mamba_slots),
+                       pool=PoolConfig(kv_tokens=setup.kv_tokens, state_slots=setup.state_slots),
                        state_cache=StateCacheConfig(enabled=mode == "cache_on", min_tokens=setup.min_tokens))
 
 

@@ -119,7 +119,7 @@ def main(out_dir: Path = Path("bench-out"), quick: bool = False) -> dict:
     bw_tokens = BANDWIDTH_TOKENS[:3] if quick else BANDWIDTH_TOKENS
     resume_tokens = (256, 1024) if quick else RESUME_TOKENS
     model = "tiny" if quick else "small"
-    engine = build_engine(model, kv_tokens=2 * max(bw_tokens + resume_tokens) + 64, mamba_slots=4)
+    engine = build_engine(model, kv_tokens=2 * max(bw_tokens + resume_tokens) + 64, state_slots=4)
     rows = [bandwidth_row(engine, n, 3 if quick else 5) for n in bw_tokens]
     resumes = [resume_row(engine, n) for n in resume_tokens]
     result = {"model": model, "threads": torch.get_num_threads(), "bandwidth": rows, "resume": resumes}

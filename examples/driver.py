@@ -26,7 +26,7 @@ def main() -> None:
     try:
         for w in client.workers:
             print(f"worker {w['worker']}: node {w['node'][:12]}  device {w['device']}  "
-                  f"kv_tokens {w['kv_tokens']}  mamba_slots {w['mamba_slots']}")
+                  f"kv_tokens {w['kv_tokens']}  state_slots {w['state_slots']}")
         greedy = SamplingParams(max_new_tokens=24)
         handles = [client.submit(p, greedy) for p in PROMPTS[:3]]
         streamed = client.submit(PROMPTS[3], SamplingParams(max_new_tokens=16, temperature=0.8, top_p=0.9, seed=7))

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-BENCHES = ("snapshot", "resume", "e2e", "overhead", "engine", "sessions", "priority", "serve")
+BENCHES = ("snapshot", "resume", "e2e", "overhead", "engine", "sessions", "priority", "serve", "scale")
 
 
 def _ids(text: str) -> list[int]:
@@ -162,7 +162,7 @@ def format_status(workers: list[dict], stats: dict) -> None:
         v = views.get(w["worker"], {})
         print(f"worker {w['worker']}: node {w['node'][:12]} device {w['device']}  "
               f"kv free {v.get('free_tokens')}/{w['kv_tokens']}  "
-              f"mamba free {v.get('free_slots')}/{w['mamba_slots']}  running {v.get('running')}")
+              f"state slots free {v.get('free_slots')}/{w['state_slots']}  running {v.get('running')}")
     t = stats["tables"]
     print(f"queues: waiting {t['waiting']}  running {t['running']}  retracted {t['retracted']}  "
           f"snapshots held {t['snapshots_held']}")
@@ -200,7 +200,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     need = sum(len(p) + sampling.max_new_tokens for p in prompt_ids)
     engine = build_engine(args.model, args.dtype, args.device, kv_tokens=args.kv_tokens or need,
-                          mamba_slots=len(prompt_ids))
+                          state_slots=len(prompt_ids))
     for prompt in prompt_ids:
         validate_prompt(prompt, engine.config.vocab_size)
     sampling.validate(engine.config.vocab_size)
@@ -306,7 +306,7 @@ def _raise_on_signals() -> None:
 def _print_workers(workers: list[dict]) -> None:
     for w in workers:
         print(f"worker {w['worker']}: node {w['node'][:12]} device {w['device']} "
-              f"kv_tokens {w['kv_tokens']} mamba_slots {w['mamba_slots']}")
+              f"kv_tokens {w['kv_tokens']} state_slots {w['state_slots']}")
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import logging
 import math
 import os
 from collections.abc import Callable, Collection, Hashable, Mapping
@@ -27,6 +28,7 @@ RETRACT_MODES = ("snapshot", "recompute", "auto")
 ADMISSION_MODES = ("overcommit", "reserve")
 VICTIM_ORDERS = ("fewest_generated", "most_generated", "newest", "oldest", "largest_memory")
 DTYPES = ("float32", "bfloat16")
+DATA_PLANES = ("torch", "sim")
 DEVICES = ("auto", "cuda", "cpu")
 FAULT_KINDS = ("kill_worker", "remove_node", "corrupt_snapshot", "kill_in_step", "kill_in_retract",
                "kill_in_restore", "kill_scheduler")
@@ -234,33 +236,51 @@ def read_config_source(path_or_dict: PathOrDict, source: str) -> Any:
 
 _SOURCE = "serve config"
 _ROOT = KeyPath(_SOURCE)
-_COUNT_FIELDS = frozenset({"kv_tokens", "mamba_slots"})
+_COUNT_FIELDS = frozenset({"kv_tokens", "state_slots"})
+log = logging.getLogger("raysched.config")
+
+
+def rename_deprecated(raw: Any, key: KeyPath, renamed: Mapping[str, str]) -> Any:
+    """A mapping with old key names replaced by their new ones, each with a one-line notice; both
+    names at once is an error. (Keys users already write keep working.)"""
+    if not isinstance(raw, Mapping) or not any(old in raw for old in renamed):
+        return raw
+    out = dict(raw)
+    for old, new in renamed.items():
+        if old not in out:
+            continue
+        if new in out:
+            raise key.child(old).error(f"is the old name of {key.child(new)}; give only one of them")
+        log.warning("serve config: %s is deprecated; call it %s", key.child(old), key.child(new))
+        out[new] = out.pop(old)
+    return out
 
 
 @dataclass(frozen=True)
 class PoolConfig:
     """Per-worker capacity of the two state pools.
 
-    Capacity is given either as counts (`kv_tokens`, `mamba_slots`) or as a byte budget
+    Capacity is given either as counts (`kv_tokens`, `state_slots`) or as a byte budget
     (`memory_bytes`). With a budget, `resolve` turns bytes into counts once the model's sizes
     are known; a count the user gave explicitly (listed in `explicit`, filled by the loader)
     wins over the budget, and the budget fills in the other:
 
     - both counts given: the budget is not used;
-    - only kv_tokens given: the Mamba pool takes what the budget has left;
-    - otherwise: mamba_slots (given, or its default 8) are reserved first and the KV pool
+    - only kv_tokens given: the state pool takes what the budget has left;
+    - otherwise: state_slots (given, or its default 8) are reserved first and the KV pool
       takes the rest, rounded down to whole pages.
     """
 
     kv_tokens: int = 512  # attention KV capacity per worker, in tokens (a multiple of page_size)
-    mamba_slots: int = 8  # Mamba state slots per worker = most requests running at once
+    state_slots: int = 8  # recurrent-state slots per worker (Mamba, GDN) = most requests running at
+    #   once; `mamba_slots` is its deprecated name
     page_size: int = 1  # tokens per KV page
     memory_bytes: int | None = None  # byte budget for both pools per worker, see `resolve`
     explicit: frozenset[str] = frozenset()  # with memory_bytes: counts the user set (they win)
 
     CHECKS: ClassVar[dict[str, Check]] = {
         "kv_tokens": check_positive_int,
-        "mamba_slots": check_positive_int,
+        "state_slots": check_positive_int,
         "page_size": check_positive_int,
         "memory_bytes": check_optional(check_positive_int),
     }
@@ -275,48 +295,50 @@ class PoolConfig:
             raise key.child("explicit").error(
                 f"must be a frozenset of {sorted(_COUNT_FIELDS)}, got {self.explicit!r}")
 
+    RENAMED: ClassVar[dict[str, str]] = {"mamba_slots": "state_slots"}
+
     @classmethod
     def from_dict(cls, raw: Any, key: KeyPath = _ROOT.child("pool")) -> PoolConfig:
-        values = parse_fields(cls, raw, key)
+        values = parse_fields(cls, rename_deprecated(raw, key, cls.RENAMED), key)
         if values.get("memory_bytes") is not None:
             values["explicit"] = frozenset(values) & _COUNT_FIELDS
         return cls(**values)
 
     def to_dict(self) -> dict[str, Any]:
         """The YAML form; with a budget, only the counts given explicitly are written."""
-        out: dict[str, Any] = {"kv_tokens": self.kv_tokens, "mamba_slots": self.mamba_slots,
+        out: dict[str, Any] = {"kv_tokens": self.kv_tokens, "state_slots": self.state_slots,
                                "page_size": self.page_size, "memory_bytes": self.memory_bytes}
         if self.memory_bytes is not None:
             for name in _COUNT_FIELDS - self.explicit:
                 del out[name]
         return out
 
-    def resolve(self, kv_bytes_per_token: int, mamba_bytes_per_slot: int) -> PoolConfig:
+    def resolve(self, kv_bytes_per_token: int, state_bytes_per_slot: int) -> PoolConfig:
         """Counts for a byte budget; returns self when there is no budget or nothing to derive.
 
         >>> pool = PoolConfig.from_dict({"memory_bytes": 10_000})
-        >>> sized = pool.resolve(kv_bytes_per_token=10, mamba_bytes_per_slot=360)
-        >>> sized.kv_tokens, sized.mamba_slots  # 8 slots * 360 B + 712 tokens * 10 B <= 10_000 B
+        >>> sized = pool.resolve(kv_bytes_per_token=10, state_bytes_per_slot=360)
+        >>> sized.kv_tokens, sized.state_slots  # 8 slots * 360 B + 712 tokens * 10 B <= 10_000 B
         (712, 8)
         """
         check_positive_int(kv_bytes_per_token, KeyPath("resolve", ("kv_bytes_per_token",)))
-        check_positive_int(mamba_bytes_per_slot, KeyPath("resolve", ("mamba_bytes_per_slot",)))
+        check_positive_int(state_bytes_per_slot, KeyPath("resolve", ("state_bytes_per_slot",)))
         if self.memory_bytes is None or self.explicit == _COUNT_FIELDS:
             return self
-        slots, tokens = self._fill_budget(self.memory_bytes, kv_bytes_per_token, mamba_bytes_per_slot)
+        slots, tokens = self._fill_budget(self.memory_bytes, kv_bytes_per_token, state_bytes_per_slot)
         tokens -= tokens % self.page_size
         if slots < 1 or tokens < self.page_size:
             raise _ROOT.child("pool").child("memory_bytes").error(
-                f"= {self.memory_bytes} B cannot hold {max(slots, 1)} Mamba slot(s) of"
-                f" {mamba_bytes_per_slot} B plus {max(tokens, self.page_size)} KV token(s) of"
+                f"= {self.memory_bytes} B cannot hold {max(slots, 1)} state slot(s) of"
+                f" {state_bytes_per_slot} B plus {max(tokens, self.page_size)} KV token(s) of"
                 f" {kv_bytes_per_token} B")
-        return dataclasses.replace(self, kv_tokens=tokens, mamba_slots=slots, explicit=_COUNT_FIELDS)
+        return dataclasses.replace(self, kv_tokens=tokens, state_slots=slots, explicit=_COUNT_FIELDS)
 
-    def _fill_budget(self, budget: int, kv_bytes_per_token: int, mamba_bytes_per_slot: int) -> tuple[int, int]:
-        """(mamba_slots, kv_tokens) filling `budget`; explicit counts are kept as they are."""
+    def _fill_budget(self, budget: int, kv_bytes_per_token: int, state_bytes_per_slot: int) -> tuple[int, int]:
+        """(state_slots, kv_tokens) filling `budget`; explicit counts are kept as they are."""
         if self.explicit == {"kv_tokens"}:
-            return (budget - self.kv_tokens * kv_bytes_per_token) // mamba_bytes_per_slot, self.kv_tokens
-        return self.mamba_slots, (budget - self.mamba_slots * mamba_bytes_per_slot) // kv_bytes_per_token
+            return (budget - self.kv_tokens * kv_bytes_per_token) // state_bytes_per_slot, self.kv_tokens
+        return self.state_slots, (budget - self.state_slots * state_bytes_per_slot) // kv_bytes_per_token
 
 
 @dataclass(frozen=True)
@@ -328,10 +350,12 @@ class SchedulerConfig:
     #   overflow | reserve: no-overcommit baseline, every request keeps room for its whole budget
     victim_order: str = "fewest_generated"  # which running request is retracted first
     decode_steps_per_call: int = 4  # decode steps a worker runs per scheduler call
-    force_retract_every: int = 0  # 0 = off; else retract one request per worker every k steps
+    force_retract_every: int = 0  # testing: 0 = off; else retract one request per worker at the
+    #   first decision at or after every k-th call (pipelining stays on)
     max_retractions: int = 8  # a request retracted this many times is never retracted again
-    debug_drop_mamba_state: bool = False  # deliberately broken: zero Mamba state on resume
-    max_batch_size: int | None = None  # most requests per decode step; None = mamba_slots
+    debug_drop_state: bool = False  # testing, deliberately broken: zero the recurrent state on
+    #   resume (the negative control; `debug_drop_mamba_state` is its deprecated name)
+    max_batch_size: int | None = None  # most requests per decode step; None = state_slots
     snapshot_budget_bytes: int | None = None  # bytes of waiting snapshots the scheduler keeps in
     #   the object store; past it, victims are retracted by recompute. None = half the store
     replace_failed_workers: bool = True  # start a new worker when one dies (if resources allow)
@@ -349,7 +373,7 @@ class SchedulerConfig:
         "decode_steps_per_call": check_positive_int,
         "force_retract_every": check_non_negative_int,
         "max_retractions": check_non_negative_int,
-        "debug_drop_mamba_state": check_bool,
+        "debug_drop_state": check_bool,
         "max_batch_size": check_optional(check_positive_int),
         "snapshot_budget_bytes": check_optional(check_non_negative_int),
         "replace_failed_workers": check_bool,
@@ -361,9 +385,11 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         check_fields(self, _ROOT.child("scheduler"))
 
+    RENAMED: ClassVar[dict[str, str]] = {"debug_drop_mamba_state": "debug_drop_state"}
+
     @classmethod
     def from_dict(cls, raw: Any, key: KeyPath = _ROOT.child("scheduler")) -> SchedulerConfig:
-        return cls(**parse_fields(cls, raw, key))
+        return cls(**parse_fields(cls, rename_deprecated(raw, key, cls.RENAMED), key))
 
     def to_dict(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in self.CHECKS}
@@ -397,6 +423,56 @@ class StateCacheConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in self.CHECKS}
+
+
+def check_non_negative_number(value: Any, key: KeyPath) -> float:
+    if not _is_number(value) or not math.isfinite(value) or value < 0:
+        raise key.error(f"must be a finite number >= 0, got {_describe(value)}")
+    return float(value)
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """The simulated data plane (`data_plane: sim`, see `actors.sim`): workers that keep the pool
+    accounting and the worker interface but run no model. A step call sleeps
+
+        prefill_ms_per_token * prompt tokens fed + decode_steps * (decode_ms + decode_ms_per_row * rows)
+
+    and emits pseudo-tokens, a function of (seed, request id, position)."""
+
+    decode_ms: float = 10.0  # one decode step, fixed part
+    decode_ms_per_row: float = 0.0  # one decode step, per running request
+    prefill_ms_per_token: float = 0.0
+    kv_bytes_per_token: int = 4096  # nominal sizes: pools from pool.memory_bytes, snapshot bytes
+    state_bytes: int = 1 << 20  # recurrent state per request
+    workers_per_process: int = 16  # simulated workers sharing one actor process
+    vocab_size: int = 32000
+    max_context: int = 32768
+
+    CHECKS: ClassVar[dict[str, Check]] = {
+        "decode_ms": check_non_negative_number,
+        "decode_ms_per_row": check_non_negative_number,
+        "prefill_ms_per_token": check_non_negative_number,
+        "kv_bytes_per_token": check_positive_int,
+        "state_bytes": check_positive_int,
+        "workers_per_process": check_positive_int,
+        "vocab_size": check_positive_int,
+        "max_context": check_positive_int,
+    }
+
+    def __post_init__(self) -> None:
+        check_fields(self, _ROOT.child("sim"))
+
+    @classmethod
+    def from_dict(cls, raw: Any, key: KeyPath = _ROOT.child("sim")) -> SimConfig:
+        return cls(**parse_fields(cls, raw, key))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in self.CHECKS}
+
+    def step_ms(self, prefill_tokens: int, decode_steps: int, rows: int) -> float:
+        """The modeled time of one step call."""
+        return self.prefill_ms_per_token * prefill_tokens + decode_steps * (self.decode_ms + self.decode_ms_per_row * rows)
 
 
 @dataclass(frozen=True)
@@ -501,7 +577,7 @@ class ServeConfig:
     """Everything a serving run needs besides the workload.
 
     >>> cfg = load_serve_config({"workers": 3, "pool": {"kv_tokens": 256}})
-    >>> cfg.workers, cfg.pool.kv_tokens, cfg.pool.mamba_slots, cfg.scheduler.retract
+    >>> cfg.workers, cfg.pool.kv_tokens, cfg.pool.state_slots, cfg.scheduler.retract
     (3, 256, 8, 'snapshot')
     """
 
@@ -517,6 +593,8 @@ class ServeConfig:
     object_store_memory: int | None = None  # bytes, for the embedded Ray cluster
     invariant_tile: int = 16  # rows per matrix-kernel call in batch-invariant decode
     fixed_shape_decode: bool | None = None  # decode at bucket shapes, CUDA graphs (null: on CUDA)
+    data_plane: str = "torch"  # torch: the model | sim: simulated workers (`sim`, `actors.sim`)
+    sim: SimConfig = SimConfig()
 
     CHECKS: ClassVar[dict[str, Check]] = {
         "model": check_nonempty_str,
@@ -531,12 +609,15 @@ class ServeConfig:
         "object_store_memory": check_optional(check_positive_int),
         "invariant_tile": check_positive_int,
         "fixed_shape_decode": check_optional(check_bool),
+        "data_plane": check_one_of(DATA_PLANES),
+        "sim": _check_instance(SimConfig),
     }
     PARSERS: ClassVar[dict[str, Check]] = {
         "pool": PoolConfig.from_dict,
         "scheduler": SchedulerConfig.from_dict,
         "state_cache": StateCacheConfig.from_dict,
         "faults": _parse_faults,
+        "sim": SimConfig.from_dict,
     }
 
     def __post_init__(self) -> None:
@@ -545,6 +626,8 @@ class ServeConfig:
             if fault.worker is not None and fault.worker >= self.workers:
                 raise _ROOT.child("faults").item(i).child("worker").error(
                     f"must be < workers ({self.workers}), got {fault.worker}")
+        if self.data_plane != "sim" and self.sim != SimConfig():
+            raise _ROOT.child("sim").error(f"applies only to data_plane: sim, not {self.data_plane}")
 
     @classmethod
     def from_dict(cls, raw: Any) -> ServeConfig:
@@ -560,6 +643,7 @@ class ServeConfig:
         out["scheduler"] = self.scheduler.to_dict()
         out["state_cache"] = self.state_cache.to_dict()
         out["faults"] = [fault.to_dict() for fault in self.faults]
+        out["sim"] = self.sim.to_dict()
         return out
 
 

@@ -8,6 +8,7 @@ the same node) and a lost one fails only its own resume.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 SNAPSHOT_LOST = "snapshot lost"  # prefix of a `StepResult.resume_failed` reason: recompute, no blame
@@ -53,27 +54,29 @@ class StepPlan:
 @dataclass(frozen=True)
 class FaultPoint:
     """Fault injection (the `faults:` config): where the worker process dies inside the call that
-    carries it, as if it crashed there (`os._exit`, no clean-up, no reply).
+    carries it, as if it crashed there (`os._exit`, no clean-up, no reply), or what it breaks.
+    Only the worker class `actors.faults.with_faults` derives acts on it.
 
     kill_in_step: after `after_decode_steps` decode steps of the step call (or after all of
     them, if the call runs fewer); kill_in_restore: in the step call, right after restoring its
     first snapshot into the pools; kill_in_retract: in the retract call, after the gather (the
-    slots are freed, the snapshot built), before the snapshot is returned.
+    slots are freed, the snapshot built), before the snapshot is returned; corrupt_snapshot (a
+    retract call): one payload byte of the snapshot is flipped after its checksum was taken.
     """
 
-    kind: str  # kill_in_step | kill_in_restore | kill_in_retract
+    kind: str  # kill_in_step | kill_in_restore | kill_in_retract | corrupt_snapshot
     after_decode_steps: int = 0
 
 
 @dataclass(frozen=True)
 class Usage:
-    """A worker's pool: free/total KV tokens and Mamba slots; what the scheduler plans with
+    """A worker's pool: free/total KV tokens and recurrent-state slots; what the scheduler plans with
     (`actors.pools.HybridPool.usage` fills it)."""
 
     kv_free_tokens: int
     kv_total_tokens: int
-    mamba_free_slots: int
-    mamba_total_slots: int
+    state_free_slots: int
+    state_total_slots: int
     page_size: int
 
 
@@ -93,6 +96,19 @@ class StepResult:
     parked: list[tuple[str, str, int, int]] = field(default_factory=list)  # (id, kind, tokens
     #   covered, bytes) of states copied this call, waiting for `Worker.take_parked`
 
+    def record_restore(self, request_id: str, restore: Callable[[], bool], refused: type[Exception],
+                       lost: type[Exception]) -> bool | None:
+        """Run one snapshot `restore`: its answer (True, or False: no room), or None when it raised
+        `refused` (the snapshot is refused) or `lost` (unreadable), with the reason recorded in
+        `resume_failed` (a lost one with the SNAPSHOT_LOST prefix: recompute, no blame)."""
+        try:
+            return restore()
+        except refused as err:
+            self.resume_failed[request_id] = str(err)
+        except lost as err:
+            self.resume_failed[request_id] = f"{SNAPSHOT_LOST}: {err}"
+        return None
+
 
 @dataclass(frozen=True)
 class WorkerInfo:
@@ -104,6 +120,6 @@ class WorkerInfo:
     max_context: int
     usage: Usage
     kv_bytes_per_token: int
-    mamba_bytes_per_slot: int
+    state_bytes_per_slot: int
     copy_bytes_per_s: float = 0.0  # measured at start-up (for the auto retract mode)
     prefill_tokens_per_s: float = 0.0

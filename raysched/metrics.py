@@ -40,7 +40,7 @@ class ServeMetrics:
     CONTENT_TYPE = CONTENT_TYPE_LATEST
 
     def __init__(self, workers: list[dict]) -> None:
-        self.totals = {w["worker"]: (w["kv_tokens"], w["mamba_slots"]) for w in workers}
+        self.totals = {w["worker"]: (w["kv_tokens"], w["state_slots"]) for w in workers}
         self.registry = CollectorRegistry()
         self.ttft = Histogram("raysched_ttft_seconds", "time to first token", buckets=LATENCY_BUCKETS,
                               registry=self.registry)

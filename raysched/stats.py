@@ -4,10 +4,19 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from raysched.messages import StepResult
 from raysched.request import Request, State
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """Nearest-rank percentile `q` (0-100) of `values`; None when there are none."""
+    if not values:
+        return None
+    xs = sorted(values)
+    return xs[min(len(xs) - 1, max(0, round(q / 100 * (len(xs) - 1))))]
 
 
 @dataclass
@@ -49,6 +58,8 @@ class Counters:
     busy_s: float = 0.0
     started_s: float = field(default_factory=time.monotonic)
     timeline: deque = field(default_factory=lambda: deque(maxlen=20000))
+    decision_s: deque = field(default_factory=lambda: deque(maxlen=20000))  # per worker call: decide +
+    #   send (the scheduler's time from a worker's wake-up to its call leaving), most recent first out
 
     def on_retract(self, recompute: bool) -> None:
         self.retractions += 1
@@ -94,11 +105,13 @@ class Counters:
         u = result.usage
         self.timeline.append((round(now - self.started_s, 4), worker,
                               1.0 - u.kv_free_tokens / u.kv_total_tokens,
-                              u.mamba_total_slots - u.mamba_free_slots,
+                              u.state_total_slots - u.state_free_slots,
                               sum(len(t) for t in result.new_tokens.values())))
 
     def summary(self, tables: dict, views: list) -> dict:
-        d = {k: v for k, v in self.__dict__.items() if k not in ("timeline", "started_s")}
+        d = {k: v for k, v in self.__dict__.items() if k not in ("timeline", "started_s", "decision_s")}
+        d["decision_p50_s"] = percentile(self.decision_s, 50)
+        d["decision_p99_s"] = percentile(self.decision_s, 99)
         d["uptime_s"] = time.monotonic() - self.started_s
         d["tables"] = tables
         d["workers"] = [{"worker": v.index, "free_tokens": v.free_tokens, "free_slots": v.free_slots,

@@ -2,17 +2,26 @@
 
 The scheduler never imports the data plane: the actor class it starts is `Worker` below, a
 torch-free shell whose constructor imports `actors.worker` *inside the worker's process* and whose
-methods hand each call to the real `actors.worker.Worker`. Ray pickles this class by reference
+methods hand each call to the real `actors.worker.Worker` (or, when the config has faults, to
+the class `actors.faults.with_faults` derives from it: fault code stays out of the production
+worker). Ray pickles this class by reference
 (`raysched.workers.Worker`), so the scheduler's process loads neither torch nor model code, and
 the actor keeps the class name `Worker` in Ray's actor table.
 
     handle = spawn_worker(config, index=0)
     info = await handle.info.remote()
+    kill_worker(handle)
+
+With `data_plane: sim` the workers are simulated (`actors.sim`), many to a process: a `SimHost`
+actor per `sim.workers_per_process` workers, and for each worker a `SimWorkerHandle` that offers
+the worker actor's methods (`handle.step.remote(...)`, `.options(num_returns=2)`), so the
+scheduler cannot tell the two apart.
 """
 
 from __future__ import annotations
 
 import importlib
+import itertools
 from typing import Any
 
 import ray
@@ -29,8 +38,7 @@ class Worker:
     have the same public methods."""
 
     def __init__(self, config: ServeConfig, index: int) -> None:
-        impl = importlib.import_module(DATA_PLANE_WORKER).Worker  # in the worker's process only
-        self._impl = impl(config, index)
+        self._impl = data_plane_class(config)(config, index)  # imported in the worker's process only
 
     def info(self) -> WorkerInfo:
         return self._impl.info()
@@ -47,15 +55,21 @@ class Worker:
     def retract(self, request_id: str) -> Any:
         return self._impl.retract(request_id)
 
-    def retract_pending(self, request_id: str, corrupt: bool = False,
-                        fault: FaultPoint | None = None) -> tuple[Any, int]:
-        return self._impl.retract_pending(request_id, corrupt, fault)
+    def retract_pending(self, request_id: str, fault: FaultPoint | None = None) -> tuple[Any, int]:
+        return self._impl.retract_pending(request_id, fault)
 
     def step(self, plan: StepPlan, *snapshots: Any) -> StepResult:
         return self._impl.step(plan, *snapshots)
 
     def take_parked(self, keys: list[tuple[str, str]]) -> Any:
         return self._impl.take_parked(keys)
+
+
+def data_plane_class(config: ServeConfig) -> type:
+    """The data-plane worker class for `config` (imports the data plane: call it in a worker)."""
+    cls = importlib.import_module(DATA_PLANE_WORKER).Worker
+    faults = importlib.import_module("actors.faults")
+    return faults.with_faults(cls) if faults.needs_faults(config) else cls
 
 
 def worker_options(config: ServeConfig) -> dict:
@@ -68,4 +82,87 @@ def worker_options(config: ServeConfig) -> dict:
 
 def spawn_worker(config: ServeConfig, index: int) -> Any:
     """Start worker `index`; returns its actor handle (the caller owns the actor)."""
+    if config.data_plane == "sim":
+        return spawn_sim_worker(config, index)
     return ray.remote(Worker).options(**worker_options(config)).remote(config, index)
+
+
+def kill_worker(handle: Any) -> None:
+    """End a worker for good: its actor, or a simulated worker alone (its host stays)."""
+    if isinstance(handle, SimWorkerHandle):
+        handle.host.kill.remote(handle.index)
+    else:
+        ray.kill(handle, no_restart=True)
+
+
+def release_workers(handles: list[Any]) -> None:
+    """End every worker actor process behind `handles` (simulated workers' hosts included)."""
+    hosts = {id(h.host): h.host for h in handles if isinstance(h, SimWorkerHandle)}
+    for handle in [h for h in handles if not isinstance(h, SimWorkerHandle)] + list(hosts.values()):
+        ray.kill(handle, no_restart=True)
+
+
+# ---------------------------------------------------------------------------- simulated workers
+
+
+class SimHost:
+    """The host actor of simulated workers as the scheduler knows it: a torch-free shell over
+    `actors.sim.SimHost` (imported in the host's process only)."""
+
+    def __init__(self, config: ServeConfig) -> None:
+        impl = importlib.import_module("actors.sim").SimHost
+        self._impl = impl(config, ray.get_runtime_context().get_node_id())
+
+    async def add(self, index: int) -> None:
+        await self._impl.add(index)
+
+    async def call(self, index: int, seq: int, method: str, *args: Any) -> Any:
+        return await self._impl.call(index, seq, method, *args)
+
+    def kill(self, index: int) -> None:
+        self._impl.kill(index)
+
+
+class _SimMethod:
+    """`handle.<method>` of a simulated worker: `.remote(*args)`, `.options(num_returns=n)`."""
+
+    def __init__(self, handle: SimWorkerHandle, name: str, num_returns: int = 1) -> None:
+        self.handle, self.name, self.num_returns = handle, name, num_returns
+
+    def options(self, num_returns: int = 1) -> _SimMethod:
+        return _SimMethod(self.handle, self.name, num_returns)
+
+    def remote(self, *args: Any) -> Any:
+        h = self.handle
+        call = h.host.call.options(num_returns=self.num_returns) if self.num_returns != 1 else h.host.call
+        return call.remote(h.index, next(h.calls), self.name, *args)
+
+
+class SimWorkerHandle:
+    """A simulated worker: host actor + index; its methods are those of the worker actor."""
+
+    METHODS = ("info", "usage", "running_ids", "is_idle", "retract", "retract_pending", "step", "take_parked")
+
+    def __init__(self, host: Any, index: int) -> None:
+        self.host, self.index = host, index
+        self.calls = itertools.count()  # each call's place in this worker's order
+
+    def __getattr__(self, name: str) -> _SimMethod:
+        if name not in SimWorkerHandle.METHODS:
+            raise AttributeError(name)
+        return _SimMethod(self, name)
+
+
+_sim_hosts: dict[tuple[int, int], Any] = {}  # (id of the config, host number) -> host actor
+
+
+def spawn_sim_worker(config: ServeConfig, index: int) -> SimWorkerHandle:
+    """Simulated worker `index` on host `index // sim.workers_per_process` (started on first use)."""
+    key = (id(config), index // config.sim.workers_per_process)
+    host = _sim_hosts.get(key)
+    if host is None:
+        opts = {"num_cpus": 0, "max_restarts": 0, "max_task_retries": 0, "max_concurrency": 100_000,
+                "enable_task_events": False}
+        host = _sim_hosts[key] = ray.remote(SimHost).options(**opts).remote(config)
+    host.add.remote(index)
+    return SimWorkerHandle(host, index)

@@ -45,7 +45,7 @@ def reference_tokens(model: str, prompts: list[list[int]], sampling_list: list[S
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        engine = build_engine(model, dtype, "cpu", kv_tokens=kv_tokens, mamba_slots=len(prompts), seed=seed)
+        engine = build_engine(model, dtype, "cpu", kv_tokens=kv_tokens, state_slots=len(prompts), seed=seed)
         return engine.generate([list(p) for p in prompts], list(sampling_list))
     finally:
         torch.set_num_threads(threads)

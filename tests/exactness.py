@@ -49,7 +49,7 @@ def _reference(model: str, seed: int, prompts: tuple[tuple[int, ...], ...],
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as in Ray's workers (OMP_NUM_THREADS=1); 2 threads on 2 busy cores crawl
     try:
-        engine = build_engine(model, "float32", "cpu", kv_tokens=kv_tokens, mamba_slots=len(prompts), seed=seed)
+        engine = build_engine(model, "float32", "cpu", kv_tokens=kv_tokens, state_slots=len(prompts), seed=seed)
         return tuple(tuple(out) for out in engine.generate([list(p) for p in prompts], list(sampling)))
     finally:
         torch.set_num_threads(threads)
@@ -95,17 +95,13 @@ def scheduler_log(client) -> str:
 def bare_scheduler() -> tuple[Any, Any]:
     """A `Scheduler` object in this process (no Ray, no worker loops, no replacements) with two
     fake 256-token workers; returns (scheduler, worker slot 0). For white-box tests of its
-    bookkeeping: submit, plan, then feed `_on_result` the results or failures to check."""
+    bookkeeping: submit, decide, then feed `dispatch.apply` the results or failures to check."""
     from raysched.config import SchedulerConfig, ServeConfig
     from raysched.messages import Usage, WorkerInfo
-    from raysched.planner import WorkerView
-    from raysched.scheduler import Scheduler, WorkerSlot
-
-    def slot(index: int) -> WorkerSlot:
-        usage = Usage(256, 256, 4, 4, 1)
-        info = WorkerInfo(index, f"node-{index}", "cpu", "model", TINY_VOCAB, 8192, usage, 256, 31_488)
-        return WorkerSlot(index, None, info, WorkerView(index, 256, 4, 256, 4, 1))
+    from raysched.scheduler import Scheduler
 
     sched = Scheduler(ServeConfig(scheduler=SchedulerConfig(replace_failed_workers=False)))
-    sched.workers = [slot(0), slot(1)]
+    for index in range(2):
+        usage = Usage(256, 256, 4, 4, 1)
+        sched.fleet.add(None, WorkerInfo(index, f"node-{index}", "cpu", "model", TINY_VOCAB, 8192, usage, 256, 31_488))
     return sched, sched.workers[0]

@@ -94,7 +94,7 @@ SAMPLED = SamplingParams(max_new_tokens=16, temperature=0.8, top_p=0.9, seed=77)
 
 
 def _engine(preset: str) -> Engine:
-    return build_engine(preset, device="cpu", record_logits=True, kv_tokens=512, mamba_slots=6)
+    return build_engine(preset, device="cpu", record_logits=True, kv_tokens=512, state_slots=6)
 
 
 def _seqs(params: SamplingParams) -> list[Sequence]:
@@ -286,7 +286,7 @@ def test_cluster_run_with_migrations(multinode_cluster, checkpoints, arch):
     model = str(checkpoints[arch])
     want = reference_tokens(model, prompts, params)
     client = raysched.launch({"model": model, "workers": 2,
-                              "pool": {"kv_tokens": 100, "mamba_slots": 3},
+                              "pool": {"kv_tokens": 100, "state_slots": 3},
                               "scheduler": {"force_retract_every": 2}})
     try:
         moved = 0

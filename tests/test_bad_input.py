@@ -38,7 +38,7 @@ def client() -> Iterator[raysched.Client]:
     ray.init(address="local", num_cpus=3, object_store_memory=80 << 20, include_dashboard=False,
              logging_level="WARNING")
     try:
-        c = raysched.launch({"workers": 1, "pool": {"kv_tokens": POOL_TOKENS, "mamba_slots": 4}})
+        c = raysched.launch({"workers": 1, "pool": {"kv_tokens": POOL_TOKENS, "state_slots": 4}})
         try:
             yield c
         finally:
@@ -156,7 +156,7 @@ def test_unknown_serve_config_key(client):
 
 def test_malformed_serve_yaml_names_file_and_line(client, tmp_path, capsys):
     bad = tmp_path / "serve.yaml"
-    bad.write_text("workers: 2\npool:\n  kv_tokens: [160\n  mamba_slots: 4\n")
+    bad.write_text("workers: 2\npool:\n  kv_tokens: [160\n  state_slots: 4\n")
     with pytest.raises(ConfigError) as info:
         load_serve_config(bad)
     text = str(info.value)
@@ -261,12 +261,12 @@ def test_refused_snapshot_is_recomputed_and_logged_by_the_scheduler(caplog):
         sched, w = bare_scheduler()
         rid = await sched.submit(VALID_PROMPT, {"max_new_tokens": 8})
         req = sched.requests[rid]
-        plan = sched._plan(w)
-        sched._mark_running(w, plan.admit)
+        plan = sched.dispatch.decide(w)
+        sched.dispatch.mark_running(w, plan.admit)
         req.output_ids, req.retractions, req.snapshot_ref = [3, 4], 1, object()  # resuming
         why = "snapshot of 'req-0' was taken on model other, this worker runs model mine"
         with caplog.at_level(logging.WARNING, logger="raysched.scheduler"):
-            sched._on_result(w, plan, StepResult(resume_failed={rid: why}, usage=Usage(256, 256, 4, 4, 1)), [req])
+            sched.dispatch.apply(w, plan, StepResult(resume_failed={rid: why}, usage=Usage(256, 256, 4, 4, 1)), [req])
         assert req.state is State.RETRACTED and req.recompute and req.snapshot_ref is None
         assert list(sched.retracted) == [req]
         assert sched.counters.snapshots_refused == 1

@@ -66,7 +66,7 @@ def test_chunked_prefill_logits_match_one_shot(tiny, chunk):
 
 
 def _engine(**kw) -> Engine:
-    return build_engine("tiny", device="cpu", record_logits=True, kv_tokens=512, mamba_slots=4, **kw)
+    return build_engine("tiny", device="cpu", record_logits=True, kv_tokens=512, state_slots=4, **kw)
 
 
 @pytest.mark.parametrize("chunk", [2, 7, 16, 40])
@@ -135,7 +135,7 @@ def test_restore_prefix_refuses_other_tokens_and_reports_no_room():
     short = Sequence("y", list(snap.token_ids[:-1]), len(snap.token_ids) - 1, GREEDY)
     with pytest.raises(SnapshotError, match="do not extend"):
         eng.restore_prefix(snap, short)  # nothing left to prefill
-    small = build_engine("tiny", device="cpu", kv_tokens=16, mamba_slots=2)
+    small = build_engine("tiny", device="cpu", kv_tokens=16, state_slots=2)
     assert not small.restore_prefix(snap, turn2)
     assert small.pool.is_empty() and not small.prefilling and turn2.num_computed == 0
     assert eng.pool.is_empty()
@@ -206,7 +206,7 @@ def _worker(chunk: int):
     from actors.worker import Worker
     from raysched.config import PoolConfig, SchedulerConfig, ServeConfig
 
-    cfg = ServeConfig(device="cpu", pool=PoolConfig(kv_tokens=256, mamba_slots=4),
+    cfg = ServeConfig(device="cpu", pool=PoolConfig(kv_tokens=256, state_slots=4),
                       scheduler=SchedulerConfig(prefill_chunk_tokens=chunk))
     return Worker(cfg, 0)
 

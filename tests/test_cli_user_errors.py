@@ -26,7 +26,7 @@ from tests.conftest import wait_until
 from tests.user_cli import (RAYSCHED, REPO, SERVE_YAML, WORKLOAD_YAML, free_port, one_line_error, raysched,
                             session_pids, user_env)
 
-TINY = "model: tiny\nworkers: 1\npool: {kv_tokens: 256, mamba_slots: 4}\n"
+TINY = "model: tiny\nworkers: 1\npool: {kv_tokens: 256, state_slots: 4}\n"
 
 
 def _ray_never_started(home: Path) -> bool:

@@ -27,7 +27,7 @@ from raysched.sampling import SamplingParams
 from tests.conftest import reference_tokens, wait_for_no_workers, wait_until
 
 NUM_REQUESTS = 24
-POOL = {"kv_tokens": 120, "mamba_slots": 4}  # ~2 requests' worth of KV for 4 slots: retraction
+POOL = {"kv_tokens": 120, "state_slots": 4}  # ~2 requests' worth of KV for 4 slots: retraction
 
 
 def make_workload(n: int = NUM_REQUESTS, seed: int = 3) -> tuple[list[list[int]], list[SamplingParams]]:
@@ -185,7 +185,7 @@ def test_chunked_prefill_mixed_with_decode_keeps_every_token(serve, reference) -
 
 def test_dropping_mamba_state_on_resume_is_caught(serve, reference) -> None:
     """Negative control: the broken debug mode must change some retracted request's tokens."""
-    client = serve(force_retract_every=2, debug_drop_mamba_state=True)
+    client = serve(force_retract_every=2, debug_drop_state=True)
     records = run_all(client)
     wrong = [r for r, ref in zip(records, reference) if r["token_ids"] != ref]
     assert wrong, "zeroing the Mamba state on resume went unnoticed"

@@ -28,7 +28,7 @@ workers: 2
 device: auto
 pool:
   kv_tokens: 512
-  mamba_slots: 8
+  state_slots: 8
 scheduler:
   retract: snapshot
 """
@@ -46,7 +46,7 @@ def write(tmp_path: Path, text: str, name: str = "serve.yaml") -> Path:
 def test_brief_example_yaml_loads_with_defaults_for_the_rest(tmp_path: Path) -> None:
     cfg = load_serve_config(write(tmp_path, BRIEF_EXAMPLE))
     assert cfg == ServeConfig()
-    assert cfg.pool == PoolConfig(kv_tokens=512, mamba_slots=8)
+    assert cfg.pool == PoolConfig(kv_tokens=512, state_slots=8)
     assert cfg.scheduler.victim_order == "fewest_generated"
     assert cfg.faults == ()
 
@@ -54,7 +54,7 @@ def test_brief_example_yaml_loads_with_defaults_for_the_rest(tmp_path: Path) -> 
 def test_demo_serve_yaml_loads_with_small_pools() -> None:
     cfg = load_serve_config(REPO / "examples" / "serve.yaml")
     assert (cfg.model, cfg.workers) == ("tiny", 2)
-    assert (cfg.pool.kv_tokens, cfg.pool.mamba_slots) == (160, 4)
+    assert (cfg.pool.kv_tokens, cfg.pool.state_slots) == (160, 4)
     assert (cfg.scheduler.retract, cfg.scheduler.decode_steps_per_call) == ("snapshot", 4)
 
 
@@ -80,7 +80,7 @@ seed: 11
 object_store_memory: 2000000000
 invariant_tile: 16
 fixed_shape_decode: false
-pool: {kv_tokens: 64, mamba_slots: 2, page_size: 16}
+pool: {kv_tokens: 64, state_slots: 2, page_size: 16}
 scheduler:
   retract: auto
   admission: reserve
@@ -88,7 +88,7 @@ scheduler:
   decode_steps_per_call: 1
   force_retract_every: 5
   max_retractions: 0
-  debug_drop_mamba_state: true
+  debug_drop_state: true
   max_batch_size: 2
 faults:
   - {kind: kill_worker, worker: 1, after_steps: 10}
@@ -97,16 +97,16 @@ faults:
     cfg = load_serve_config(write(tmp_path, text))
     assert cfg.dtype == "bfloat16" and cfg.object_store_memory == 2_000_000_000
     assert cfg.fixed_shape_decode is False
-    assert cfg.pool == PoolConfig(kv_tokens=64, mamba_slots=2, page_size=16)
+    assert cfg.pool == PoolConfig(kv_tokens=64, state_slots=2, page_size=16)
     assert cfg.scheduler == SchedulerConfig(retract="auto", admission="reserve", victim_order="largest_memory",
                                             decode_steps_per_call=1, force_retract_every=5, max_retractions=0,
-                                            debug_drop_mamba_state=True, max_batch_size=2)
+                                            debug_drop_state=True, max_batch_size=2)
     assert cfg.faults == (FaultSpec("kill_worker", 1, 10), FaultSpec("remove_node", 2, 0))
 
 
 def test_to_dict_round_trips_through_the_loader() -> None:
     cfg = load_serve_config({"workers": 3, "faults": [{"kind": "kill_worker", "worker": 2, "after_steps": 4}],
-                             "pool": {"memory_bytes": 10_000, "mamba_slots": 2}})
+                             "pool": {"memory_bytes": 10_000, "state_slots": 2}})
     assert load_serve_config(cfg.to_dict()) == cfg
     assert load_serve_config(ServeConfig().to_dict()) == ServeConfig()
 
@@ -155,13 +155,13 @@ def test_float_for_int_is_rejected() -> None:
 
 
 def test_bool_for_int_is_rejected() -> None:
-    with pytest.raises(ConfigError, match="pool.mamba_slots must be a positive integer, got True"):
-        load_serve_config({"pool": {"mamba_slots": True}})
+    with pytest.raises(ConfigError, match="pool.state_slots must be a positive integer, got True"):
+        load_serve_config({"pool": {"state_slots": True}})
 
 
 def test_int_for_bool_is_rejected() -> None:
-    with pytest.raises(ConfigError, match="scheduler.debug_drop_mamba_state must be true or false, got 1"):
-        load_serve_config({"scheduler": {"debug_drop_mamba_state": 1}})
+    with pytest.raises(ConfigError, match="scheduler.debug_drop_state must be true or false, got 1"):
+        load_serve_config({"scheduler": {"debug_drop_state": 1}})
 
 
 def test_bad_enum_value_lists_choices_and_suggests() -> None:
@@ -291,30 +291,30 @@ def test_loader_rejects_a_non_path_non_dict() -> None:
 
 def test_budget_without_counts_reserves_default_slots_and_gives_the_rest_to_kv() -> None:
     pool = load_serve_config({"pool": {"memory_bytes": 10_000}}).pool
-    sized = pool.resolve(kv_bytes_per_token=10, mamba_bytes_per_slot=360)
-    assert (sized.kv_tokens, sized.mamba_slots) == (712, 8)  # 8 * 360 + 712 * 10 = 10_000
+    sized = pool.resolve(kv_bytes_per_token=10, state_bytes_per_slot=360)
+    assert (sized.kv_tokens, sized.state_slots) == (712, 8)  # 8 * 360 + 712 * 10 = 10_000
 
 
-def test_budget_with_explicit_mamba_slots_gives_the_rest_to_kv() -> None:
-    pool = load_serve_config({"pool": {"memory_bytes": 10_000, "mamba_slots": 2}}).pool
-    sized = pool.resolve(kv_bytes_per_token=10, mamba_bytes_per_slot=1000)
-    assert (sized.kv_tokens, sized.mamba_slots) == (800, 2)
+def test_budget_with_explicit_state_slots_gives_the_rest_to_kv() -> None:
+    pool = load_serve_config({"pool": {"memory_bytes": 10_000, "state_slots": 2}}).pool
+    sized = pool.resolve(kv_bytes_per_token=10, state_bytes_per_slot=1000)
+    assert (sized.kv_tokens, sized.state_slots) == (800, 2)
 
 
 def test_budget_with_explicit_kv_tokens_gives_the_rest_to_mamba_rounded_to_pages() -> None:
     pool = load_serve_config({"pool": {"memory_bytes": 10_000, "kv_tokens": 96, "page_size": 16}}).pool
-    sized = pool.resolve(kv_bytes_per_token=10, mamba_bytes_per_slot=1000)
-    assert (sized.kv_tokens, sized.mamba_slots) == (96, 9)
+    sized = pool.resolve(kv_bytes_per_token=10, state_bytes_per_slot=1000)
+    assert (sized.kv_tokens, sized.state_slots) == (96, 9)
 
 
 def test_budget_with_both_counts_explicit_changes_nothing() -> None:
-    pool = load_serve_config({"pool": {"memory_bytes": 100, "kv_tokens": 64, "mamba_slots": 4}}).pool
-    assert pool.resolve(kv_bytes_per_token=10, mamba_bytes_per_slot=1000) is pool
+    pool = load_serve_config({"pool": {"memory_bytes": 100, "kv_tokens": 64, "state_slots": 4}}).pool
+    assert pool.resolve(kv_bytes_per_token=10, state_bytes_per_slot=1000) is pool
 
 
 def test_no_budget_means_resolve_returns_the_same_pool() -> None:
     pool = PoolConfig(kv_tokens=32)
-    assert pool.resolve(kv_bytes_per_token=10, mamba_bytes_per_slot=10) is pool
+    assert pool.resolve(kv_bytes_per_token=10, state_bytes_per_slot=10) is pool
 
 
 def test_resolve_is_idempotent() -> None:
@@ -324,15 +324,15 @@ def test_resolve_is_idempotent() -> None:
 
 
 def test_budget_too_small_for_the_default_slots_is_a_config_error() -> None:
-    message = "serve config: pool.memory_bytes = 8000 B cannot hold 8 Mamba slot(s) of 1000 B plus 1 KV token(s)"
+    message = "serve config: pool.memory_bytes = 8000 B cannot hold 8 state slot(s) of 1000 B plus 1 KV token(s)"
     with pytest.raises(ConfigError, match=re.escape(message)):
-        PoolConfig(memory_bytes=8000).resolve(kv_bytes_per_token=10, mamba_bytes_per_slot=1000)
+        PoolConfig(memory_bytes=8000).resolve(kv_bytes_per_token=10, state_bytes_per_slot=1000)
 
 
 def test_budget_too_small_beside_explicit_kv_tokens_is_a_config_error() -> None:
     pool = load_serve_config({"pool": {"memory_bytes": 1500, "kv_tokens": 100}}).pool
-    with pytest.raises(ConfigError, match=re.escape("cannot hold 1 Mamba slot(s) of 1000 B plus 100 KV token(s)")):
-        pool.resolve(kv_bytes_per_token=10, mamba_bytes_per_slot=1000)
+    with pytest.raises(ConfigError, match=re.escape("cannot hold 1 state slot(s) of 1000 B plus 100 KV token(s)")):
+        pool.resolve(kv_bytes_per_token=10, state_bytes_per_slot=1000)
 
 
 # ---------------------------------------------------------------------------- docs
@@ -341,3 +341,17 @@ def test_budget_too_small_beside_explicit_kv_tokens_is_a_config_error() -> None:
 def test_docstring_examples_run() -> None:
     result = doctest.testmod(raysched.config)
     assert result.attempted > 0 and result.failed == 0
+
+
+def test_old_key_names_keep_working_with_a_one_line_notice(caplog) -> None:
+    with caplog.at_level("WARNING", logger="raysched.config"):
+        cfg = load_serve_config({"pool": {"mamba_slots": 3}, "scheduler": {"debug_drop_mamba_state": True}})
+    assert cfg.pool.state_slots == 3 and cfg.scheduler.debug_drop_state is True
+    notices = [r.getMessage() for r in caplog.records]
+    assert notices == ["serve config: pool.mamba_slots is deprecated; call it pool.state_slots",
+                       "serve config: scheduler.debug_drop_mamba_state is deprecated; call it scheduler.debug_drop_state"]
+
+
+def test_old_and_new_key_name_together_is_an_error() -> None:
+    with pytest.raises(ConfigError, match="pool.mamba_slots is the old name of pool.state_slots; give only one"):
+        load_serve_config({"pool": {"mamba_slots": 3, "state_slots": 4}})

@@ -26,7 +26,7 @@ from raysched.sampling import SamplingParams
 from raysched.tokenizer import load_tokenizer
 from tests.conftest import NODE_OBJECT_STORE_BYTES, alive_actors, reference_tokens, wait_for_no_workers, wait_until
 
-CONFIG = {"model": "tiny", "workers": 1, "pool": {"kv_tokens": 256, "mamba_slots": 4}}
+CONFIG = {"model": "tiny", "workers": 1, "pool": {"kv_tokens": 256, "state_slots": 4}}
 PROMPTS = [[5, 17, 42, 7], [300, 2, 9]]
 PARAMS = [SamplingParams(max_new_tokens=6), SamplingParams(max_new_tokens=5, temperature=0.8, seed=3)]
 
@@ -111,7 +111,7 @@ def test_unnamed_launches_run_side_by_side(cluster: str, reference: list[list[in
 def test_cli_start_status_stop_a_detached_scheduler(cluster: str, reference: list[list[int]], tmp_path,
                                                     capsys: pytest.CaptureFixture) -> None:
     config = tmp_path / "serve.yaml"
-    config.write_text("model: tiny\nworkers: 1\npool: {kv_tokens: 256, mamba_slots: 4}\n")
+    config.write_text("model: tiny\nworkers: 1\npool: {kv_tokens: 256, state_slots: 4}\n")
     start = [sys.executable, "-m", "raysched.cli", "start", "--config", str(config), "--address", cluster,
              "--name", "t-cli"]
     done = subprocess.run(start, capture_output=True, text=True, timeout=180)
@@ -126,7 +126,7 @@ def test_cli_start_status_stop_a_detached_scheduler(cluster: str, reference: lis
     capsys.readouterr()
     assert cli.main(["status", "--name", "t-cli"]) == 0
     out = capsys.readouterr().out
-    assert "worker 0:" in out and "kv free 256/256" in out and "mamba free 4/4" in out
+    assert "worker 0:" in out and "kv free 256/256" in out and "state slots free 4/4" in out
     assert "finished 2" in out and "waiting 0" in out
     assert cli.main(["start", "--config", str(config), "--name", "t-cli"]) == 2  # name taken
 

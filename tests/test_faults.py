@@ -33,7 +33,7 @@ import raysched
 from raysched.client import SchedulerDiedError
 from raysched.config import load_serve_config
 from raysched.messages import StepResult, Usage
-from raysched.planner import Plan
+from raysched.scheduler.planner import Decision
 from raysched.request import State
 from raysched.runner import run_workload
 from raysched.workload import RequestSpec
@@ -41,7 +41,7 @@ from tests.conftest import local_cluster, wait_until
 from tests.exactness import assert_exactly_once, assert_idle, bare_scheduler, reference, scheduler_log, synthetic
 
 NODE_STORE_BYTES = 100 << 20
-POOL = {"kv_tokens": 160, "mamba_slots": 4}  # small: 20 requests overflow two workers
+POOL = {"kv_tokens": 160, "state_slots": 4}  # small: 20 requests overflow two workers
 REPLACEMENT_TIMEOUT_S = 240  # the scheduler gives a replacement 180 s to start
 SCHEDULER_RSS_LIMIT_MIB = 150
 
@@ -87,7 +87,7 @@ class Scenario(NamedTuple):
     requests: int = 20
 
 
-ROOMY = {"kv_tokens": 2048, "mamba_slots": 8}  # nothing waits: pure-decode calls are pipelined
+ROOMY = {"kv_tokens": 2048, "state_slots": 8}  # nothing waits: pure-decode calls are pipelined
 
 SCENARIOS = {
     # between calls: the scheduler kills the worker actor before the call numbered after_steps
@@ -109,7 +109,7 @@ SCENARIOS = {
                                   pool=ROOMY, requests=8),
     "in-pipelined-step-pressure": Scenario(  # KV pressure later: the pipelined call dies, then victims
         {}, [kill(1, 2, "kill_in_step", after_decode_steps=3, pipelined=True)], 24,
-        pool={"kv_tokens": 320, "mamba_slots": 8}, requests=10),
+        pool={"kv_tokens": 320, "state_slots": 8}, requests=10),
     "in-retract": Scenario({"force_retract_every": 2}, [kill(0, 2, "kill_in_retract")], 25),
     "in-retract-mixed-modes": Scenario({"force_retract_every": 1, "snapshot_budget_bytes": 60_000},
                                        [kill(1, 5, "kill_in_retract")], 26),
@@ -173,7 +173,7 @@ class TestOnCluster:
             assert summary["snapshots_refused"] == 1 and summary["worker_failures"] == 0, summary
             assert_idle(summary["idle_after"])
             log = scheduler_log(client)
-        assert "flipped one byte of the snapshot" in log
+        assert "corrupt_snapshot sent to worker 0 retracting" in log
         assert "refused on worker" in log and "checksum mismatch" in log and "recomputing it instead" in log
 
     def test_snapshot_budget_falls_back_to_recompute_under_store_pressure(self):
@@ -203,7 +203,7 @@ class TestOnCluster:
         counts = {}
         for cap in (3, 1000):
             sched = {"force_retract_every": 1, "max_retractions": cap, "victim_order": "fewest_generated"}
-            with serving(config(sched, workers=1, pool={"kv_tokens": 512, "mamba_slots": 8})) as client:
+            with serving(config(sched, workers=1, pool={"kv_tokens": 512, "state_slots": 8})) as client:
                 report = run_workload(client, specs, progress=False)
                 assert_exactly_once(report, specs)
                 assert_idle(report["summary"]["idle_after"])
@@ -215,7 +215,7 @@ class TestOnCluster:
         assert unbounded["long"] >= 2 * 3, unbounded  # picked again and again, far past the cap
 
     def test_scheduler_death_fails_pending_requests_promptly(self):
-        raw = config(pool={"kv_tokens": 4096, "mamba_slots": 8})
+        raw = config(pool={"kv_tokens": 4096, "state_slots": 8})
         specs = synthetic(17, requests=4, max_new_tokens=(3000, 3000), sampled_fraction=0)
         with serving(raw) as client:
             handles = [client.submit([1, 2, 3, i], {"max_new_tokens": 3000}) for i in range(3)]
@@ -246,7 +246,7 @@ class TestOnCluster:
         without blaming (retiring) the worker that tried, so there is exactly one failure.
         """
         specs = synthetic(18, requests=24, prompt_len=(16, 40), max_new_tokens=(60, 100))
-        with serving(config(pool={"kv_tokens": 160, "mamba_slots": 4})) as client:
+        with serving(config(pool={"kv_tokens": 160, "state_slots": 4})) as client:
             with concurrent.futures.ThreadPoolExecutor(1) as pool:
                 run = pool.submit(run_workload, client, specs, False)
                 waiting: dict[int, int] = {}
@@ -342,7 +342,7 @@ def _waiting_snapshots_by_producer(client: raysched.Client) -> dict[int, int]:
 def test_small_object_store_with_many_large_snapshots_loses_nothing():
     """A local Ray with an 80 MiB store; prompts of several hundred tokens, retracted every call."""
     specs = synthetic(19, requests=16, prompt_len=(200, 500), max_new_tokens=(16, 32))
-    raw = config({"force_retract_every": 1}, pool={"kv_tokens": 2048, "mamba_slots": 6},
+    raw = config({"force_retract_every": 1}, pool={"kv_tokens": 2048, "state_slots": 6},
                  object_store_memory=80 << 20)
     with serving(raw) as client:
         report = run_workload(client, specs, progress=False)
@@ -379,10 +379,10 @@ def test_request_aborted_during_a_failed_call_stays_aborted():
     async def scenario() -> None:
         sched, w = bare_scheduler()
         ids = [await sched.submit([1, 2, 3 + i], {"max_new_tokens": 8}) for i in range(2)]
-        plan = sched._plan(w)
-        sched._mark_running(w, plan.admit)
+        plan = sched.dispatch.decide(w)
+        sched.dispatch.mark_running(w, plan.admit)
         assert await sched.abort(ids[0])
-        sched._on_result(w, plan, ray.exceptions.ActorDiedError(), [])  # the in-flight call failed
+        sched.dispatch.apply(w, plan, ray.exceptions.ActorDiedError(), [])  # the in-flight call failed
         assert sched.requests[ids[0]].state is State.ABORTED
         # the other one never produced a token: it waits to be admitted afresh
         assert [r.request_id for r in sched.waiting] == [ids[1]] and not sched.retracted
@@ -395,16 +395,16 @@ def test_request_aborted_while_not_admitted_stays_aborted():
     async def scenario() -> None:
         sched, w = bare_scheduler()
         ids = [await sched.submit([1, 2, 3 + i], {"max_new_tokens": 8}) for i in range(2)]
-        plan = sched._plan(w)
-        sched._mark_running(w, plan.admit)
+        plan = sched.dispatch.decide(w)
+        sched.dispatch.mark_running(w, plan.admit)
         assert await sched.abort(ids[0])
         result = StepResult(not_admitted=[ids[0]], usage=Usage(256, 256, 4, 4, 1))
-        sched._on_result(w, plan, result, [])
+        sched.dispatch.apply(w, plan, result, [])
         assert sched.requests[ids[0]].state is State.ABORTED
         assert not sched.waiting and not sched.retracted
         record = await sched.wait(ids[0])  # the client collects it; a late result must not crash
         assert record["state"] == "aborted"
-        sched._on_result(w, plan, StepResult(not_admitted=[ids[0]], resume_failed={ids[0]: "late"},
+        sched.dispatch.apply(w, plan, StepResult(not_admitted=[ids[0]], resume_failed={ids[0]: "late"},
                                              usage=Usage(256, 256, 4, 4, 1)), [])
         assert not sched.waiting and not sched.retracted
 
@@ -417,13 +417,13 @@ def test_snapshot_retraction_after_a_recompute_resumes_from_the_snapshot():
     failure after that would resume it from the stale snapshot (tokens emitted twice)."""
     async def scenario() -> None:
         sched, w = bare_scheduler()
-        sched._snapshot_budget = 1 << 30
+        sched.ledger.budget_bytes = 1 << 30
         rid = await sched.submit([1, 2, 3], {"max_new_tokens": 8})
-        plan = sched._plan(w)
-        sched._mark_running(w, plan.admit)
+        plan = sched.dispatch.decide(w)
+        sched.dispatch.mark_running(w, plan.admit)
         req = sched.requests[rid]
         req.recompute = True  # as after an earlier retraction by recompute (store pressure)
-        snap, drop = sched._apply_victims(w, Plan(victims=[req]))
+        snap, drop = sched.ledger.take_victims(w, Decision(victims=[req]))
         assert (snap, drop) == ([req], [])
         assert req.recompute is False
         assert (sched.counters.retractions_snapshot, sched.counters.retractions_recompute) == (1, 0)
@@ -444,12 +444,12 @@ def test_lost_snapshot_is_recomputed_without_blaming_the_worker():
         sched.waiting.clear()
         req.state, req.retractions, req.snapshot_ref = State.RETRACTED, 1, object()
         sched.retracted.append(req)
-        plan = sched._plan(w)
+        plan = sched.dispatch.decide(w)
         assert plan.resume == [req]
-        sched._mark_running(w, plan.resume)
+        sched.dispatch.mark_running(w, plan.resume)
         result = StepResult(resume_failed={rid: f"{SNAPSHOT_LOST}: ObjectLostError"},
                             usage=Usage(256, 256, 4, 4, 1))
-        sched._on_result(w, plan, result, [req])
+        sched.dispatch.apply(w, plan, result, [req])
         assert list(sched.retracted) == [req] and req.recompute and req.snapshot_ref is None
         assert (sched.counters.snapshots_lost, sched.counters.snapshots_refused, sched.counters.recovered) == (1, 0, 1)
         assert w.alive and sched.counters.worker_failures == 0

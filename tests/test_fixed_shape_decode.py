@@ -27,7 +27,7 @@ def _prompts(vocab: int) -> list[list[int]]:
 
 
 def _run(model: str, fixed: bool, sampling: list[SamplingParams]):
-    eng = build_engine(model, kv_tokens=1024, mamba_slots=6, record_logits=True,
+    eng = build_engine(model, kv_tokens=1024, state_slots=6, record_logits=True,
                        fixed_shape_decode=fixed)
     tokens = eng.generate(_prompts(eng.config.vocab_size), sampling)
     return eng, tokens, eng.logits
@@ -50,7 +50,7 @@ def test_padded_buckets_give_the_eager_logits_exactly(model):
 
 
 def test_bucket_shapes():
-    eng = build_engine("tiny", kv_tokens=256, mamba_slots=40, fixed_shape_decode=True)
+    eng = build_engine("tiny", kv_tokens=256, state_slots=40, fixed_shape_decode=True)
     fixed = eng.fixed_decode
     assert fixed.bucket_for(1, 1) == (1, 1)
     assert fixed.bucket_for(3, 33) == (4, 2)
@@ -64,7 +64,7 @@ def test_padding_on_a_real_state_slot_corrupts_it():
     state slot overwrite its SSM state, and its next logits change."""
     sampling = [SamplingParams(max_new_tokens=6) for _ in PROMPT_LENS[:3]]
     _, _, logits = _run("tiny", True, sampling)
-    eng = build_engine("tiny", kv_tokens=1024, mamba_slots=6, record_logits=True,
+    eng = build_engine("tiny", kv_tokens=1024, state_slots=6, record_logits=True,
                        fixed_shape_decode=True)
     eng.pool.mamba.scratch_slot = 0  # the first request's slot
     eng.generate(_prompts(eng.config.vocab_size)[:3], sampling)

@@ -23,7 +23,7 @@ from raysched.sampling import SamplingParams
 from tests.conftest import reference_tokens, wait_until
 from tests.user_cli import RAYSCHED, REPO, RayHead, free_port, one_line_error, python, raysched, user_env
 
-CONFIG = "model: tiny\nworkers: 1\npool: {kv_tokens: 256, mamba_slots: 4}\n"
+CONFIG = "model: tiny\nworkers: 1\npool: {kv_tokens: 256, state_slots: 4}\n"
 PROMPT, MAX_NEW = [5, 17, 42, 7], 6
 
 

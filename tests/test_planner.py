@@ -8,7 +8,7 @@ from collections import deque
 import pytest
 
 from raysched.config import SchedulerConfig
-from raysched.planner import Plan, WorkerView, decode_need, plan_step
+from raysched.scheduler.planner import Decision, WorkerView, decode_need, plan_step
 from raysched.request import Request
 from raysched.sampling import SamplingParams
 
@@ -34,7 +34,7 @@ def view(running: list[Request], total_tokens: int = 256, total_slots: int = 8, 
 
 
 def plan(v: WorkerView, waiting=(), retracted=(), best_room_elsewhere: float = -1.0, reserve: bool = False,
-         **cfg) -> Plan:
+         **cfg) -> Decision:
     return plan_step(v, deque(waiting), deque(retracted), SchedulerConfig(**cfg), best_room_elsewhere, reserve)
 
 
@@ -124,10 +124,30 @@ def test_when_everyone_is_protected_the_worker_decodes_whom_it_can() -> None:
     assert p.victims == [] and p.decode_steps == 1
 
 
+def forced_at(calls_seen: list[int], every: int) -> list[int]:
+    """The calls whose decision retracted, for decisions made at `calls_seen` on one worker (the
+    dispatcher records each decision's forced round in the view, as `Dispatcher.decide` does)."""
+    v = view(four_running())
+    fired = []
+    for c in calls_seen:
+        v.calls = c
+        d = plan(v, force_retract_every=every)
+        if d.forced_round:
+            v.forced_round = d.forced_round
+        if d.victims:
+            fired.append(c)
+    return fired
+
+
 def test_forced_retraction_fires_every_k_calls_only() -> None:
-    running = four_running()
-    fired = [bool(plan(view(running, calls=c), force_retract_every=3).victims) for c in range(7)]
-    assert fired == [False, False, False, True, False, False, True]
+    assert forced_at(list(range(7)), every=3) == [3, 6]
+
+
+def test_forced_retraction_fires_after_a_pipelined_call_skipped_its_multiple() -> None:
+    """Pipelined calls take no decision: a multiple of k they skip fires at the next decision
+    (before: `calls % k == 0` never held again at k=2 once the calls turned odd)."""
+    assert forced_at([0, 1, 3, 5, 7], every=2) == [3, 5, 7]
+    assert forced_at([0, 2, 4, 6], every=3) == [4, 6]
 
 
 # ------------------------------------------------------------------------------ resume / admit
@@ -154,7 +174,7 @@ def test_a_retracted_request_that_does_not_fit_still_blocks_admissions() -> None
     assert p.resume == [] and p.admit == [] and p.is_empty()
 
 
-def test_resumes_stop_at_the_free_mamba_slots() -> None:
+def test_resumes_stop_at_the_free_state_slots() -> None:
     back = [request(f"r{i}", 4, 1, retractions=1) for i in range(3)]
     p = plan(view([request("a", 4, 1)], total_slots=3), retracted=back)
     assert [r.request_id for r in p.resume] == ["r0", "r1"]
@@ -237,7 +257,7 @@ def test_overcommit_mode_does_overcommit_on_the_same_workloads() -> None:
 
 
 def test_cost_model_charges_a_cross_node_transfer_only_when_the_cluster_has_several_nodes() -> None:
-    from raysched.policy import choose_retract_mode, snapshot_cost_s
+    from raysched.scheduler.policy import choose_retract_mode, snapshot_cost_s
 
     copy_bps, tokens_per_s = 1e9, 1000.0
     assert snapshot_cost_s(3_000_000, copy_bps, cross_node=False) == pytest.approx(0.009)

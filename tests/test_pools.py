@@ -28,7 +28,7 @@ def test_admit_takes_both_pools_or_neither():
     pool = make_pool(kv_tokens=10, slots=2)
     assert pool.admit("a", 8)
     assert not pool.admit("b", 3)  # KV exhausted: reported, nothing taken
-    assert pool.usage().mamba_free_slots == 1
+    assert pool.usage().state_free_slots == 1
     assert pool.admit("b", 2)
     assert not pool.admit("c", 0)  # Mamba slots exhausted
     assert pool.usage().kv_free_tokens == 0
@@ -112,7 +112,7 @@ def test_random_operation_sequences_return_every_slot(seed, page_size):
 
 def test_capacity_from_a_byte_budget():
     per_token = CFG.kv_bytes_per_token(4)
-    per_slot = CFG.mamba_bytes_per_slot(4)
+    per_slot = CFG.state_bytes_per_slot(4)
     pool = HybridPool.from_budget(CFG, 4 * per_slot + 100 * per_token, 4, torch.float32)
     assert pool.kv.num_tokens == 100 and pool.mamba.num_slots == 4
     with pytest.raises(ValueError, match="cannot hold"):

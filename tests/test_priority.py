@@ -15,7 +15,7 @@ from raysched.workload import RequestSpec
 from tests.conftest import local_cluster, wait_until
 from tests.exactness import assert_exactly_once, synthetic
 
-POOL = {"kv_tokens": 160, "mamba_slots": 4}
+POOL = {"kv_tokens": 160, "state_slots": 4}
 
 
 @pytest.fixture(scope="module")

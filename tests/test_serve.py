@@ -32,7 +32,7 @@ from tests.conftest import reference_tokens, wait_until
 
 KEY = "sk-raysched-test"
 NAME = "test-serve"
-CONFIG = {"model": "tiny", "workers": 2, "pool": {"kv_tokens": 4096, "mamba_slots": 16}}
+CONFIG = {"model": "tiny", "workers": 2, "pool": {"kv_tokens": 4096, "state_slots": 16}}
 
 
 @dataclass
@@ -615,7 +615,7 @@ def test_raysched_serve_exits_cleanly_on_sigterm(tmp_path) -> None:
 
     port = _free_port()
     config = tmp_path / "serve.yaml"
-    config.write_text("model: tiny\nworkers: 1\npool: {kv_tokens: 256, mamba_slots: 4}\n")
+    config.write_text("model: tiny\nworkers: 1\npool: {kv_tokens: 256, state_slots: 4}\n")
     env = {**os.environ, "RAYSCHED_API_KEY": KEY}
     env.pop("RAY_ADDRESS", None)
     proc = subprocess.Popen([sys.executable, "-m", "raysched.cli", "serve", "--config", str(config),

@@ -25,7 +25,7 @@ SAMPLED = SamplingParams(max_new_tokens=24, temperature=0.8, top_p=0.9, seed=123
 
 def engine(**kw) -> Engine:
     return build_engine(kw.pop("model", "tiny"), device="cpu", record_logits=True,
-                        **{"kv_tokens": 512, "mamba_slots": 8, **kw})
+                        **{"kv_tokens": 512, "state_slots": 8, **kw})
 
 
 def sequences(params: SamplingParams, prefix: str = "r") -> list[Sequence]:
@@ -93,7 +93,7 @@ def test_resume_on_another_engine_with_another_pool_layout():
     a.prefill(seqs)
     a.decode(5)
     snap = a.snapshot("r3")
-    b = engine(kv_tokens=300, mamba_slots=3, page_size=4)
+    b = engine(kv_tokens=300, state_slots=3, page_size=4)
     b.prefill([Sequence("other", [9] * 50, 50, GREEDY)])
     assert b.restore(snap)
     resumed = b.running["r3"]
@@ -161,7 +161,7 @@ def test_snapshot_with_wrong_shape_is_refused():
         eng.restore(dataclasses.replace(snap, parts=bad_parts))
     with pytest.raises(SnapshotError, match="Snapshot"):
         eng.restore({"not": "a snapshot"})
-    assert eng.pool.usage().mamba_free_slots == 8 - 3
+    assert eng.pool.usage().state_free_slots == 8 - 3
 
 
 def test_snapshot_holds_everything_and_keeps_bf16_raw():
@@ -183,7 +183,7 @@ def test_snapshot_holds_everything_and_keeps_bf16_raw():
 def test_restore_reports_a_full_pool_instead_of_raising():
     eng, snap = _taken()
     eng.prefill([Sequence(f"f{i}", [1] * 8, 8, GREEDY) for i in range(8)])
-    assert eng.usage().mamba_free_slots == 0
+    assert eng.usage().state_free_slots == 0
     assert eng.restore(snap) is False
     assert "r0" not in eng.running
 

@@ -42,7 +42,7 @@ def test_two_thousand_requests_with_forced_retraction_lose_nothing_and_leak_noth
         reference(specs[i:i + CHUNK])
     warmup, rest = specs[:WARMUP], specs[WARMUP:]
     rest = [dataclasses.replace(s, arrival_s=s.arrival_s - rest[0].arrival_s) for s in rest]
-    raw = {"workers": 2, "pool": {"kv_tokens": 256, "mamba_slots": 8},  # KV-bound: victims migrate
+    raw = {"workers": 2, "pool": {"kv_tokens": 256, "state_slots": 8},  # KV-bound: victims migrate
            "scheduler": {"force_retract_every": 1, "decode_steps_per_call": 4}, "object_store_memory": 200 << 20}
     with raysched.launch(raw) as client:
         rss_launch = _rss_mib(client)

@@ -41,7 +41,7 @@ def _config(budget: int | None) -> dict:
     """One worker: all requests admitted at once (2 KV tokens each), then one decode step per
     call needs a token each, so victims are retracted by the dozen and wait for room."""
     return {"model": "small", "workers": 1, "object_store_memory": STORE_BYTES,
-            "pool": {"kv_tokens": 2 * REQUESTS, "mamba_slots": REQUESTS},
+            "pool": {"kv_tokens": 2 * REQUESTS, "state_slots": REQUESTS},
             "scheduler": {"decode_steps_per_call": 1, "snapshot_budget_bytes": budget}}
 
 

@@ -85,7 +85,7 @@ def test_states_small_enough_to_live_in_the_scheduler_have_their_own_budget() ->
 def make_worker(kv_tokens: int = 2048):
     from actors.worker import Worker
 
-    cfg = ServeConfig(model="tiny", device="cpu", pool=PoolConfig(kv_tokens=kv_tokens, mamba_slots=4))
+    cfg = ServeConfig(model="tiny", device="cpu", pool=PoolConfig(kv_tokens=kv_tokens, state_slots=4))
     w = Worker(cfg, 0)
     w.engine.record_logits = True
     return w
@@ -210,7 +210,7 @@ class TestOnCluster:
         from raysched.workload import RequestSpec
         from tests.exactness import reference
 
-        cfg = ServeConfig(workers=2, pool=PoolConfig(kv_tokens=1024, mamba_slots=4),
+        cfg = ServeConfig(workers=2, pool=PoolConfig(kv_tokens=1024, state_slots=4),
                           scheduler=SchedulerConfig(replace_failed_workers=False),
                           state_cache=StateCacheConfig(min_tokens=16))
         client = raysched.launch(cfg)
@@ -247,7 +247,7 @@ class TestOnCluster:
 
         records = {}
         for enabled in (True, False):
-            cfg = ServeConfig(workers=2, pool=PoolConfig(kv_tokens=1024, mamba_slots=4),
+            cfg = ServeConfig(workers=2, pool=PoolConfig(kv_tokens=1024, state_slots=4),
                               state_cache=StateCacheConfig(enabled=enabled, min_tokens=16))
             client = raysched.launch(cfg)
             try:

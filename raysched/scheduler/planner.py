@@ -1,7 +1,8 @@
 """Plan one worker's next call from the scheduler's mirror of its pool (pure: no Ray, no torch).
 
 Order of decisions, per call:
-1. forced retraction (testing switch: one victim every `force_retract_every` calls);
+1. forced retraction (testing switch: one victim at the first decision made at or after each
+   multiple of `force_retract_every` calls; a pipelined call is not a decision);
 2. fit the decode steps: halve the number of steps until the KV they need fits; if even one
    step does not fit, retract victims (policy order, protected requests skipped) until it does;
 3. resume retracted requests (oldest retraction first) while they fit;
@@ -18,11 +19,12 @@ priority equal (the default 0) steps 3-5 reduce to: resumes first, then FCFS adm
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from raysched.config import SchedulerConfig
-from raysched.policy import order_victims, pages
 from raysched.request import Request
+from raysched.scheduler.policy import order_victims, pages
 
 
 @dataclass
@@ -38,6 +40,7 @@ class WorkerView:
     running: list[Request] = field(default_factory=list)
     allocated: dict[str, int] = field(default_factory=dict)  # request id -> KV tokens held
     calls: int = 0
+    forced_round: int = 0  # calls // force_retract_every at the last forced retraction
 
     def room(self) -> float:
         """Fraction of the scarcer pool that is free."""
@@ -49,18 +52,23 @@ class WorkerView:
 
 
 @dataclass
-class Plan:
+class Decision:
+    """What the planner decided for one worker's next call (the dispatcher turns it into the
+    `messages.StepPlan` the worker receives)."""
+
     victims: list[Request] = field(default_factory=list)
     resume: list[Request] = field(default_factory=list)
     admit: list[Request] = field(default_factory=list)
     decode_steps: int = 0
     preempted: int = 0  # victims retracted to admit a more urgent request
+    forced_round: int = 0  # > 0: a forced retraction was due (the view records it)
 
     def is_empty(self) -> bool:
         return not (self.victims or self.resume or self.admit or self.decode_steps)
 
 
 def decode_need(view: WorkerView, running: list[Request], steps: int) -> int:
+    """Page-rounded KV tokens the `running` requests must newly take for `steps` decode steps."""
     ps = view.page_size
     need = 0
     for r in running:
@@ -71,13 +79,14 @@ def decode_need(view: WorkerView, running: list[Request], steps: int) -> int:
 
 def plan_step(view: WorkerView, waiting: deque[Request], retracted: deque[Request],
               cfg: SchedulerConfig, best_room_elsewhere: float, reserve: bool = False,
-              others: tuple[WorkerView, ...] = ()) -> Plan:
+              others: tuple[WorkerView, ...] = ()) -> Decision:
     """Decide the next call of the worker described by `view` (mutates the queues it takes from).
     `others`: the other live workers (preemption happens only when no worker has room)."""
-    plan = Plan()
+    plan = Decision()
     running = list(view.running)
     free, slots = view.free_tokens, view.free_slots
-    if cfg.force_retract_every and view.calls and view.calls % cfg.force_retract_every == 0:
+    if cfg.force_retract_every and view.calls // cfg.force_retract_every > view.forced_round:
+        plan.forced_round = view.calls // cfg.force_retract_every
         free, slots = _retract(view, running, plan, 1, free, slots, cfg)
     steps = cfg.decode_steps_per_call
     while decode_need(view, running, steps) > free and steps > 1:
@@ -100,7 +109,7 @@ def plan_step(view: WorkerView, waiting: deque[Request], retracted: deque[Reques
     return plan
 
 
-def _retract(view: WorkerView, running: list[Request], plan: Plan, count: int, free: int,
+def _retract(view: WorkerView, running: list[Request], plan: Decision, count: int, free: int,
              slots: int, cfg: SchedulerConfig) -> tuple[int, int]:
     for victim in order_victims(running, cfg.victim_order, cfg.max_retractions)[:count]:
         running.remove(victim)
@@ -114,44 +123,40 @@ def _fits(tokens: int, view: WorkerView, free: int, slots: int) -> bool:
     return slots >= 1 and pages(tokens, view.page_size) * view.page_size <= free
 
 
-def _take_resumes(view: WorkerView, retracted: deque[Request], plan: Plan, steps: int, free: int,
+def _take_resumes(view: WorkerView, retracted: deque[Request], plan: Decision, steps: int, free: int,
                   slots: int, cfg: SchedulerConfig, waiting: deque[Request]) -> tuple[int, int]:
-    cap = cfg.max_batch_size or 1 << 30
-    while retracted and len(view.running) - len(plan.victims) + len(plan.resume) < cap:
-        r = retracted[0]
-        if waiting and waiting[0].priority < r.priority:
-            break  # a more urgent request waits: it goes first
-        need = r.num_cached + 1 + min(steps, max(r.remaining, 0))
-        if not _fits(need, view, free, slots):
-            break
-        retracted.popleft()
-        plan.resume.append(r)
-        free -= pages(need, view.page_size) * view.page_size
-        slots -= 1
-    return free, slots
+    room = (cfg.max_batch_size or 1 << 30) - (len(view.running) - len(plan.victims))
+    return _take(retracted, plan.resume, room, view, free, slots,
+                 need=lambda r: r.num_cached + 1 + min(steps, max(r.remaining, 0)),
+                 blocked=lambda r: bool(waiting) and waiting[0].priority < r.priority)  # a more urgent one waits
 
 
-def _take_admissions(view: WorkerView, waiting: deque[Request], plan: Plan, steps: int, free: int,
+def _take_admissions(view: WorkerView, waiting: deque[Request], plan: Decision, steps: int, free: int,
                      slots: int, cfg: SchedulerConfig, best_room_elsewhere: float, reserve: bool,
                      retracted: deque[Request]) -> tuple[int, int]:
-    cap = cfg.max_batch_size or 1 << 30
     if view.room() < best_room_elsewhere:
         return free, slots  # another worker has more room: it takes the next admission
     if reserve:  # no-overcommit baseline: running requests keep room for their whole budget
         free -= sum(pages(len(r.prompt_ids) + r.sampling.max_new_tokens, view.page_size) * view.page_size
                     - view.held(r) for r in view.running)
-    running = len(view.running) - len(plan.victims) + len(plan.resume)
-    while waiting and running + len(plan.admit) < cap:
-        r = waiting[0]
-        if retracted and r.priority >= retracted[0].priority:
-            break  # a retracted request at least as urgent goes first
-        budget = r.sampling.max_new_tokens if reserve else min(steps, r.sampling.max_new_tokens)
-        need = len(r.prompt_ids) + budget
-        if not _fits(need, view, free, slots):
+    room = (cfg.max_batch_size or 1 << 30) - (len(view.running) - len(plan.victims) + len(plan.resume))
+    budget = (lambda r: r.sampling.max_new_tokens) if reserve else (lambda r: min(steps, r.sampling.max_new_tokens))
+    return _take(waiting, plan.admit, room, view, free, slots,
+                 need=lambda r: len(r.prompt_ids) + budget(r),
+                 blocked=lambda r: bool(retracted) and r.priority >= retracted[0].priority)  # it goes first
+
+
+def _take(queue: deque[Request], taken: list[Request], room: int, view: WorkerView, free: int, slots: int,
+          need: Callable[[Request], int], blocked: Callable[[Request], bool]) -> tuple[int, int]:
+    """Move requests from the head of `queue` to `taken` while fewer than `room` are taken, the
+    head is not `blocked`, and its `need` (KV tokens) fits; returns the (free, slots) left."""
+    while queue and len(taken) < room:
+        r = queue[0]
+        if blocked(r) or not _fits(need(r), view, free, slots):
             break
-        waiting.popleft()
-        plan.admit.append(r)
-        free -= pages(need, view.page_size) * view.page_size
+        queue.popleft()
+        taken.append(r)
+        free -= pages(need(r), view.page_size) * view.page_size
         slots -= 1
     return free, slots
 
@@ -165,7 +170,7 @@ def _fits_anywhere(need: int, views: tuple[WorkerView, ...], steps: int) -> bool
 
 
 def _preempt(view: WorkerView, waiting: deque[Request], retracted: deque[Request], running: list[Request],
-             plan: Plan, steps: int, free: int, slots: int, cfg: SchedulerConfig,
+             plan: Decision, steps: int, free: int, slots: int, cfg: SchedulerConfig,
              others: tuple[WorkerView, ...]) -> None:
     """Retract the least urgent running requests (strictly less urgent than the waiting head,
     not protected) until the head fits here, then admit it; nothing if the head fits on some
@@ -174,6 +179,8 @@ def _preempt(view: WorkerView, waiting: deque[Request], retracted: deque[Request
     if not waiting or (retracted and retracted[0].priority <= waiting[0].priority):
         return
     head = waiting[0]
+    if not any(r.priority > head.priority for r in running):
+        return  # no one here is less urgent (checked first: the fit checks scan every worker)
     need = _admit_need(head, steps, view.page_size)
     if _fits(need, view, free, slots) or _fits_anywhere(need, others, steps):
         return
@@ -194,3 +201,6 @@ def _preempt(view: WorkerView, waiting: deque[Request], retracted: deque[Request
         plan.victims.append(r)
     plan.preempted += len(chosen)
     plan.admit.append(waiting.popleft())
+
+
+Plan = Decision  # its former name (old imports keep working)

@@ -5,9 +5,8 @@ from __future__ import annotations
 import math
 from typing import Iterable
 
+from raysched.config import VICTIM_ORDERS
 from raysched.request import Request
-
-VICTIM_ORDERS = ("fewest_generated", "most_generated", "newest", "oldest", "largest_memory")
 
 
 def victim_key(order: str):
@@ -36,12 +35,6 @@ def order_victims(running: Iterable[Request], order: str, max_retractions: int) 
 
 def pages(tokens: int, page_size: int) -> int:
     return -(-tokens // page_size)
-
-
-def decode_need(req: Request, allocated: int, steps: int, page_size: int) -> int:
-    """KV tokens (page-rounded) `req` must newly take to run `steps` more decode steps."""
-    target = req.num_cached + min(steps, max(req.remaining, 0))
-    return max(0, pages(target, page_size) - pages(allocated, page_size)) * page_size
 
 
 def snapshot_cost_s(num_bytes: int, copy_bytes_per_s: float, cross_node: bool = True) -> float:

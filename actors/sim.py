@@ -1,0 +1,336 @@
+"""The simulated data plane (`data_plane: sim`): workers with the real interface and pool
+accounting, no model, no torch.
+
+A `SimWorker` answers the same calls as `actors.worker.Worker` (info, usage, running_ids,
+is_idle, retract, retract_pending, step, take_parked) with the same pool bookkeeping
+(`actors.accounting.PoolLedger`: KV pages and one state slot per request), so it runs out of room,
+stalls, is retracted and resumed exactly as a real worker of that size would. What it does not do
+is compute:
+
+- tokens are pseudo-random, a function of (seed, request id, position): a request's recurrent
+  "state" is a 64-bit digest that starts from (seed, request id) and folds in each token it
+  generates, and token n is drawn from (state, n). A resume from a snapshot restores the digest,
+  a recompute replays it from the token history: either way the tokens that follow are the ones
+  an uninterrupted run would have produced, and a lost or zeroed state (`debug_drop_state`)
+  produces other tokens, so the exactness checks and their negative control work unchanged;
+- a step call's time is modeled (`SimConfig.step_ms`): `SimHost` sleeps that long before the
+  reply, holding the worker's turn, so calls to one worker never overlap;
+- snapshots are small objects that carry their *nominal* byte size (`SimConfig.kv_bytes_per_token`
+  per cached token + `state_bytes`) and a checksum over what they do carry;
+- prompts are prefilled whole in one call (no chunking), and no turn-cache state is parked.
+
+`SimHost` holds many simulated workers in one process (`sim.workers_per_process`), so a fleet of
+hundreds fits in a few GiB; the control plane addresses each through a handle with the worker
+actor's methods (`raysched.workers.SimWorkerHandle`). Fault injection goes through the same seam
+as the real worker (`actors.faults.with_faults`); a simulated worker "dies" by raising
+`SimWorkerDied` from then on, its process and neighbours stay up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+import zlib
+from dataclasses import dataclass
+from typing import Any
+
+from actors.accounting import PageLedger, PoolLedger, SlotLedger
+from raysched.config import ServeConfig
+from raysched.messages import FaultPoint, PrefillItem, StepPlan, StepResult, Usage, WorkerInfo
+from raysched.sampling import SamplingParams
+
+MASK64 = (1 << 64) - 1
+NOMINAL_COPY_BYTES_PER_S = 10e9  # for the auto retract mode's cost model
+
+
+def mix64(x: int) -> int:
+    """SplitMix64's finalizer: a 64-bit integer hash."""
+    x = (x + 0x9E3779B97F4A7C15) & MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & MASK64
+    return x ^ (x >> 31)
+
+
+def initial_state(seed: int, request_id: str) -> int:
+    return mix64(seed ^ zlib.crc32(request_id.encode()))
+
+
+def draw(state: int, position: int, vocab_size: int) -> int:
+    """The token at `position` of a request whose state is `state`."""
+    return mix64(state ^ position) % vocab_size
+
+
+def advance(state: int, token: int) -> int:
+    """The state after feeding `token` (as a model's state folds in each token it reads)."""
+    return mix64(state ^ (token << 1) ^ 1)
+
+
+class SnapshotError(ValueError):
+    """A simulated snapshot cannot be restored here: another fleet, or corrupted bytes."""
+
+
+class SnapshotLost(Exception):
+    """The snapshot's object could not be read (`SimHost` resolves refs before the call)."""
+
+
+@dataclass(frozen=True)
+class SimSnapshot:
+    """A request's complete (simulated) state. `nbytes` is the nominal size a real snapshot of
+    this many cached tokens would have; `payload` is what the checksum covers."""
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    prompt_len: int
+    sampling: dict
+    fingerprint: str
+    payload: bytes  # the state digest and a digest of the tokens
+    checksum: int
+    nbytes: int
+
+    @property
+    def num_cached_tokens(self) -> int:
+        return len(self.token_ids) - 1
+
+
+@dataclass
+class SimSequence:
+    request_id: str
+    token_ids: list[int]
+    prompt_len: int
+    sampling: SamplingParams
+    state: int
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+
+@dataclass(frozen=True)
+class Lost:
+    """Stands in for a snapshot whose object could not be read (why)."""
+
+    reason: str
+
+
+class SimEngine:
+    """The engine's bookkeeping without a model: sequences, the pool ledger, pseudo-tokens."""
+
+    def __init__(self, config: ServeConfig) -> None:
+        sim, pool = config.sim, config.pool.resolve(config.sim.kv_bytes_per_token, config.sim.state_bytes)
+        self.sim = sim
+        self.seed = config.seed
+        self.pool = PoolLedger(PageLedger(pool.kv_tokens, pool.page_size), SlotLedger(pool.state_slots))
+        self.fingerprint = f"sim-v{sim.vocab_size}-s{config.seed}"
+        self.running: dict[str, SimSequence] = {}
+
+    def prefill(self, items: list[PrefillItem], out: StepResult) -> int:
+        """Start each item (history replayed into its state); returns the prompt tokens fed."""
+        fed = 0
+        for item in items:
+            if not self.pool.admit(item.request_id, len(item.token_ids)):
+                out.not_admitted.append(item.request_id)
+                continue
+            params = SamplingParams.from_dict(item.sampling)
+            seq = SimSequence(item.request_id, list(item.token_ids), item.prompt_len, params,
+                              initial_state(self.seed ^ params.seed, item.request_id))
+            for token in seq.token_ids[seq.prompt_len:]:  # a recompute: replay the outputs
+                seq.state = advance(seq.state, token)
+            self.running[seq.request_id] = seq
+            fed += len(item.token_ids)
+            self._sample(seq, out)
+        return fed
+
+    def decode(self, num_steps: int, out: StepResult | None = None) -> StepResult:
+        out = out if out is not None else StepResult()
+        for _ in range(num_steps):
+            for seq in list(self.running.values()):
+                if not self.pool.extend(seq.request_id, len(seq.token_ids)):
+                    if seq.request_id not in out.stalled:
+                        out.stalled.append(seq.request_id)
+                    continue
+                self._sample(seq, out)
+        return out
+
+    def _sample(self, seq: SimSequence, out: StepResult) -> None:
+        token = draw(seq.state, seq.num_generated, self.sim.vocab_size)
+        seq.state = advance(seq.state, token)
+        seq.token_ids.append(token)
+        out.new_tokens.setdefault(seq.request_id, []).append(token)
+        reason = "stop" if token in seq.sampling.stop_token_ids else (
+            "length" if seq.num_generated >= seq.sampling.max_new_tokens else None)
+        if reason is not None:
+            out.finished[seq.request_id] = reason
+            self.release(seq.request_id)
+
+    def release(self, request_id: str) -> None:
+        self.running.pop(request_id)
+        self.pool.release(request_id)
+
+    def snapshot(self, request_id: str) -> SimSnapshot:
+        """Take the request's state out and free its slots."""
+        seq = self.running[request_id]
+        payload = struct.pack("<QQ", seq.state, zlib.crc32(struct.pack(f"<{len(seq.token_ids)}q", *seq.token_ids)))
+        nbytes = (len(seq.token_ids) - 1) * self.sim.kv_bytes_per_token + self.sim.state_bytes
+        snap = SimSnapshot(request_id, tuple(seq.token_ids), seq.prompt_len, seq.sampling.to_dict(),
+                           self.fingerprint, payload, zlib.crc32(payload), nbytes)
+        self.release(request_id)
+        return snap
+
+    def restore(self, snap: SimSnapshot, request_id: str) -> bool:
+        """Put a snapshot's request back; False (nothing taken) if it does not fit."""
+        if snap.fingerprint != self.fingerprint:
+            raise SnapshotError(f"snapshot of fleet {snap.fingerprint!r}, this worker is {self.fingerprint!r}")
+        if zlib.crc32(snap.payload) != snap.checksum:
+            raise SnapshotError("snapshot checksum mismatch (corrupted payload)")
+        if not self.pool.admit(request_id, snap.num_cached_tokens, zero_state=False):
+            return False
+        state, _ = struct.unpack("<QQ", snap.payload)
+        self.running[request_id] = SimSequence(request_id, list(snap.token_ids), snap.prompt_len,
+                                               SamplingParams.from_dict(snap.sampling), state)
+        return True
+
+
+class SimWorker:
+    """A simulated worker: the interface of `actors.worker.Worker` (see the module doc)."""
+
+    def __init__(self, config: ServeConfig, index: int, node_id: str = "local") -> None:
+        self.index = index
+        self.config = config
+        self.node_id = node_id
+        self.engine = SimEngine(config)
+        self.last_step_ms = 0.0  # the modeled time of the last step call
+        self.dead = False
+
+    # ------------------------------------------------------------------ queries
+    def info(self) -> WorkerInfo:
+        sim = self.config.sim
+        prefill_tps = 1000.0 / sim.prefill_ms_per_token if sim.prefill_ms_per_token else 1e9
+        return WorkerInfo(self.index, self.node_id, "sim", self.engine.fingerprint, sim.vocab_size,
+                          sim.max_context, self.usage(), sim.kv_bytes_per_token, sim.state_bytes,
+                          NOMINAL_COPY_BYTES_PER_S, prefill_tps)
+
+    def usage(self) -> Usage:
+        return self.engine.pool.usage()
+
+    def running_ids(self) -> list[str]:
+        return sorted(self.engine.running)
+
+    def is_idle(self) -> bool:
+        return not self.engine.running and self.engine.pool.is_empty()
+
+    # ------------------------------------------------------------------ commands
+    def retract(self, request_id: str) -> SimSnapshot:
+        return self.engine.snapshot(request_id)
+
+    def retract_pending(self, request_id: str, fault: FaultPoint | None = None) -> tuple[SimSnapshot, int]:
+        snap = self.retract(request_id)
+        return snap, snap.nbytes
+
+    def step(self, plan: StepPlan, *snapshots: Any) -> StepResult:
+        """Drop, resume, prefill (whole prompts), decode; `last_step_ms` is the modeled time."""
+        result = StepResult()
+        for rid in plan.drop:
+            if rid in self.engine.running:
+                self.engine.release(rid)
+        for rid, snap in zip(plan.resume, snapshots[:len(plan.resume)]):
+            if self._restore_one(plan, rid, snap, result) is False:
+                result.not_admitted.append(rid)
+        fed = self.engine.prefill(list(plan.prefill), result)
+        rows = len(self.engine.running)
+        if plan.decode_steps:
+            self._decode(plan, result)
+        self.last_step_ms = self.config.sim.step_ms(fed, plan.decode_steps, rows)
+        result.allocated = {rid: self.engine.pool.kv.num_request_tokens(rid) for rid in self.engine.running}
+        result.usage = self.usage()
+        result.busy_s = self.last_step_ms / 1000.0
+        return result
+
+    def take_parked(self, keys: list[tuple[str, str]]) -> Any:
+        raise KeyError(f"a simulated worker parks no states; asked for {keys}")
+
+    # ------------------------------------------------------------------ hooks (see actors.faults)
+    def _decode(self, plan: StepPlan, result: StepResult | None = None) -> StepResult:
+        return self.engine.decode(plan.decode_steps, result)
+
+    def _restore_one(self, plan: StepPlan, rid: str, snap: Any, result: StepResult) -> bool | None:
+        return result.record_restore(rid, lambda: self.engine.restore(_fetch(snap), rid), SnapshotError, SnapshotLost)
+
+    def _zero_state(self, rid: str) -> None:
+        self.engine.running[rid].state = 0
+
+    def _die_at(self, fault: FaultPoint | None, kind: str) -> None:
+        """A simulated worker dies alone: it raises now and on every later call."""
+        if fault is not None and fault.kind == kind:
+            self.dead = True
+            raise SimWorkerDied(f"fault injection: {kind}: simulated worker {self.index} died")
+
+
+class SimWorkerDied(RuntimeError):
+    """A simulated worker was killed (fault injection); its calls fail from then on."""
+
+
+def _fetch(snap: Any) -> SimSnapshot:
+    if isinstance(snap, Lost):
+        raise SnapshotLost(snap.reason)
+    if isinstance(snap, list):  # an unresolved nested ref (in-process use passes snapshots)
+        snap = snap[0]
+    if not isinstance(snap, SimSnapshot):
+        raise SnapshotError(f"not a simulated snapshot: {type(snap).__name__}")
+    return snap
+
+
+class SimHost:
+    """Many simulated workers in one (async actor) process. Every call names its worker and its
+    sequence number (the order the scheduler sent it in); calls to one worker run one at a time,
+    in that order, and a step call holds the worker's turn for its modeled time."""
+
+    def __init__(self, config: ServeConfig, node_id: str = "local") -> None:
+        self.config = config
+        self.node_id = node_id
+        self.workers: dict[int, SimWorker] = {}
+        self._turn: dict[int, int] = {}
+        self._changed = asyncio.Condition()
+
+    async def add(self, index: int) -> None:
+        from actors.faults import needs_faults, with_faults
+
+        cls = with_faults(SimWorker) if needs_faults(self.config) else SimWorker
+        async with self._changed:
+            self.workers[index] = cls(self.config, index, self.node_id)
+            self._turn[index] = 0
+            self._changed.notify_all()
+
+    async def call(self, index: int, seq: int, method: str, *args: Any) -> Any:
+        """Run worker `index`'s `method` as call number `seq` (snapshot refs among a step's
+        arguments are read first, outside the turn)."""
+        if method == "step":
+            args = (args[0], *[await _resolve(s) for s in args[1:]])
+        async with self._changed:
+            await self._changed.wait_for(lambda: self._turn.get(index) == seq)
+        try:
+            worker = self.workers[index]
+            if worker.dead:
+                raise SimWorkerDied(f"simulated worker {index} was killed")
+            out = getattr(worker, method)(*args)
+            if method == "step" and worker.last_step_ms:
+                await asyncio.sleep(worker.last_step_ms / 1000.0)
+            if worker.dead:  # killed while the call was running: no reply
+                raise SimWorkerDied(f"simulated worker {index} was killed")
+            return out
+        finally:
+            async with self._changed:
+                self._turn[index] = seq + 1
+                self._changed.notify_all()
+
+    def kill(self, index: int) -> None:
+        self.workers[index].dead = True
+
+
+async def _resolve(snap: Any) -> Any:
+    """A step's snapshot argument read here: `[ref]` -> the object, or `Lost` if unreadable."""
+    if not isinstance(snap, list):
+        return snap
+    try:
+        return await snap[0]
+    except Exception as err:  # its node died with it, or its retraction failed
+        return Lost(type(err).__name__)

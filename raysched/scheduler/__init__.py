@@ -1,0 +1,32 @@
+"""The scheduler: one Ray actor (`Scheduler`, a thin facade) over parts with one job each.
+
+    actor.py       the actor facade: builds the parts, hands each call to its owner
+    table.py       the request table: submit, validate, wait, stream, abort, forget
+    dispatch.py    the dispatch-and-apply loop: one task per worker, decide -> call -> apply
+    retraction.py  the retraction ledger: retract mode, snapshot budget, bytes in flight
+    recovery.py    starting workers, worker failure, replacement, a restarted scheduler
+    turn_cache.py  the turn-cache glue around each call (`state_cache.py`: the cache itself)
+    fleet.py       the workers as the scheduler sees them (handles, facts, pool mirrors)
+    planner.py     pure decisions: victims, resumes, admissions, decode steps
+    policy.py      pure policy: victim order, retract-mode cost model
+    faults.py      fault injection, the one seam
+    heap.py        keeps a long-lived process's heap from hoarding freed memory
+
+Every part but `actor.py` runs without Ray (worker handles are opaque), so each has unit tests
+that build it directly (tests/test_scheduler_parts.py).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {"Scheduler": "raysched.scheduler.actor", "WorkerSlot": "raysched.scheduler.fleet"}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    """`Scheduler` and `WorkerSlot`, imported on first use (the pure parts need no Ray)."""
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'raysched.scheduler' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

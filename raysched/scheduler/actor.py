@@ -1,0 +1,215 @@
+"""The scheduler actor: a thin facade over the parts of `raysched.scheduler`.
+
+One async Ray actor, the single authority over requests and workers. It builds the parts and
+hands each call to the one that owns it:
+
+- `table.RequestTable`: submit, validate, wait, stream, abort, forget;
+- `dispatch.Dispatcher`: one loop per worker (decide, call, apply);
+- `retraction.RetractionLedger`: retract modes, the snapshot budget, bytes in flight;
+- `recovery.Recovery`: starting workers, worker failure, replacement, restart;
+- `turn_cache.TurnCacheGlue`: the turn cache around each call;
+- `faults.FaultSeam`: fault injection, the one seam;
+- `planner` / `policy`: pure decisions.
+
+Torch is never imported here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import sys
+
+import ray
+
+from raysched.config import ServeConfig
+from raysched.ray_compat import inline_return_bytes, object_store_stats
+from raysched.sampling import SamplingParams
+from raysched.scheduler.dispatch import Dispatcher
+from raysched.scheduler.faults import FaultSeam
+from raysched.scheduler.fleet import Fleet, WorkerSlot
+from raysched.scheduler.heap import release_freed_memory
+from raysched.scheduler.recovery import Recovery, was_restarted
+from raysched.scheduler.retraction import RetractionLedger
+from raysched.scheduler.state_cache import StateCache
+from raysched.scheduler.table import Limits, RequestTable, validate_generated
+from raysched.scheduler.turn_cache import TurnCacheGlue
+from raysched.stats import Counters
+from raysched.tokenizer import require_tokenizer
+from raysched.workers import kill_worker, release_workers
+
+
+class Scheduler:
+    def __init__(self, config: ServeConfig) -> None:
+        release_freed_memory()  # a long-lived process: keep its heap from hoarding freed blocks
+        self.restarted = was_restarted()  # by Ray (max_restarts) after this actor's process died
+        if self.restarted:  # a rehearsed fault fires once per deployment, not again after the restart
+            config = dataclasses.replace(config, faults=())
+        self.config = config
+        self.counters = Counters()
+        self.table = RequestTable(self.counters, f"req-r{os.getpid()}-" if self.restarted else "req-")
+        self.fleet = Fleet()
+        self.faults = FaultSeam(config.faults, kill=kill_worker)
+        self.ledger = RetractionLedger(config.scheduler, self.table, self.fleet, self.counters, self.faults)
+        self.turn_cache = TurnCacheGlue(_state_cache(config), self.table, self.counters)
+        self.recovery = Recovery(config, self.table, self.fleet, self.counters, on_added=self._start_loop)
+        self.dispatch = Dispatcher(config, self.table, self.fleet, self.counters, self.ledger, self.turn_cache,
+                                   self.recovery, self.faults)
+        self._start_task: asyncio.Task | None = None
+
+    # the tables other code reads (tests, introspection)
+    @property
+    def requests(self) -> dict:
+        return self.table.requests
+
+    @property
+    def waiting(self):
+        return self.table.waiting
+
+    @property
+    def retracted(self):
+        return self.table.retracted
+
+    @property
+    def workers(self) -> list[WorkerSlot]:
+        return self.fleet.slots
+
+    # ================================================================== lifecycle
+    async def start(self) -> list[dict]:
+        """Start the worker actors and their loops, once (the creator calls it; a restarted
+        scheduler calls it itself on its first submit); returns one line of facts per worker."""
+        if self._start_task is None:
+            self._start_task = asyncio.get_running_loop().create_task(self._start_workers())
+        await asyncio.shield(self._start_task)
+        return [w.line() for w in self.fleet.slots]
+
+    async def _start_workers(self) -> None:
+        await self.recovery.start_workers()
+        self.fleet.node_id = ray.get_runtime_context().get_node_id()
+        store = _local_object_store_bytes()
+        if self.turn_cache.cache is not None and self.config.state_cache.budget_bytes is None:
+            self.turn_cache.cache.budget_bytes = store // 4
+        if self.config.scheduler.snapshot_budget_bytes is None:
+            self.ledger.budget_bytes = store // 2
+
+    def _start_loop(self, w: WorkerSlot) -> None:
+        self.dispatch.start_loop(w)
+
+    async def describe(self) -> dict:
+        """The config this scheduler serves and its live workers (for `raysched.connect`)."""
+        return {"config": self.config, "workers": [w.line() for w in self.fleet.alive()]}
+
+    async def shutdown(self) -> None:
+        self.recovery.closing = True
+        for w in self.fleet.slots:
+            w.event.set()
+            if w.task:
+                w.task.cancel()
+        for r in self.table.requests.values():
+            r.snapshot_ref = None
+        self.turn_cache.clear()
+        release_workers([w.handle for w in self.fleet.slots])
+
+    # ================================================================== client API
+    async def submit(self, prompt_ids: list[int], sampling: dict | None = None,
+                     request_id: str | None = None, priority: int = 0) -> str:
+        """Validate and queue a request; returns its id. Bad input raises RequestError at once.
+        `priority`: lower is more urgent; the waiting queue is kept in priority order."""
+        self.table.raise_if_fatal()
+        if self.restarted:
+            await self.start()
+        req = self.table.submit(prompt_ids, sampling, self._limits(), request_id, priority)
+        if req.sampling.stop:  # stop strings are matched here, on the text, as tokens arrive
+            req.text_stream = require_tokenizer(self.config.model).text_stream(req.sampling.stop)
+        self.fleet.notify()
+        return req.request_id
+
+    async def resubmit(self, prompt_ids: list[int], sampling: dict, request_id: str,
+                       generated: list[int], priority: int = 0) -> str:
+        """A request submitted to this scheduler before it died (Ray restarted it), with the
+        tokens the client had received. It resumes by recompute from prompt + those tokens, ahead
+        of new admissions; the counter-based sampler continues at draw number len(generated), so
+        the tokens that follow are the ones the request would have had."""
+        if self.restarted:
+            await self.start()
+        validate_generated(generated, SamplingParams.from_dict(sampling or {}), self._limits().vocab_size)
+        rid = await self.submit(prompt_ids, sampling, request_id, priority)
+        self.counters.resubmitted += 1
+        if generated:
+            self.table.continue_from(self.table.requests[rid], generated)
+            self.counters.resubmitted_tokens += len(generated)
+        return rid
+
+    async def abort(self, request_id: str, forget: bool = False) -> bool:
+        """Abort a request at any stage; False if it had already ended. `forget`: also move it
+        out of the live tables (as `wait` would; the record stays readable for a while), for a
+        caller that will not read it, such as an HTTP handler whose client went away."""
+        req = self.table.requests.get(request_id)
+        aborted = self.table.abort(request_id) is not None
+        if forget and req is not None:
+            self.table.forget(req)
+        return aborted
+
+    async def wait(self, request_id: str, timeout: float | None = None) -> dict:
+        """Wait for the request to end; returns its record and forgets it."""
+        return await self.table.wait(request_id, timeout)
+
+    async def next_tokens(self, request_id: str, cursor: int) -> tuple[list[int], bool]:
+        """Tokens generated after `cursor` (waits for at least one unless the request ended)."""
+        return await self.table.next_tokens(request_id, cursor)
+
+    def _limits(self) -> Limits:
+        info = self.fleet.slots[0].info
+        return Limits(info.vocab_size, info.max_context, self.fleet.largest_pool_tokens())
+
+    # ================================================================== introspection
+    async def stats(self, detail: bool = False) -> dict:
+        """Counters, table sizes, per-worker room, faults fired; with `detail`, the scheduler's RSS,
+        whether its process has loaded torch, and the object store's spill counters too."""
+        d = self.counters.summary(self._table_sizes(), [w.view for w in self.fleet.slots])
+        d["snapshot_bytes_held"] = self.ledger.held_bytes()
+        d["snapshot_budget_bytes"] = self.ledger.budget_bytes
+        d["workers_alive"] = len(self.fleet.alive())
+        d.update(self.turn_cache.stats())
+        d["faults_fired"] = list(self.faults.fired)
+        d["scheduler_restarted"] = self.restarted
+        if detail:
+            d["scheduler_rss_bytes"] = rss_bytes()
+            d["scheduler_torch_loaded"] = "torch" in sys.modules  # the control plane must stay torch-free
+            d.update(object_store_stats())
+        return d
+
+    async def timeline(self) -> list[tuple]:
+        """(t_s, worker, kv_used_fraction, state_slots_used, new_tokens) per worker call."""
+        return self.counters.timeline_rows()
+
+    def _table_sizes(self) -> dict:
+        return self.table.sizes(running=sum(len(w.view.running) for w in self.fleet.slots))
+
+    async def check_idle(self) -> dict:
+        """Every worker's pool empty and every table empty? (for tests and the run summary)"""
+        idle = await asyncio.gather(*[w.handle.is_idle.remote() for w in self.fleet.alive()])
+        return {"workers_idle": all(idle), "tables": self._table_sizes()}
+
+
+def _state_cache(config: ServeConfig) -> StateCache | None:
+    cfg = config.state_cache
+    if not cfg.enabled:
+        return None
+    return StateCache(cfg.budget_bytes or 0, cfg.min_tokens, cfg.inline_budget_bytes, inline_return_bytes())
+
+
+def rss_bytes() -> int:
+    """This process's resident set size."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _local_object_store_bytes() -> int:
+    """Capacity of the object store on this (the scheduler's) node."""
+    here = ray.get_runtime_context().get_node_id()
+    for node in ray.nodes():
+        if node.get("NodeID") == here:
+            return int(node.get("Resources", {}).get("object_store_memory", 0))
+    return int(ray.cluster_resources().get("object_store_memory", 0))

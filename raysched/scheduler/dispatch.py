@@ -1,0 +1,249 @@
+"""The dispatch-and-apply loop: one asyncio task per worker, plan -> call -> apply.
+
+    decide (pure, `planner.plan_step`)  ->  retract victims + step call  ->  apply the result
+
+so a slow worker never blocks the others, and client calls get through between awaits. A
+pure-decode call whose successor needs no decision is followed at once by that successor (the
+call is *pipelined*: the worker never waits for the scheduler); forced retraction (a testing
+switch) does not turn this off. Applying a result adds tokens to the requests, ends those that
+finished, puts back those that did not fit, and hands over to the turn-cache glue; a failed call
+goes to recovery.
+
+No Ray import: worker handles are opaque (`handle.step.remote(...)` returns an awaitable).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+from raysched.config import ServeConfig
+from raysched.messages import SNAPSHOT_LOST, PrefillItem, StepPlan, StepResult
+from raysched.request import Request, State
+from raysched.scheduler.faults import FaultSeam
+from raysched.scheduler.fleet import Fleet, WorkerSlot
+from raysched.scheduler.planner import Decision, decode_need, plan_step
+from raysched.scheduler.recovery import Recovery
+from raysched.scheduler.retraction import RetractionLedger
+from raysched.scheduler.table import RequestTable
+from raysched.scheduler.turn_cache import TurnCacheGlue
+from raysched.stats import Counters
+
+log = logging.getLogger("raysched.scheduler")
+
+
+class Dispatcher:
+    def __init__(self, config: ServeConfig, table: RequestTable, fleet: Fleet, counters: Counters,
+                 ledger: RetractionLedger, cache: TurnCacheGlue, recovery: Recovery, faults: FaultSeam) -> None:
+        self.config = config
+        self.table = table
+        self.fleet = fleet
+        self.counters = counters
+        self.ledger = ledger
+        self.cache = cache
+        self.recovery = recovery
+        self.faults = faults
+
+    # ------------------------------------------------------------------ loop
+    def start_loop(self, w: WorkerSlot) -> None:
+        w.task = asyncio.get_running_loop().create_task(self.run(w))
+
+    async def run(self, w: WorkerSlot) -> None:
+        """Worker `w`'s loop, until the scheduler closes or the worker is retired."""
+        try:
+            while not self.recovery.closing and w.alive:
+                t0 = time.perf_counter()
+                decision = self.decide(w)
+                if decision.is_empty():
+                    await self.sleep(w)
+                    continue
+                await self.execute(w, decision, t0)
+        except asyncio.CancelledError:
+            pass
+        except Exception as err:  # a bug in the scheduler itself: fail loudly, do not hang clients
+            log.exception("worker loop %d crashed", w.index)
+            self.table.fail(f"scheduler loop for worker {w.index} crashed: {err!r}")
+
+    async def sleep(self, w: WorkerSlot) -> None:
+        """Nothing to do for `w`: wait until `Fleet.notify` wakes it."""
+        w.event.clear()
+        self.fleet.idle[w.index] = w
+        try:
+            await w.event.wait()
+        finally:
+            self.fleet.idle.pop(w.index, None)
+
+    def decide(self, w: WorkerSlot) -> Decision:
+        """The planner's decision for `w`'s next call (takes requests off the queues). The other
+        workers are looked at only when something waits for admission (where it goes, and
+        whether it could fit elsewhere before preempting)."""
+        waiting = self.table.waiting
+        best_elsewhere = self.fleet.best_room_except(w) if waiting else -1.0
+        others = tuple(o.view for o in self.fleet.others(w)) if waiting and self.config.scheduler.preemption else ()
+        reserve = self.config.scheduler.admission == "reserve"
+        decision = plan_step(w.view, waiting, self.table.retracted, self.config.scheduler,
+                             best_elsewhere, reserve, others)
+        self.counters.preemptions += decision.preempted
+        if decision.forced_round:
+            w.view.forced_round = decision.forced_round
+        return decision
+
+    # ------------------------------------------------------------------ call
+    async def execute(self, w: WorkerSlot, decision: Decision, t0: float | None = None) -> None:
+        """Send `decision` to `w` (retractions, the step call, maybe a pipelined successor),
+        await the replies, and apply them. `t0`: when the decision began (its latency is counted)."""
+        self.faults.before_call(w, self.fleet)
+        snap_victims, drop = self.ledger.take_victims(w, decision)
+        resume_snap = [r for r in decision.resume if not r.recompute]
+        cross_node = self.fleet.cross_node(resume_snap[0], w) if resume_snap else None
+        self.mark_running(w, decision.resume + decision.admit)
+        prefixes = self.cache.prefix_hits(decision.admit)
+        step = self.step_plan(w, decision, drop, resume_snap, [r for r, _ in prefixes], cross_node)
+        retract_calls = [self.ledger.send(w, r) for r in snap_victims]  # queued: others may resume them
+        step_refs = [w.handle.step.remote(step, *[[r.snapshot_ref] for r in resume_snap],
+                                          *[[e.ref] for _, e in prefixes])]
+        self.ledger.count_resume_bytes(w, resume_snap)
+        if self.can_pipeline(w, decision):  # the worker never waits for us
+            step_refs.append(w.handle.step.remote(self.successor_plan(w, decision.decode_steps)))
+            self.counters.pipelined_calls += 1
+        w.view.calls += len(step_refs)
+        if t0 is not None:
+            self.counters.decision_s.append(time.perf_counter() - t0)
+        self.apply(w, decision, await settled(step_refs[0]), resume_snap)  # its tokens go out now,
+        if len(step_refs) == 2:  # while the pipelined call runs
+            self.apply(w, Decision(decode_steps=decision.decode_steps), await settled(step_refs[1]), [])
+        sizes = await asyncio.gather(*[call[1] for call in retract_calls], return_exceptions=True)
+        self.ledger.on_sizes(w, snap_victims, retract_calls, sizes)
+        self.fleet.notify()
+
+    def step_plan(self, w: WorkerSlot, decision: Decision, drop: list[str], resume_snap: list[Request],
+                  prefixed: list[Request], cross_node: bool | None) -> StepPlan:
+        """The message for `w`: drop, resume these snapshots, prefill the rest, decode."""
+        prefill = [prefill_item(r) for r in decision.resume if r.recompute] + [prefill_item(r) for r in decision.admit]
+        cfg = self.config.scheduler
+        return StepPlan(drop=tuple(drop), resume=tuple(r.request_id for r in resume_snap), prefill=tuple(prefill),
+                        decode_steps=decision.decode_steps, prefix=tuple(r.request_id for r in prefixed),
+                        park_min_tokens=self.cache.park_min_tokens(),
+                        fault=self.faults.step_point(w, w.view.calls, decision.decode_steps, cross_node),
+                        prefill_chunk_tokens=cfg.prefill_chunk_tokens, prefill_budget_tokens=cfg.prefill_budget_tokens)
+
+    def successor_plan(self, w: WorkerSlot, decode_steps: int) -> StepPlan:
+        """The pipelined call: decode on, nothing else."""
+        cfg = self.config.scheduler
+        return StepPlan(decode_steps=decode_steps, park_min_tokens=self.cache.park_min_tokens(),
+                        fault=self.faults.step_point(w, w.view.calls + 1, decode_steps, None, pipelined=True),
+                        prefill_chunk_tokens=cfg.prefill_chunk_tokens, prefill_budget_tokens=cfg.prefill_budget_tokens)
+
+    def can_pipeline(self, w: WorkerSlot, decision: Decision) -> bool:
+        """Whether the call after this one needs no decision: nothing new starts on `w` (so
+        whatever waits could not start here now either: no room, or another worker has more),
+        and the running requests have room for twice the steps. The worker then never waits for
+        the scheduler between the two calls."""
+        if decision.resume or decision.admit:
+            return False
+        return decode_need(w.view, w.view.running, 2 * decision.decode_steps) <= w.view.free_tokens
+
+    def mark_running(self, w: WorkerSlot, reqs: list[Request]) -> None:
+        for r in reqs:
+            if r.state is State.RETRACTED:
+                self.counters.on_resume(r.recompute, migrated=bool(r.workers) and r.workers[-1] != w.index,
+                                        cross_node=self.fleet.cross_node(r, w))
+            r.state, r.worker = State.RUNNING, w.index
+            r.workers.append(w.index)
+            w.view.running.append(r)
+
+    # ------------------------------------------------------------------ apply
+    def apply(self, w: WorkerSlot, decision: Decision, result: Any, resumed: list[Request]) -> None:
+        """Apply one step call's reply (a `StepResult`, or the exception the call raised)."""
+        if isinstance(result, BaseException):
+            self.recovery.on_worker_failure(w, result)
+            for r in resumed:  # their snapshots were not consumed: resume from them elsewhere
+                r.recompute = r.snapshot_ref is None
+            self.cache.forget_lookups(decision.admit)
+            return
+        now = time.monotonic()
+        assert isinstance(result, StepResult)
+        update_view(w, result)
+        self.fleet.note_room(w)
+        self.add_tokens(w, result, now)
+        self.cache.on_result(w, decision, result)
+        for r in resumed:
+            if r.request_id not in result.not_admitted and r.request_id not in result.resume_failed:
+                r.snapshot_ref = None  # restored: release the object
+        self.put_back(w, result)
+        for rid, reason in result.finished.items():
+            req = self.table.requests.get(rid)
+            if req is not None and req.state is State.RUNNING:
+                self.finish(req, State.FINISHED, reason)
+        self.counters.on_step(w.index, result, now)
+
+    def add_tokens(self, w: WorkerSlot, result: StepResult, now: float) -> None:
+        for rid, toks in result.new_tokens.items():
+            req = self.table.requests.get(rid)
+            if req is not None and req.state is State.RUNNING:
+                toks = cut_at_stop_string(req, toks)
+                req.add_tokens(toks, now)
+                self.counters.tokens += len(toks)
+                self.table.notify(rid)
+                if req.text_stream is not None and req.text_stream.stopped is not None:
+                    self.finish(req, State.FINISHED, "stop", worker_holds=True)
+
+    def put_back(self, w: WorkerSlot, result: StepResult) -> None:
+        """Resumes and prefills that did not fit go back to the head of their queue."""
+        for rid, why in result.resume_failed.items():
+            req = self.table.requests.get(rid)
+            if why.startswith(SNAPSHOT_LOST):  # its node died with it, or its retraction failed
+                log.warning("%s of %s on worker %d; recomputing it instead", why, rid, w.index)
+                self.counters.snapshots_lost += 1
+                self.counters.recovered += 1
+            else:
+                log.warning("snapshot of %s refused on worker %d (%s); recomputing it instead", rid, w.index, why)
+                self.counters.snapshots_refused += 1
+            if req is not None and req.state is State.RUNNING:  # not aborted while in flight
+                req.snapshot_ref, req.recompute = None, True
+                self.table.unrun(req, w.view)
+        for rid in result.not_admitted:
+            req = self.table.requests.get(rid)
+            if req is not None and req.state is State.RUNNING:  # an aborted one stays ended
+                self.table.unrun(req, w.view)
+
+    def finish(self, req: Request, state: State, reason: str, worker_holds: bool = False) -> None:
+        """End a request. One the worker still holds (aborted, or stopped by a stop string) stays
+        in the worker's view until the next call drops it."""
+        if req.worker is not None and not worker_holds and state is not State.ABORTED:
+            view = self.fleet.slots[req.worker].view
+            if req in view.running:
+                view.running.remove(req)
+        self.table.finish(req, state, reason)
+
+
+async def settled(ref: Any) -> Any:
+    """A call's reply, or the exception it raised."""
+    try:
+        return await ref
+    except Exception as err:
+        return err
+
+
+def update_view(w: WorkerSlot, result: StepResult) -> None:
+    """The worker's pools as its reply reports them (ground truth)."""
+    u = result.usage
+    w.view.free_tokens, w.view.free_slots = u.kv_free_tokens, u.state_free_slots
+    w.view.allocated = dict(result.allocated)
+
+
+def cut_at_stop_string(req: Request, tokens: list[int]) -> list[int]:
+    """The new tokens up to the one that completes a stop string (all of them if none does)."""
+    if req.text_stream is None:
+        return tokens
+    req.text_stream.add(tokens)
+    if req.text_stream.stopped is None:
+        return tokens
+    return tokens[:req.text_stream.num_tokens - req.num_generated]
+
+
+def prefill_item(r: Request) -> PrefillItem:
+    return PrefillItem(r.request_id, r.token_ids, len(r.prompt_ids), r.sampling.to_dict())
+

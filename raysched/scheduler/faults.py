@@ -1,0 +1,143 @@
+"""Fault injection, the scheduler's one seam: which fault of the `faults:` config fires at which
+call, and carrying it out (torch-free).
+
+`FaultSeam` is the only place the dispatcher meets fault injection: before each worker call it
+asks `before_call` (faults between calls, carried out here: kill an actor, kill a node's actors,
+end this process, or mark the worker's next snapshot to be corrupted), then `step_point` /
+`retract_point` for the `FaultPoint` a call carries to the worker (data: the worker's process
+exits there; see `actors.faults`). Faults never change what the scheduler plans (pipelining
+included). With no faults configured every answer is empty.
+
+`FaultInjector` is the pure part (which fault is due at which call):
+
+    injector = FaultInjector(config.faults)
+    for fault in injector.due_between_calls(worker=0, call=7, scheduler_calls=12): ...
+    point = injector.in_step(worker=0, call=7, decode_steps=4, resume_cross_node=None, pipelined=False)
+    plan = StepPlan(..., fault=point)
+    injector.fired   # one record per fault fired: kind, worker, call, pipelined, cross_node, requests
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import logging
+import os
+from typing import Any, Callable
+
+from raysched.config import FaultSpec
+from raysched.messages import FaultPoint
+
+log = logging.getLogger("raysched.scheduler")
+
+BETWEEN_CALLS = ("kill_worker", "remove_node", "corrupt_snapshot", "kill_scheduler")
+
+
+class FaultInjector:
+    def __init__(self, faults: tuple[FaultSpec, ...]) -> None:
+        self.faults = faults
+        self.fired: list[dict] = []
+        self._done: set[int] = set()
+
+    def due_between_calls(self, worker: int, call: int, scheduler_calls: int) -> list[FaultSpec]:
+        """Faults the scheduler carries out now, before `worker`'s call number `call`
+        (`scheduler_calls`: the calls made to all workers so far, which a fault without a
+        worker, a kill_scheduler, counts)."""
+        due = [(i, f) for i, f in self._armed(worker, call, scheduler_calls) if f.kind in BETWEEN_CALLS]
+        return [self._fire(i, f, call) for i, f in due]
+
+    def in_step(self, worker: int, call: int, decode_steps: int, resume_cross_node: bool | None,
+                pipelined: bool, requests: tuple[str, ...] = ()) -> FaultPoint | None:
+        """The fault point of step call number `call`, if one is due there. `resume_cross_node`:
+        whether the call's first snapshot resume comes from another node (None: it has none)."""
+        for i, f in self._armed(worker, call):
+            if (f.kind == "kill_in_step" and decode_steps > 0 and (pipelined or not f.pipelined)) or (
+                    f.kind == "kill_in_restore" and resume_cross_node is not None
+                    and (resume_cross_node or not f.cross_node)):
+                self._fire(i, f, call, pipelined=pipelined, cross_node=resume_cross_node, requests=requests)
+                return FaultPoint(f.kind, f.after_decode_steps)
+        return None
+
+    def in_retract(self, worker: int, call: int, request_id: str) -> FaultPoint | None:
+        """The fault point of a retract call sent with step call number `call`, if one is due."""
+        for i, f in self._armed(worker, call):
+            if f.kind == "kill_in_retract":
+                self._fire(i, f, call, requests=(request_id,))
+                return FaultPoint(f.kind)
+        return None
+
+    def _armed(self, worker: int, call: int, scheduler_calls: int | None = None) -> Iterator[tuple[int, FaultSpec]]:
+        for i, f in enumerate(self.faults):
+            if i in self._done:
+                continue
+            if f.worker is None:  # the scheduler's own fault: counts its calls to all workers
+                if scheduler_calls is not None and scheduler_calls >= f.after_steps:
+                    yield i, f
+            elif f.worker == worker and call >= f.after_steps:
+                yield i, f
+
+    def _fire(self, i: int, fault: FaultSpec, call: int, pipelined: bool = False,
+              cross_node: bool | None = None, requests: tuple[str, ...] = ()) -> FaultSpec:
+        self._done.add(i)
+        self.fired.append({"kind": fault.kind, "worker": fault.worker, "call": call, "pipelined": pipelined,
+                           "cross_node": cross_node, "requests": list(requests)})
+        return fault
+
+
+class FaultSeam:
+    """Fault injection as the dispatcher sees it. `kill(handle)` ends an actor (Ray's `kill`, or
+    a fake in tests); `exit_process` ends the scheduler's process (kill_scheduler)."""
+
+    def __init__(self, faults: tuple[FaultSpec, ...], kill: Callable[[Any], None],
+                 exit_process: Callable[[], None] | None = None) -> None:
+        self.injector = FaultInjector(faults)
+        self._kill = kill
+        self._exit_process = exit_process or exit_scheduler_process
+        self._corrupt_next: set[int] = set()  # workers whose next snapshot gets a flipped byte
+
+    @property
+    def fired(self) -> list[dict]:
+        return self.injector.fired
+
+    def before_call(self, w: Any, fleet: Any) -> None:
+        """Carry out the faults due before worker `w`'s next call (`w.view.calls`)."""
+        scheduler_calls = sum(x.view.calls for x in fleet.slots)
+        for fault in self.injector.due_between_calls(w.index, w.view.calls, scheduler_calls):
+            log.warning("fault injection: %s on worker %d after %d calls", fault.kind, w.index, w.view.calls)
+            if fault.kind == "kill_worker":
+                self._kill(w.handle)
+            elif fault.kind == "remove_node":
+                for other in fleet.alive():
+                    if other.info.node_id == w.info.node_id:
+                        self._kill(other.handle)
+            elif fault.kind == "kill_scheduler":
+                self._exit_process()
+            else:
+                self._corrupt_next.add(w.index)
+
+    def step_point(self, w: Any, call: int, decode_steps: int, resume_cross_node: bool | None,
+                   pipelined: bool = False) -> FaultPoint | None:
+        """The fault point step call number `call` of `w` carries, if one is due (logged)."""
+        point = self.injector.in_step(w.index, call, decode_steps, resume_cross_node, pipelined,
+                                      tuple(r.request_id for r in w.view.running))
+        if point is not None:
+            log.warning("fault injection: %s sent to worker %d in call %d%s", point.kind, w.index, call,
+                        " (pipelined)" if pipelined else "")
+        return point
+
+    def retract_point(self, w: Any, request_id: str) -> FaultPoint | None:
+        """The fault point of a retract call sent now: a kill inside it, or a flipped byte."""
+        point = self.injector.in_retract(w.index, w.view.calls, request_id)
+        if point is None and w.index in self._corrupt_next:
+            self._corrupt_next.discard(w.index)
+            point = FaultPoint("corrupt_snapshot")
+        if point is not None:
+            log.warning("fault injection: %s sent to worker %d retracting %s", point.kind, w.index, request_id)
+        return point
+
+
+def exit_scheduler_process() -> None:
+    """Fault injection (kill_scheduler): end this process on the spot, as a crash would."""
+    log.error("fault injection: kill_scheduler: scheduler process %d exits", os.getpid())
+    logging.shutdown()
+    os._exit(1)

@@ -1,0 +1,111 @@
+"""The workers the scheduler owns, as it sees them (no Ray calls here: handles are opaque).
+
+One `WorkerSlot` per worker actor: its handle, the facts it reported at start (`WorkerInfo`),
+the scheduler's mirror of its pools (`WorkerView`, ground truth after each call), whether it is
+alive, and the event its dispatch loop sleeps on. `Fleet` is the list of them plus the questions
+several parts ask about the whole set (which node, how much room, any alive).
+
+    fleet = Fleet()
+    slot = fleet.add(handle, info)      # the dispatcher starts a loop for it
+    fleet.notify()                      # wake every loop: there may be work
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+from dataclasses import dataclass, field
+from typing import Any
+
+from raysched.messages import WorkerInfo
+from raysched.request import Request
+from raysched.scheduler.planner import WorkerView
+
+
+@dataclass
+class WorkerSlot:
+    """One worker actor: handle, facts, pool mirror, liveness, and its loop's wake-up event."""
+
+    index: int
+    handle: Any
+    info: WorkerInfo
+    view: WorkerView
+    alive: bool = True
+    event: asyncio.Event = field(default_factory=asyncio.Event)
+    task: asyncio.Task | None = None
+
+    @classmethod
+    def from_info(cls, handle: Any, info: WorkerInfo) -> WorkerSlot:
+        u = info.usage
+        view = WorkerView(info.index, u.kv_free_tokens, u.state_free_slots, u.kv_total_tokens,
+                          u.state_total_slots, u.page_size)
+        return cls(info.index, handle, info, view)
+
+    def line(self) -> dict:
+        """One line of facts (what `Scheduler.start` and `describe` return per worker)."""
+        return {"worker": self.index, "node": self.info.node_id, "device": self.info.device,
+                "kv_tokens": self.info.usage.kv_total_tokens, "state_slots": self.info.usage.state_total_slots,
+                "vocab_size": self.info.vocab_size, "max_context": self.info.max_context}
+
+
+class Fleet:
+    """Every worker slot, alive or retired (a slot's index is its position: never reused)."""
+
+    def __init__(self) -> None:
+        self.slots: list[WorkerSlot] = []
+        self.node_id: str | None = None  # the scheduler's own node (for bytes-moved accounting)
+        self.idle: dict[int, WorkerSlot] = {}  # slots whose loop sleeps on its event
+        self._rooms: list[float] = []  # room() of each slot after its last reply; -1.0 when retired
+
+    def add(self, handle: Any, info: WorkerInfo) -> WorkerSlot:
+        slot = WorkerSlot.from_info(handle, info)
+        self.slots.append(slot)
+        self._rooms.append(slot.view.room())
+        return slot
+
+    def note_room(self, w: WorkerSlot) -> None:
+        """`w`'s pools changed (a reply arrived, or it was retired)."""
+        self._rooms[w.index] = w.view.room() if w.alive else -1.0
+
+    def best_room_except(self, w: WorkerSlot) -> float:
+        """The most room any other live worker has (-1.0 if there is none): one pass over a list
+        of floats kept up to date by `note_room`, not a call per worker."""
+        if len(self._rooms) < 2:
+            return -1.0
+        top, second = heapq.nlargest(2, self._rooms)
+        mine = self._rooms[w.index]
+        return second if mine == top else top
+
+    def alive(self) -> list[WorkerSlot]:
+        return [w for w in self.slots if w.alive]
+
+    def others(self, w: WorkerSlot) -> list[WorkerSlot]:
+        """The live workers other than `w`."""
+        return [o for o in self.slots if o is not w and o.alive]
+
+    def notify(self) -> None:
+        """Wake every sleeping dispatch loop (new work, or room freed somewhere); the others decide
+        again as soon as their call returns anyway."""
+        for w in list(self.idle.values()):
+            w.event.set()
+
+    def any_alive(self) -> bool:
+        return any(w.alive for w in self.slots)
+
+    def multi_node(self) -> bool:
+        """Do live workers sit on more than one node (a resume may cross the network)?"""
+        return len({w.info.node_id for w in self.slots if w.alive}) > 1
+
+    def cross_node(self, r: Request, w: WorkerSlot) -> bool:
+        """Did `r` last run on another node than `w`'s?"""
+        if not r.workers or r.workers[-1] >= len(self.slots):
+            return False
+        return self.slots[r.workers[-1]].info.node_id != w.info.node_id
+
+    def largest_pool_tokens(self) -> int:
+        return max(w.view.total_tokens for w in self.slots if w.alive)
+
+    def check_same_model(self) -> None:
+        prints = {w.info.fingerprint for w in self.slots}
+        if len(prints) > 1:
+            raise RuntimeError(f"workers loaded different models: {sorted(prints)}")

@@ -1,0 +1,158 @@
+"""Recovery: starting the workers, retiring a failed one, replacing it, and a restarted scheduler.
+
+A failed call retires its worker and recovers every request it held: those holding a snapshot
+resume from it, the others are recomputed from the token history the scheduler keeps (tokens of
+the failed call never arrived, so nothing is emitted twice). A replacement worker is started
+when the cluster has room for one. When no worker is left and none can be started, the request
+table fails every reader.
+
+Actor operations go through `ActorOps` (Ray's by default), so this part runs without Ray in
+tests: `Recovery(..., actors=FakeActors())`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import re
+import warnings
+from typing import Any, Callable
+
+from raysched.config import ConfigError, ServeConfig
+from raysched.messages import WorkerInfo
+from raysched.request import State, enqueue
+from raysched.scheduler.fleet import Fleet, WorkerSlot
+from raysched.scheduler.table import RequestTable
+from raysched.stats import Counters
+
+log = logging.getLogger("raysched.scheduler")
+
+REPLACEMENT_TIMEOUT_S = 180.0  # a loaded machine starts a worker slowly
+
+
+class ActorOps:
+    """The actor operations recovery needs, done with Ray."""
+
+    def spawn(self, config: ServeConfig, index: int) -> Any:
+        from raysched.workers import spawn_worker
+
+        return spawn_worker(config, index)
+
+    def kill(self, handle: Any) -> None:
+        from raysched.workers import kill_worker
+
+        kill_worker(handle)
+
+    def is_death(self, err: BaseException) -> bool:
+        """Did the actor die (rather than fail one call, after which it may still hold its GPU)?"""
+        import ray
+
+        return isinstance(err, ray.exceptions.ActorDiedError)
+
+
+class Recovery:
+    def __init__(self, config: ServeConfig, table: RequestTable, fleet: Fleet, counters: Counters,
+                 on_added: Callable[[WorkerSlot], None], actors: ActorOps | None = None) -> None:
+        self.config = config
+        self.table = table
+        self.fleet = fleet
+        self.counters = counters
+        self.actors = actors or ActorOps()
+        self._on_added = on_added  # the dispatcher starts the new worker's loop
+        self.pending_replacements = 0
+        self.closing = False
+
+    async def start_workers(self) -> None:
+        """Start `config.workers` workers; a worker that raised in its constructor kills them all
+        and raises (see `start_error`)."""
+        handles = [self.actors.spawn(self.config, i) for i in range(self.config.workers)]
+        infos = await asyncio.gather(*[h.info.remote() for h in handles], return_exceptions=True)
+        failed = next((i for i, info in enumerate(infos) if isinstance(info, BaseException)), None)
+        if failed is not None:
+            for h in handles:
+                self.actors.kill(h)
+            raise start_error(self.config, failed, infos[failed])
+        for h, info in zip(handles, infos):
+            self._add(h, info)
+        self.fleet.check_same_model()
+
+    def _add(self, handle: Any, info: WorkerInfo) -> WorkerSlot:
+        slot = self.fleet.add(handle, info)
+        self._on_added(slot)
+        return slot
+
+    def on_worker_failure(self, w: WorkerSlot, err: BaseException) -> None:
+        """A call of `w` failed: retire the worker and recover every request it held."""
+        if not w.alive:
+            return
+        dead = self.actors.is_death(err)
+        log.error("worker %d %s (%r); recovering its %d requests", w.index,
+                  "died" if dead else "failed a call", err, len(w.view.running))
+        w.alive = False
+        self.fleet.note_room(w)
+        if not dead:
+            self.actors.kill(w.handle)  # its state is unknown after a failed call
+        self.counters.worker_failures += 1
+        for req in reversed(list(w.view.running)):
+            if req.state is not State.RUNNING:
+                continue  # aborted while the call was in flight: it stays ended
+            self.counters.recovered += 1
+            if not req.num_generated and not req.retractions:  # never ran: admit it afresh
+                self.table.unrun(req, w.view)  # (and look its prompt up in the turn cache)
+                continue
+            req.recompute = req.snapshot_ref is None
+            req.state = State.RETRACTED
+            enqueue(self.table.retracted, req, front=True)
+        w.view.running = []
+        if self.config.scheduler.replace_failed_workers and not self.closing:
+            self.pending_replacements += 1
+            asyncio.get_running_loop().create_task(self.replace_worker())
+        self.check_any_alive()
+
+    async def replace_worker(self, timeout_s: float = REPLACEMENT_TIMEOUT_S) -> None:
+        """Start a worker in place of a failed one (one already counted in `pending_replacements`)."""
+        index = len(self.fleet.slots) + self.pending_replacements - 1
+        handle = self.actors.spawn(self.config, index)
+        try:
+            info = await asyncio.wait_for(handle.info.remote(), timeout_s)
+        except Exception as err:  # no room in the cluster, or it failed to start
+            log.warning("could not start a replacement worker (%r); carrying on with fewer", err)
+            self.actors.kill(handle)
+            info = None
+        self.pending_replacements -= 1
+        if info is not None and not self.closing:
+            info = dataclasses.replace(info, index=len(self.fleet.slots))
+            self._add(handle, info)
+            self.counters.workers_replaced += 1
+            log.info("replacement worker %d started on node %s", info.index, info.node_id[:12])
+        self.check_any_alive()
+        self.fleet.notify()
+
+    def check_any_alive(self) -> None:
+        if not self.fleet.any_alive() and not self.pending_replacements:
+            self.table.fail("every worker has failed and none could be replaced")
+
+
+def start_error(config: ServeConfig, index: int, err: BaseException) -> BaseException:
+    """A worker that raised in its constructor (bad model path, foreign checkpoint, no CUDA):
+    a ConfigError naming the cause in one line instead of Ray's nested traceback."""
+    if not getattr(err, "actor_init_failed", False):
+        return err
+    lines = [ln.strip() for ln in re.sub(r"\x1b\[[0-9;]*m", "", str(err)).splitlines() if ln.strip()]
+    cause = re.sub(r"^[\w.]*\.(\w+: )", r"\1", lines[-1]) if lines else "unknown error"  # drop the module
+    return ConfigError(f"serve config: model {config.model!r}: worker {index} could not start: {cause}")
+
+
+def was_restarted() -> bool:
+    """Whether Ray re-created this actor after its process died (False outside Ray)."""
+    import ray
+
+    if not ray.is_initialized():  # a Scheduler object in a plain process (tests): do not start Ray
+        return False
+    try:
+        with warnings.catch_warnings():  # Ray 2.60 warns about its own use of a deprecated field here
+            warnings.simplefilter("ignore")
+            return bool(ray.get_runtime_context().was_current_actor_reconstructed)
+    except Exception:
+        return False

@@ -1,0 +1,477 @@
+"""Each part of `raysched.scheduler`, built directly, without Ray (fake worker handles).
+
+The fake worker below follows step plans the way a real one does for the bookkeeping that
+matters here (KV tokens and state slots held per request, one token per decode step, finishing
+at max_new_tokens), and emits token = (hash of request id + position) so a test can tell
+whether tokens arrived once, in order, for the right request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from typing import Any
+
+import pytest
+
+from raysched.config import FaultSpec, SchedulerConfig, ServeConfig
+from raysched.messages import SNAPSHOT_LOST, FaultPoint, StepPlan, StepResult, Usage, WorkerInfo
+from raysched.request import Request, State
+from raysched.sampling import RequestError, SamplingParams
+from raysched.scheduler.dispatch import Dispatcher
+from raysched.scheduler.faults import FaultSeam
+from raysched.scheduler.fleet import Fleet
+from raysched.scheduler.planner import Decision
+from raysched.scheduler.recovery import Recovery
+from raysched.scheduler.retraction import RetractionLedger
+from raysched.scheduler.state_cache import StateCache
+from raysched.scheduler.table import Limits, RequestTable
+from raysched.scheduler.turn_cache import TurnCacheGlue
+from raysched.stats import Counters
+
+VOCAB = 100
+LIMITS = Limits(vocab_size=VOCAB, max_context=4096, largest_pool_tokens=256)
+
+
+def token(rid: str, position: int) -> int:
+    return sum(map(ord, rid)) * 31 + position * 7 % VOCAB
+
+
+# ---------------------------------------------------------------------------- fakes
+
+
+class Call:
+    """A fake remote method: `.remote(...)` runs the method now and returns an awaitable."""
+
+    def __init__(self, fn: Any, num_returns: int = 1) -> None:
+        self.fn, self.num_returns = fn, num_returns
+
+    def options(self, num_returns: int = 1) -> Call:
+        return Call(self.fn, num_returns)
+
+    def remote(self, *args: Any) -> Any:
+        try:
+            out = self.fn(*args)
+        except BaseException as err:  # the call fails: each return raises
+            out = tuple(err for _ in range(self.num_returns)) if self.num_returns > 1 else err
+        if self.num_returns > 1:
+            return [_ready(o) for o in out]
+        return _ready(out)
+
+
+def _ready(value: Any) -> asyncio.Future:
+    fut = asyncio.get_running_loop().create_future()
+    if isinstance(value, BaseException):
+        fut.set_exception(value)
+    else:
+        fut.set_result(value)
+    return fut
+
+
+class FakeWorker:
+    """Pools of `kv` tokens and `slots` state slots; follows step plans (see the module doc)."""
+
+    def __init__(self, index: int, kv: int = 256, slots: int = 4, node: str | None = None) -> None:
+        self.index, self.kv, self.slots = index, kv, slots
+        self.node = node or f"node-{index}"
+        self.held: dict[str, list] = {}  # id -> [token_ids, max_new, prompt_len]
+        self.snapshots: dict[str, list] = {}
+        self.calls: list[StepPlan] = []
+        self.dead = False
+
+    def handle(self) -> Any:
+        return type("Handle", (), {name: Call(getattr(self, name)) for name in
+                                   ("info", "step", "retract_pending", "take_parked", "is_idle")})()
+
+    def usage(self) -> Usage:
+        used = sum(len(h[0]) - 1 for h in self.held.values())
+        return Usage(self.kv - used, self.kv, self.slots - len(self.held), self.slots, 1)
+
+    def info(self) -> WorkerInfo:
+        return WorkerInfo(self.index, self.node, "cpu", "fake", VOCAB, 4096, self.usage(), 8, 64)
+
+    def is_idle(self) -> bool:
+        return not self.held
+
+    def retract_pending(self, rid: str, fault: FaultPoint | None = None) -> tuple[Any, int]:
+        if self.dead:
+            raise RuntimeError("dead")
+        tokens, max_new, prompt_len = self.held.pop(rid)
+        return ("snap", rid, list(tokens), max_new, prompt_len, fault), 8 * len(tokens)
+
+    def take_parked(self, keys: list) -> Any:
+        return tuple(keys) if len(keys) > 1 else keys[0]
+
+    def step(self, plan: StepPlan, *snapshots: Any) -> StepResult:
+        if self.dead:
+            raise RuntimeError("worker died")
+        self.calls.append(plan)
+        result = StepResult()
+        for rid in plan.drop:
+            self.held.pop(rid, None)
+        for rid, snap in zip(plan.resume, snapshots):
+            fut = snap[0]  # a nested ref, read by the worker itself (here: a finished future)
+            if fut.exception() is not None:
+                result.resume_failed[rid] = f"{SNAPSHOT_LOST}: {fut.exception()!r}"
+                continue
+            _, _, tokens, max_new, prompt_len, _ = fut.result()
+            self.held[rid] = [tokens, max_new, prompt_len]
+        for item in plan.prefill:
+            max_new = SamplingParams.from_dict(item.sampling).max_new_tokens
+            tokens = list(item.token_ids)
+            generated = len(tokens) - item.prompt_len
+            self.held[item.request_id] = [tokens, max_new, item.prompt_len]
+            tok = token(item.request_id, generated)
+            tokens.append(tok)
+            result.new_tokens.setdefault(item.request_id, []).append(tok)
+        for _ in range(plan.decode_steps):
+            for rid, (tokens, max_new, prompt_len) in list(self.held.items()):
+                if len(tokens) - prompt_len >= max_new:
+                    continue  # done: it leaves at the end of the call
+                tok = token(rid, len(tokens) - prompt_len)
+                tokens.append(tok)
+                result.new_tokens.setdefault(rid, []).append(tok)
+        for rid, (tokens, max_new, prompt_len) in list(self.held.items()):
+            if max_new is not None and len(tokens) - prompt_len >= max_new:
+                result.finished[rid] = "length"
+                del self.held[rid]
+        result.usage = self.usage()
+        result.allocated = {rid: len(h[0]) - 1 for rid, h in self.held.items()}
+        return result
+
+
+def parts(config: ServeConfig, workers: list[FakeWorker], kills: list | None = None) -> dict:
+    """Every part wired as `Scheduler.__init__` wires them, over fake workers (no loops run)."""
+    counters = Counters()
+    table = RequestTable(counters)
+    fleet = Fleet()
+    faults = FaultSeam(config.faults, kill=(kills.append if kills is not None else lambda h: None),
+                       exit_process=lambda: None)
+    ledger = RetractionLedger(config.scheduler, table, fleet, counters, faults)
+    ledger.budget_bytes = 1 << 30
+    cache = TurnCacheGlue(None, table, counters)
+    recovery = Recovery(config, table, fleet, counters, on_added=lambda slot: None, actors=FakeActors(None))
+    dispatch = Dispatcher(config, table, fleet, counters, ledger, cache, recovery, faults)
+    for w in workers:
+        fleet.add(w.handle(), w.info())
+    return dict(counters=counters, table=table, fleet=fleet, faults=faults, ledger=ledger, cache=cache,
+                recovery=recovery, dispatch=dispatch)
+
+
+async def run_until_done(p: dict, rids: list[str], max_calls: int = 500) -> None:
+    """Drive every worker's decide -> execute until the requests end (a loop without tasks)."""
+    table, dispatch = p["table"], p["dispatch"]
+    for _ in range(max_calls):
+        if all(table.requests[r].state.is_done for r in rids):
+            return
+        for w in p["fleet"].alive():
+            decision = dispatch.decide(w)
+            if not decision.is_empty():
+                await dispatch.execute(w, decision)
+    raise AssertionError("requests did not finish")
+
+
+def expected(rid: str, max_new: int) -> list[int]:
+    return [token(rid, i) for i in range(max_new)]
+
+
+# ---------------------------------------------------------------------------- table
+
+
+def test_table_validates_and_queues_in_priority_order() -> None:
+    table = RequestTable(Counters())
+    a = table.submit([1, 2], {"max_new_tokens": 4}, LIMITS)
+    b = table.submit([1, 2], {"max_new_tokens": 4}, LIMITS, priority=-1)
+    assert [r.request_id for r in table.waiting] == [b.request_id, a.request_id]
+    with pytest.raises(RequestError, match="already in use"):
+        table.submit([1], {}, LIMITS, request_id=a.request_id)
+    with pytest.raises(RequestError, match="more than the largest worker pool"):
+        table.submit([1] * 200, {"max_new_tokens": 100}, LIMITS)
+    with pytest.raises(RequestError):
+        table.submit([VOCAB], {}, LIMITS)  # not a token id
+    assert table.counters.submitted == 2
+
+
+def test_table_wait_and_stream_read_one_record_then_forget_it() -> None:
+    async def scenario() -> None:
+        table = RequestTable(Counters())
+        req = table.submit([1, 2], {"max_new_tokens": 2}, LIMITS)
+        reader = asyncio.ensure_future(table.next_tokens(req.request_id, 0))
+        await asyncio.sleep(0)
+        req.state = State.RUNNING
+        req.add_tokens([5], 0.0)
+        table.notify(req.request_id)
+        assert await reader == ([5], False)
+        table.finish(req, State.FINISHED, "length")
+        record = await table.wait(req.request_id)
+        assert record["token_ids"] == [5] and record["state"] == "finished"
+        assert req.request_id not in table.requests  # forgotten, still readable:
+        assert await table.next_tokens(req.request_id, 1) == ([], True)
+
+    asyncio.run(scenario())
+
+
+def test_table_abort_takes_a_waiting_request_off_its_queue_and_fail_wakes_every_reader() -> None:
+    async def scenario() -> None:
+        table = RequestTable(Counters())
+        a = table.submit([1], {}, LIMITS)
+        b = table.submit([2], {}, LIMITS)
+        assert table.abort(a.request_id) is a and table.abort(a.request_id) is None
+        assert list(table.waiting) == [b] and a.state is State.ABORTED
+        reader = asyncio.ensure_future(table.wait(b.request_id))
+        await asyncio.sleep(0)
+        table.fail("every worker has failed")
+        with pytest.raises(RuntimeError, match="every worker has failed"):
+            await reader
+
+    asyncio.run(scenario())
+
+
+# ---------------------------------------------------------------------------- fleet
+
+
+def test_fleet_knows_nodes_and_room() -> None:
+    fleet = Fleet()
+    w0, w1 = FakeWorker(0, node="n"), FakeWorker(1, kv=512, node="n")
+    s0, s1 = fleet.add(None, w0.info()), fleet.add(None, w1.info())
+    assert not fleet.multi_node() and fleet.largest_pool_tokens() == 512
+    r = Request("r", (1,), SamplingParams())
+    r.workers = [0]
+    assert not fleet.cross_node(r, s1)
+    s1.info = FakeWorker(1, node="m").info()
+    assert fleet.multi_node() and fleet.cross_node(r, s1)
+    s1.alive = False
+    assert fleet.others(s0) == [] and fleet.largest_pool_tokens() == 256
+
+
+# ---------------------------------------------------------------------------- dispatcher
+
+
+def test_dispatcher_runs_requests_to_the_end_with_the_right_tokens() -> None:
+    async def scenario() -> None:
+        config = ServeConfig(workers=2, scheduler=SchedulerConfig(decode_steps_per_call=4))
+        p = parts(config, [FakeWorker(0), FakeWorker(1)])
+        reqs = [p["table"].submit([1, 2, i + 3], {"max_new_tokens": 9}, LIMITS) for i in range(6)]
+        await run_until_done(p, [r.request_id for r in reqs])
+        for r in reqs:
+            assert r.output_ids == expected(r.request_id, 9) and r.finish_reason == "length"
+        assert p["counters"].pipelined_calls > 0  # nothing waiting at the end: decode calls pipelined
+
+    asyncio.run(scenario())
+
+
+def test_forced_retraction_keeps_pipelining_on_and_loses_no_token() -> None:
+    """Before the split, `force_retract_every` switched pipelining off, so the fault tests that
+    force retractions never exercised a pipelined call."""
+    async def scenario() -> None:
+        config = ServeConfig(workers=2, scheduler=SchedulerConfig(decode_steps_per_call=2, force_retract_every=1))
+        p = parts(config, [FakeWorker(0), FakeWorker(1)])
+        reqs = [p["table"].submit([1, 2, i + 3], {"max_new_tokens": 24}, LIMITS) for i in range(3)]
+        await run_until_done(p, [r.request_id for r in reqs])
+        for r in reqs:
+            assert r.output_ids == expected(r.request_id, 24)
+        assert p["counters"].retractions > 0 and p["counters"].pipelined_calls > 0
+        assert sum(r.retractions for r in reqs) == p["counters"].retractions
+
+    asyncio.run(scenario())
+
+
+def test_a_failed_call_hands_its_requests_to_recovery_and_they_finish_elsewhere() -> None:
+    async def scenario() -> None:
+        config = ServeConfig(workers=2, scheduler=SchedulerConfig(replace_failed_workers=False))
+        workers = [FakeWorker(0), FakeWorker(1)]
+        p = parts(config, workers)
+        reqs = [p["table"].submit([1, 2, i + 3], {"max_new_tokens": 12}, LIMITS) for i in range(4)]
+        w0 = p["fleet"].slots[0]
+        await p["dispatch"].execute(w0, p["dispatch"].decide(w0))  # prefill + decode on worker 0
+        workers[0].dead = True
+        await run_until_done(p, [r.request_id for r in reqs])
+        for r in reqs:
+            assert r.output_ids == expected(r.request_id, 12)
+        assert p["counters"].worker_failures == 1 and not w0.alive
+
+    asyncio.run(scenario())
+
+
+# ---------------------------------------------------------------------------- retraction ledger
+
+
+def running_request(p: dict, w: Any, generated: int = 3) -> Request:
+    req = p["table"].submit([1, 2, 3], {"max_new_tokens": 8}, LIMITS)
+    p["table"].waiting.remove(req)
+    p["dispatch"].mark_running(w, [req])
+    req.output_ids = [7] * generated
+    return req
+
+
+def test_ledger_falls_back_to_recompute_past_the_snapshot_budget() -> None:
+    p = parts(ServeConfig(), [FakeWorker(0)])
+    w = p["fleet"].slots[0]
+    a, b = running_request(p, w), running_request(p, w)
+    p["ledger"].budget_bytes = 8 * a.num_cached + 64  # room for exactly one snapshot
+    snap, drop = p["ledger"].take_victims(w, Decision(victims=[a, b]))
+    assert snap == [a] and drop == [b.request_id]
+    assert (a.recompute, b.recompute) == (False, True) and p["counters"].store_pressure_fallbacks == 1
+    assert p["ledger"].held_bytes() == 8 * a.num_cached + 64  # a's estimate is in flight
+    assert list(p["table"].retracted) == [b]  # a is queued once its retract call is sent
+
+
+def test_ledger_send_queues_the_pending_snapshot_and_a_failed_retraction_recomputes() -> None:
+    async def scenario() -> None:
+        workers = [FakeWorker(0)]
+        p = parts(ServeConfig(), workers)
+        w = p["fleet"].slots[0]
+        req = running_request(p, w)
+        workers[0].held[req.request_id] = [list(req.token_ids), 8, 3]
+        snap, _ = p["ledger"].take_victims(w, Decision(victims=[req]))
+        workers[0].dead = True  # the retract call fails
+        call = p["ledger"].send(w, req)
+        assert list(p["table"].retracted) == [req] and req.snapshot_ref is call[0]
+        sizes = await asyncio.gather(call[1], return_exceptions=True)
+        p["ledger"].on_sizes(w, snap, [call], sizes)
+        assert req.recompute and req.snapshot_ref is None and p["ledger"].held_bytes() == 0
+        for fut in call[:2]:
+            fut.exception()  # retrieved
+
+    asyncio.run(scenario())
+
+
+# ---------------------------------------------------------------------------- recovery
+
+
+class FakeActors:
+    def __init__(self, worker: FakeWorker | None) -> None:
+        self.worker, self.killed = worker, []
+
+    def spawn(self, config: ServeConfig, index: int) -> Any:
+        if self.worker is None:
+            return type("H", (), {"info": Call(lambda: (_ for _ in ()).throw(RuntimeError("no room")))})()
+        self.worker.index = index
+        return self.worker.handle()
+
+    def kill(self, handle: Any) -> None:
+        self.killed.append(handle)
+
+    def is_death(self, err: BaseException) -> bool:
+        return False
+
+
+def test_recovery_requeues_what_a_failed_worker_held_and_replaces_it() -> None:
+    async def scenario() -> None:
+        config = ServeConfig(workers=1)
+        p = parts(config, [FakeWorker(0)])
+        actors = FakeActors(FakeWorker(9))
+        recovery = Recovery(config, p["table"], p["fleet"], p["counters"], on_added=lambda s: None, actors=actors)
+        w = p["fleet"].slots[0]
+        fresh, started = running_request(p, w, generated=0), running_request(p, w, generated=3)
+        recovery.on_worker_failure(w, RuntimeError("boom"))
+        assert not w.alive and actors.killed == [w.handle]  # a failed call: killed, its state unknown
+        assert list(p["table"].waiting) == [fresh] and fresh.workers == []
+        assert list(p["table"].retracted) == [started] and started.recompute
+        assert p["table"].fatal is None  # a replacement is on its way
+        await asyncio.sleep(0.01)
+        assert len(p["fleet"].alive()) == 1 and p["counters"].workers_replaced == 1
+
+    asyncio.run(scenario())
+
+
+def test_recovery_fails_the_table_when_no_worker_is_left() -> None:
+    async def scenario() -> None:
+        config = ServeConfig(workers=1)
+        p = parts(config, [FakeWorker(0)])
+        recovery = Recovery(config, p["table"], p["fleet"], p["counters"], on_added=lambda s: None,
+                            actors=FakeActors(None))
+        recovery.on_worker_failure(p["fleet"].slots[0], RuntimeError("boom"))
+        await asyncio.sleep(0.01)
+        assert p["table"].fatal == "every worker has failed and none could be replaced"
+
+    asyncio.run(scenario())
+
+
+# ---------------------------------------------------------------------------- turn-cache glue
+
+
+def test_turn_cache_glue_finds_prefixes_counts_hits_and_drops_unusable_states() -> None:
+    counters = Counters()
+    table = RequestTable(counters)
+    cache = StateCache(budget_bytes=1 << 20, min_tokens=2)
+    glue = TurnCacheGlue(cache, table, counters)
+    cache.park((1, 2, 3), "ref", 100, "finished")
+    hit = table.submit([1, 2, 3, 4], {}, LIMITS)
+    miss = table.submit([5, 6, 7], {}, LIMITS)
+    assert [(r, e.tokens) for r, e in glue.prefix_hits([hit, miss])] == [(hit, (1, 2, 3))]
+    w = parts(ServeConfig(), [FakeWorker(0)])["fleet"].slots[0]
+    glue.on_result(w, Decision(admit=[hit, miss]), StepResult(cached={hit.request_id: 3}))
+    assert (hit.cached_tokens, hit.cache_kind, counters.state_cache_hits, counters.state_cache_misses) == \
+        (3, "finished", 1, 1)
+    again = table.submit([1, 2, 3, 9], {}, LIMITS)
+    glue.prefix_hits([again])
+    glue.on_result(w, Decision(admit=[again]), StepResult(prefix_failed={again.request_id: "refused"}))
+    assert len(cache) == 0 and counters.state_cache_fallbacks == 1
+    assert TurnCacheGlue(None, table, counters).prefix_hits([hit]) == []
+
+
+# ---------------------------------------------------------------------------- fault seam
+
+
+def test_fault_seam_kills_between_calls_and_marks_the_next_snapshot() -> None:
+    faults = (FaultSpec("kill_worker", 0, 2), FaultSpec("corrupt_snapshot", 1, 0),
+              FaultSpec("kill_in_step", 1, 3, after_decode_steps=1))
+    killed: list = []
+    p = parts(ServeConfig(faults=faults), [FakeWorker(0), FakeWorker(1)], kills=killed)
+    seam, (w0, w1) = p["faults"], p["fleet"].slots
+    seam.before_call(w0, p["fleet"])
+    assert killed == []  # not due before call 2
+    w0.view.calls = 2
+    seam.before_call(w0, p["fleet"])
+    assert killed == [w0.handle]
+    seam.before_call(w1, p["fleet"])
+    assert seam.retract_point(w1, "r") == FaultPoint("corrupt_snapshot")
+    assert seam.retract_point(w1, "r") is None  # once
+    assert seam.step_point(w1, 2, 4, None) is None
+    assert seam.step_point(w1, 3, 4, None) == FaultPoint("kill_in_step", 1)
+    assert [f["kind"] for f in seam.fired] == ["kill_worker", "corrupt_snapshot", "kill_in_step"]
+
+
+def test_without_faults_the_seam_answers_nothing() -> None:
+    p = parts(ServeConfig(), [FakeWorker(0)])
+    w = p["fleet"].slots[0]
+    for calls in range(20):
+        w.view.calls = calls
+        p["faults"].before_call(w, p["fleet"])
+        assert p["faults"].step_point(w, calls, 4, True) is None and p["faults"].retract_point(w, "r") is None
+
+
+def test_data_plane_worker_has_no_fault_code_and_the_faulty_class_adds_it() -> None:
+    import inspect
+
+    from actors.faults import FaultHooks, needs_faults, with_faults
+    from actors.worker import Worker
+
+    source = inspect.getsource(Worker)
+    for word in ("_exit", "corrupt", "drop_state", "die_at"):
+        assert word not in source, word
+    faulty = with_faults(Worker)
+    assert issubclass(faulty, FaultHooks) and issubclass(faulty, Worker) and with_faults(Worker) is faulty
+    assert not needs_faults(ServeConfig())
+    assert needs_faults(ServeConfig(scheduler=SchedulerConfig(debug_drop_state=True)))
+    assert needs_faults(ServeConfig(faults=(FaultSpec("kill_worker", 0, 1),)))
+
+
+def test_queues_are_plain_deques() -> None:
+    table = RequestTable(Counters())
+    assert isinstance(table.waiting, deque) and isinstance(table.retracted, deque)
+
+
+def test_former_module_paths_import_the_moved_modules() -> None:
+    import importlib
+
+    import raysched.scheduler.heap
+    import raysched.scheduler.planner
+    import raysched.scheduler.state_cache
+
+    assert importlib.import_module("raysched.planner") is raysched.scheduler.planner
+    assert importlib.import_module("raysched.state_cache") is raysched.scheduler.state_cache
+    assert importlib.import_module("raysched.allocator") is raysched.scheduler.heap
+    from raysched.planner import Plan
+    assert Plan is Decision

@@ -1,0 +1,146 @@
+"""The simulated data plane (`data_plane: sim`, `actors/sim.py`): same interface, same pool
+accounting, exact continuation across retraction, migration and faults, no torch."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from raysched.config import load_serve_config
+from raysched.messages import PrefillItem, StepPlan
+
+from actors.sim import SimWorker
+
+SIM = {"decode_ms": 0.0, "vocab_size": 512, "max_context": 4096}
+
+
+def sim_config(**extra) -> object:
+    raw = {"data_plane": "sim", "pool": {"kv_tokens": 256, "state_slots": 4}, "sim": SIM, **extra}
+    return load_serve_config(raw)
+
+
+def item(rid: str, prompt: list[int], max_new: int, generated: tuple[int, ...] = ()) -> PrefillItem:
+    return PrefillItem(rid, tuple(prompt) + generated, len(prompt), {"max_new_tokens": max_new})
+
+
+def run_alone(rid: str, prompt: list[int], max_new: int) -> list[int]:
+    """The reference: one worker, never interrupted."""
+    w = SimWorker(sim_config(), 0)
+    out = w.step(StepPlan(prefill=(item(rid, prompt, max_new),), decode_steps=max_new))
+    return out.new_tokens[rid]
+
+
+def test_tokens_depend_on_request_and_position_only() -> None:
+    a = run_alone("r1", [1, 2, 3], 20)
+    assert a == run_alone("r1", [1, 2, 3], 20) and len(a) == 20
+    assert a != run_alone("r2", [1, 2, 3], 20)  # another request id: other tokens
+
+
+@pytest.mark.parametrize("how", ["snapshot", "recompute"])
+def test_a_moved_request_continues_exactly(how: str) -> None:
+    reference = run_alone("r", [5, 6, 7], 30)
+    src, dst = SimWorker(sim_config(), 0), SimWorker(sim_config(), 1)
+    first = src.step(StepPlan(prefill=(item("r", [5, 6, 7], 30),), decode_steps=9)).new_tokens["r"]
+    if how == "snapshot":
+        snap, nbytes = src.retract_pending("r")
+        assert nbytes == snap.num_cached_tokens * 4096 + (1 << 20)  # the nominal size
+        rest = dst.step(StepPlan(resume=("r",), decode_steps=30), snap).new_tokens["r"]
+    else:
+        src.step(StepPlan(drop=("r",)))
+        rest = dst.step(StepPlan(prefill=(item("r", [5, 6, 7], 30, tuple(first)),), decode_steps=30)).new_tokens["r"]
+    assert first + rest == reference
+    assert src.is_idle() and dst.is_idle()  # finished: everything freed
+
+
+def test_negative_control_a_dropped_state_changes_the_tokens() -> None:
+    from actors.faults import with_faults
+
+    reference = run_alone("r", [5, 6, 7], 30)
+    src = SimWorker(sim_config(), 0)
+    dst = with_faults(SimWorker)(sim_config(scheduler={"debug_drop_state": True}), 1)
+    first = src.step(StepPlan(prefill=(item("r", [5, 6, 7], 30),), decode_steps=9)).new_tokens["r"]
+    snap, _ = src.retract_pending("r")
+    rest = dst.step(StepPlan(resume=("r",), decode_steps=30), snap).new_tokens["r"]
+    assert first + rest != reference
+
+
+def test_corrupted_and_lost_snapshots_are_refused() -> None:
+    from actors.faults import corrupted
+    from actors.sim import Lost
+
+    src, dst = SimWorker(sim_config(), 0), SimWorker(sim_config(), 1)
+    src.step(StepPlan(prefill=(item("a", [1], 9), item("b", [2], 9)), decode_steps=2))
+    bad = corrupted(src.retract_pending("a")[0])
+    out = dst.step(StepPlan(resume=("a", "b"), decode_steps=1), bad, Lost("ObjectLostError"))
+    assert "checksum" in out.resume_failed["a"] and out.resume_failed["b"].startswith("snapshot lost")
+    assert dst.is_idle()
+
+
+def test_pool_accounting_stalls_and_refuses_like_a_real_worker() -> None:
+    w = SimWorker(sim_config(pool={"kv_tokens": 16, "state_slots": 2}), 0)
+    out = w.step(StepPlan(prefill=(item("a", [1] * 6, 20), item("b", [2] * 6, 20), item("c", [3], 20))))
+    assert out.not_admitted == ["c"]  # two state slots
+    assert (out.usage.kv_free_tokens, out.usage.state_free_slots) == (4, 0)
+    out = w.step(StepPlan(decode_steps=4))
+    assert out.stalled == ["a", "b"]  # two steps fit, then KV ran out: stalled, not dropped
+    assert out.allocated == {"a": 8, "b": 8} and [len(t) for t in out.new_tokens.values()] == [2, 2]
+
+
+def test_the_simulated_data_plane_imports_no_torch() -> None:
+    code = "import sys, actors.sim, actors.faults, actors.accounting; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert out.stdout.strip() == "False"
+
+
+def test_sim_config_is_validated() -> None:
+    from raysched.config import ConfigError
+
+    with pytest.raises(ConfigError, match="sim.decode_ms must be a finite number >= 0"):
+        load_serve_config({"data_plane": "sim", "sim": {"decode_ms": -1}})
+    with pytest.raises(ConfigError, match="sim applies only to data_plane: sim"):
+        load_serve_config({"sim": {"decode_ms": 3}})
+    with pytest.raises(ConfigError, match="unknown key 'sim.decode_msec'"):
+        load_serve_config({"data_plane": "sim", "sim": {"decode_msec": 3}})
+
+
+def test_sim_fleet_on_ray_loses_no_token_through_retractions_and_faults(tmp_path) -> None:
+    """Eight simulated workers in two processes, retracting every call, with a worker killed
+    between calls, one dying inside a step and one corrupted snapshot: every request gets
+    exactly the tokens of an uninterrupted run, and the pools end empty."""
+    import raysched
+
+    faults = [{"kind": "kill_worker", "worker": 1, "after_steps": 3},
+              {"kind": "kill_in_step", "worker": 2, "after_steps": 2, "after_decode_steps": 1},
+              {"kind": "corrupt_snapshot", "worker": 3, "after_steps": 1}]
+    cfg = sim_config(workers=8, faults=faults, scheduler={"force_retract_every": 1, "decode_steps_per_call": 2},
+                     sim={**SIM, "decode_ms": 1.0, "workers_per_process": 4}, state_cache={"enabled": False},
+                     object_store_memory=100 << 20)
+    client = raysched.launch(cfg)
+    try:
+        handles = [client.submit([3, 1, i], {"max_new_tokens": 24}) for i in range(24)]
+        records = [h.result(timeout=120) for h in handles]
+        stats = client.stats()
+        idle = client.check_idle()
+    finally:
+        client.shutdown()
+    for r in records:
+        assert r["token_ids"] == run_alone(r["request_id"], [3, 1, int(r["prompt_ids"][-1])], 24), r
+    assert stats["worker_failures"] == 2 and stats["retractions"] > 0 and stats["pipelined_calls"] > 0
+    assert stats["snapshots_refused"] >= 1
+    assert idle["workers_idle"] and idle["tables"]["requests"] == 0
+
+
+def test_simulated_worker_offers_every_public_method_of_the_real_one() -> None:
+    import inspect
+
+    from actors.worker import Worker
+
+    def public(cls: type) -> dict[str, list[str]]:
+        return {name: [p for p in inspect.signature(fn).parameters if not p.startswith("_ray")]
+                for name, fn in vars(cls).items() if callable(fn) and not name.startswith("_")}
+
+    assert public(SimWorker) == public(Worker)
