@@ -99,6 +99,17 @@ def test_a_lost_match_is_discarded_with_every_point_sharing_its_blocks() -> None
     assert cache.num_points == 1 and cache.num_blocks == 0 and cache.bytes == 10
 
 
+def test_short_and_oversized_points_are_not_parked_and_an_equal_key_replaces_the_old_one() -> None:
+    cache = StateCache(budget_bytes=100, min_tokens=4)
+    assert cache.park((1, 2, 3), "short", 10, "prompt") == (set(), []) and len(cache) == 0
+    cache.park((1, 2, 3, 4), "big", 101, "prompt")
+    assert len(cache) == 0
+    cache.park((1, 2, 3, 4), "old", 10, "prompt")
+    assert cache.park((1, 2, 3, 4), "new", 20, "finished")[1] == ["old"]
+    assert len(cache) == 1 and cache.bytes == 20 and cache.lookup((1, 2, 3, 4, 5)).point.ref == "new"
+    assert cache.lookup((1, 2, 3, 4, 6)).point.ref == "new"  # a used point stays: two forks both hit
+
+
 def test_small_objects_that_live_in_the_scheduler_have_their_own_budget() -> None:
     cache = StateCache(budget_bytes=1000, min_tokens=1, inline_budget_bytes=25, inline_limit=50)
     cache.park((1,), "big-old", 60, "finished")  # object store: counts against budget_bytes only
