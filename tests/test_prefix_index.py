@@ -13,7 +13,7 @@ from __future__ import annotations
 import random
 import time
 
-from raysched.state_cache import BlockRef, Place, StateCache
+from raysched.scheduler.state_cache import BlockRef, Place, StateCache
 
 B = 4  # block tokens
 
