@@ -29,7 +29,7 @@ C = 16  # prefill chunk = block tokens
 def make_worker(chunk: int = C):
     from actors.worker import Worker
 
-    cfg = ServeConfig(model="tiny", device="cpu", pool=PoolConfig(kv_tokens=1024, mamba_slots=4),
+    cfg = ServeConfig(model="tiny", device="cpu", pool=PoolConfig(kv_tokens=1024, state_slots=4),
                       scheduler=SchedulerConfig(prefill_chunk_tokens=chunk))
     w = Worker(cfg, 0)
     w.engine.record_logits = True
@@ -128,3 +128,59 @@ def test_a_restore_off_a_boundary_realigns_its_chunks_and_parks_no_boundary_poin
     w.discard_parked([x.key for x in later])
     assert [x.kind for x in later] == ["prompt", "finished"]
     assert all(x.kv_from == 80 and not x.blocks and not x.exact for x in later)
+
+
+# ---------------------------------------------------------------------------- on a cluster
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    from tests.conftest import local_cluster
+
+    with local_cluster(gpu_nodes=2) as c:
+        yield c
+
+
+def test_parked_blocks_survive_their_worker_and_a_lost_node_means_a_full_prefill(cluster) -> None:
+    """Request A parks its chunk points on worker X; B (same 96-token prefix) is placed on X and
+    restores them there. X is killed: C restores them from X's node store on the other node.
+    X's node is removed: D's restore finds the objects lost, prefills in full (tokens right) and
+    the index forgets them; E then hits the points D parked. Every request's tokens equal an
+    uncached in-process run's."""
+    import ray
+
+    import raysched
+    from raysched.config import StateCacheConfig
+    from raysched.workload import RequestSpec
+    from tests.exactness import reference
+
+    cfg = ServeConfig(workers=2, pool=PoolConfig(kv_tokens=1024, state_slots=4),
+                      scheduler=SchedulerConfig(replace_failed_workers=False, prefill_chunk_tokens=32),
+                      state_cache=StateCacheConfig(min_tokens=16))
+    shared = prompt(96, seed=40)
+    prompts = [shared + prompt(20 + i, seed=41 + i) for i in range(5)]
+    client = raysched.launch(cfg)
+    try:
+        run = lambda p: client.submit(p, GREEDY).result(timeout=180)  # noqa: E731
+        a = run(prompts[0])
+        x = a["workers"][-1]
+        b = run(prompts[1])
+        x_node = next(w["node"] for w in client.workers if w["worker"] == x)
+        ray.kill(ray.get(client.scheduler.__ray_call__.remote(lambda s: s.workers[x].handle)), no_restart=True)
+        c = run(prompts[2])
+        cluster.remove_node(next(n for n in cluster.list_all_nodes() if n.node_id == x_node), allow_graceful=False)
+        d = run(prompts[3])
+        e = run(prompts[4])
+        stats = client.stats()
+    finally:
+        client.shutdown()
+    want = reference([RequestSpec(f"r{i}", tuple(p), GREEDY) for i, p in enumerate(prompts)])
+    assert [r["token_ids"] for r in (a, b, c, d, e)] == [want[f"r{i}"] for i in range(5)]
+    assert a["cached_tokens"] == 0
+    assert (b["cached_tokens"], b["cache_kind"], b["cache_source"], b["workers"]) == (96, "chunk", "same_worker", [x])
+    assert (c["cached_tokens"], c["cache_source"]) == (96, "other_node") and c["workers"][-1] != x
+    assert d["cached_tokens"] == 0 and (e["cached_tokens"], e["cache_source"]) == (96, "same_worker")
+    assert stats["state_cache_fallbacks"] == 1 and stats["state_cache_hits"] == 3, stats
+    assert stats["state_cache_hits_other_node"] == 1 and stats["state_cache_chunks"] == 3, stats
+    print(f"\nhits {stats['state_cache_hits']}, fallback after the node loss {stats['state_cache_fallbacks']}; "
+          f"{stats['state_cache_points']} points, {stats['state_cache_chunks']} blocks kept")
