@@ -26,11 +26,11 @@ GREEDY = SamplingParams(max_new_tokens=6)
 C = 16  # prefill chunk = block tokens
 
 
-def make_worker(chunk: int = C):
+def make_worker():
+    """A worker (no Ray); the chunk size comes with each step plan, so one worker serves all."""
     from actors.worker import Worker
 
-    cfg = ServeConfig(model="tiny", device="cpu", pool=PoolConfig(kv_tokens=1024, state_slots=4),
-                      scheduler=SchedulerConfig(prefill_chunk_tokens=chunk))
+    cfg = ServeConfig(model="tiny", device="cpu", pool=PoolConfig(kv_tokens=1024, state_slots=4))
     w = Worker(cfg, 0)
     w.engine.record_logits = True
     return w
@@ -75,6 +75,15 @@ def producer():
     return w, p, parked, objects
 
 
+@pytest.fixture(scope="module")
+def uncached(producer):
+    """A prompt sharing the producer's first 4 chunks, run uncached: (prompt, tokens, logits)."""
+    w, p, _, _ = producer
+    q = p[:64] + prompt(30, seed=2)  # shares 4 chunks with p, then differs
+    tokens, logits, _, _, _ = drive(w, "ref", q)
+    return q, tokens, logits
+
+
 def test_a_chunked_prompt_parks_a_point_per_boundary_and_each_kv_block_once(producer) -> None:
     w, p, parked, objects = producer
     assert [(x.kind, x.num_tokens, x.kv_from, x.exact) for x in parked] == [
@@ -91,10 +100,9 @@ def test_a_chunked_prompt_parks_a_point_per_boundary_and_each_kv_block_once(prod
 
 
 @pytest.mark.parametrize("k", [1, 2, 3, 4])
-def test_a_restore_at_any_chunk_boundary_is_bit_identical_to_an_uncached_run(producer, k) -> None:
-    w, p, _, objects = producer
-    q = p[:64] + prompt(30, seed=2)  # shares 4 chunks with p, then differs
-    want_tokens, want_logits, _, _, _ = drive(make_worker(), "ref", q)
+def test_a_restore_at_any_chunk_boundary_is_bit_identical_to_an_uncached_run(producer, uncached, k) -> None:
+    w, _, _, objects = producer
+    q, want_tokens, want_logits = uncached
     tokens, logits, parked, _, cached = drive(w, f"q{k}", q, park=16,
                                               prefix=refs_for(objects, "p", "chunk", k * C, k))
     assert cached == k * C and tokens == want_tokens and len(logits) == len(want_logits)
@@ -103,13 +111,10 @@ def test_a_restore_at_any_chunk_boundary_is_bit_identical_to_an_uncached_run(pro
     assert [i for x in parked for i, _ in x.blocks] == list(range(k, 5))  # only blocks it computed
 
 
-def test_negative_control_a_prefix_prefilled_in_other_chunks_is_not_bit_identical(producer) -> None:
-    _, p, _, _ = producer
-    q = p[:64] + prompt(30, seed=2)
-    _, want_logits, _, _, _ = drive(make_worker(), "ref", q)
-    other = make_worker(chunk=20)  # boundaries at 20, 40, 60: another chunking of the same prefix
-    _, _, _, objects, _ = drive(other, "p20", p, chunk=20, park=16)
-    w = make_worker()
+def test_negative_control_a_prefix_prefilled_in_other_chunks_is_not_bit_identical(producer, uncached) -> None:
+    w, p, _, _ = producer
+    q, _, want_logits = uncached
+    _, _, _, objects, _ = drive(w, "p20", p, chunk=20, park=16)  # boundaries at 20, 40, 60
     tokens, logits, _, _, cached = drive(w, "q", q, prefix=refs_for(objects, "p20", "chunk", 40, 2))
     assert cached == 40 and not torch.equal(logits[0], want_logits[0])
 
