@@ -185,6 +185,7 @@ class TestOnCluster:
         assert r2["cached_tokens"] == len(p1) + len(r1["token_ids"]) - 1 and r2["cache_kind"] == "finished"
         assert r3["cached_tokens"] == len(p2) + len(r2["token_ids"]) - 1
         assert nodes[r2["workers"][-1]] != nodes[producer]  # restored on the other node
+        assert r2["cache_source"] == "other_node" and stats["state_cache_hits_other_node"] >= 1, stats
         assert stats["state_cache_hits"] == 2 and stats["state_cache_hits_finished"] == 2, stats
         assert stats["state_cache_tokens_reused"] == r2["cached_tokens"] + r3["cached_tokens"]
         assert stats["state_cache_misses"] >= 1 and stats["worker_failures"] == 1, stats
