@@ -43,6 +43,11 @@ def percentile(values: Sequence[float], q: float) -> float | None:
     return xs[min(len(xs) - 1, max(0, round(q / 100 * (len(xs) - 1))))]
 
 
+def ratio(a: float | None, b: float | None) -> float | None:
+    """a / b, or None when either is missing or zero."""
+    return a / b if a and b else None
+
+
 def median(values: Sequence[float]) -> float:
     return statistics.median(values)
 

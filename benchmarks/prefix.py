@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks.common import (Column, load_average, local_ray, machine, measured_client, percentile,
-                               print_table, print_targets, pyplot, save_figure, warm_up, write_json)
+                               print_table, print_targets, pyplot, ratio, save_figure, warm_up, write_json)
 from raysched.config import PoolConfig, SchedulerConfig, ServeConfig, StateCacheConfig
 
 MODES = ("reuse_on", "reuse_off")
@@ -158,14 +158,10 @@ def _mismatches(runs: dict, name: str) -> list[int]:
     return [i for i, (a, b) in enumerate(zip(on, off)) if a["token_ids"] != b["token_ids"]]
 
 
-def _ratio(a: float | None, b: float | None) -> float | None:
-    return a / b if a and b else None
-
-
 def _targets(rows: dict, mismatches: dict) -> dict:
     on, off = rows[("shared", "reuse_on")], rows[("shared", "reuse_off")]
-    ttft = _ratio(off["ttft_p50_s"], on["ttft_p50_s"])
-    tput = _ratio(on["tokens_per_s"], off["tokens_per_s"])
+    ttft = ratio(off["ttft_p50_s"], on["ttft_p50_s"])
+    tput = ratio(on["tokens_per_s"], off["tokens_per_s"])
     shared = _fraction(on["reuse"].values())
     out = {
         "shared_ttft_p50_off_over_on": {"value": ttft, "target": ">= 5", "met": bool(ttft and ttft >= 5)},
