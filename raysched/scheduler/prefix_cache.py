@@ -144,12 +144,17 @@ class PrefixCache:
         for k in range(len(r.prompt_ids) // b, parked // b, -1):
             if k * b >= len(r.prompt_ids) or not self._inflight.get(r.prompt_ids[:k * b]):
                 continue
-            for rid, (p, worker, keys) in list(self._producers.items()):
-                if p.state.is_done or p.state is State.RETRACTED or p.num_generated:  # prefilled, or gone
-                    self._drop_producer(rid)
-                elif r.prompt_ids[:k * b] in keys and p is not r:
+            self._sweep_producers()
+            for p, worker, keys in self._producers.values():
+                if r.prompt_ids[:k * b] in keys and p is not r:
                     return worker
         return None
+
+    def _sweep_producers(self) -> None:
+        """Forget producers that finished their prefill (or ended, or were retracted)."""
+        for rid, (p, _, _) in list(self._producers.items()):
+            if p.state.is_done or p.state is State.RETRACTED or p.num_generated:
+                self._drop_producer(rid)
 
     # ------------------------------------------------------------------ results
     def on_result(self, w: WorkerSlot, decision: Decision, result: StepResult) -> None:
@@ -174,6 +179,7 @@ class PrefixCache:
                 self.counters.state_cache_fallbacks += 1
         if result.parked:
             self.take(w, result.parked)
+        self._sweep_producers()
 
     def forget_lookups(self, admitted: list[Request]) -> None:
         """The call failed: these are looked up again when admitted again."""
