@@ -52,7 +52,7 @@ class Request:
     finish_s: float | None = None
     finish_reason: str | None = None
     error: str | None = None
-    cached_tokens: int = 0  # prompt tokens restored from the turn cache instead of prefilled
+    cached_tokens: int = 0  # prompt tokens restored (prefix reuse) instead of prefilled
     cache_kind: str | None = None  # which point it restored: "chunk" | "prompt" | "finished"
     cache_source: str | None = None  # where that point lay: "same_worker" | "same_node" | "other_node"
     text_stream: Any = None  # raysched.tokenizer.TextStream when the request has stop strings
