@@ -33,8 +33,9 @@ from actors.graph import FixedShapeDecode
 from actors.config import ModelConfig
 from actors.pools import HybridPool
 from actors.sampler import sample
-from actors.snapshot import (Snapshot, SnapshotError, check_compatible, checksum, decode_cached,
-                             gather_state, model_fingerprint, part_specs, scatter_state)
+from actors.snapshot import (KVBlock, Snapshot, SnapshotError, check_block, check_compatible, checksum,
+                             decode_cached, gather_block, gather_state, model_fingerprint, part_specs,
+                             scatter_block, scatter_state)
 from raysched.config import PoolConfig
 from raysched.messages import Usage
 from raysched.sampling import SamplingParams
@@ -50,6 +51,9 @@ class Sequence:
     sampling: SamplingParams
     finish_reason: str | None = None  # "length" | "stop"
     num_computed: int = 0  # tokens of token_ids whose K/V + conv + SSM state is in the pool
+    exact: bool = True  # its state is that of an uncached prefill chunked from token 0 (false
+    #   after a restore from a state that was not: a finished turn, an unaligned prompt end)
+    parked_blocks: int = 0  # leading K/V blocks of its history already parked (prefix reuse)
 
     @property
     def num_generated(self) -> int:
@@ -105,15 +109,22 @@ class Engine:
     def can_prefill(self, num_tokens: int) -> bool:
         return self.pool.can_admit(num_tokens)
 
+    def sequence(self, request_id: str) -> Sequence | None:
+        """The request holding slots here under this id (decoding, prefilling or held), if any."""
+        return (self.running.get(request_id) or self.prefilling.get(request_id)
+                or self.held.get(request_id))
+
     # ------------------------------------------------------------------ prefill
     def prefill(self, seqs: list[Sequence | str], chunk_tokens: int | None = None,
                 budget_tokens: int | None = None) -> StepOutput:
         """Advance each sequence by up to `chunk_tokens` tokens (None: to its end), in one forward.
 
-        `budget_tokens` (None: no limit) caps the tokens this call feeds: sequences advance in
-        the given order, each by its whole chunk, until the budget is spent (the first always
-        advances); the rest are admitted but wait for a later call. A sequence's chunk
-        boundaries therefore never depend on what else is prefilling.
+        Chunk boundaries are multiples of `chunk_tokens` from token 0: a sequence restored at
+        any other point first advances to the next multiple, so every later chunk is the one an
+        uncached run feeds. `budget_tokens` (None: no limit) caps the tokens this call feeds:
+        sequences advance in the given order, each by its whole chunk, until the budget is spent
+        (the first always advances); the rest are admitted but wait for a later call. A
+        sequence's chunk boundaries therefore never depend on what else is prefilling.
 
         An item is either a new `Sequence` (admitted here: a Mamba slot and KV slots for all of
         its `token_ids` are taken at once, so a started prefill never runs out of room; its
@@ -134,7 +145,8 @@ class Engine:
         for s in admitted:
             if budget_tokens is not None and active and spent >= budget_tokens:
                 break
-            n = s.num_uncomputed if chunk_tokens is None else min(chunk_tokens, s.num_uncomputed)
+            n = s.num_uncomputed if chunk_tokens is None else min(
+                chunk_tokens - s.num_computed % chunk_tokens, s.num_uncomputed)
             active.append(s)
             counts.append(n)
             spent += n
@@ -302,22 +314,41 @@ class Engine:
         self.release(request_id)
         return snap
 
-    def copy_state(self, request_id: str) -> Snapshot:
-        """A snapshot of a decoding (or held finished) request's state; the request keeps its
-        slots and goes on. The turn cache parks such copies (prompt end, finished turn)."""
+    def copy_state(self, request_id: str, kv_from: int = 0, exact: bool = False) -> Snapshot:
+        """A snapshot of a request's state (decoding, held finished, or prefilling: its
+        `num_computed` tokens) with the K/V of its tokens from `kv_from` on (the earlier ones are
+        parked in blocks); the request keeps its slots and goes on. Prefix reuse parks such
+        copies as points (chunk boundary, prompt end, finished turn); `exact` marks the state of
+        an uncached chunked prefill at a chunk boundary."""
         seq = self.running.get(request_id) or self.held.get(request_id)
-        if seq is None:
-            raise KeyError(f"request {request_id!r} is not running on this engine")
-        return self._copy(seq, None)
+        if seq is not None:
+            return self._copy(seq, None, kv_from, exact)
+        seq = self.prefilling.get(request_id)
+        if seq is None or not seq.num_computed:
+            raise KeyError(f"request {request_id!r} has no state on this engine")
+        return self._copy(seq, seq.num_computed, kv_from, exact)
 
-    def _copy(self, seq: Sequence, computed: int | None) -> Snapshot:
+    def copy_blocks(self, request_id: str, first: int, last: int, block_tokens: int) -> list[KVBlock]:
+        """The K/V of blocks first .. last - 1 (`block_tokens` each, from token 0) of a request
+        whose state covers them, one `KVBlock` each."""
+        seq = self.running.get(request_id) or self.held.get(request_id) or self.prefilling[request_id]
+        ids = seq.token_ids
+        return [gather_block(self.pool, request_id, i * block_tokens,
+                             tuple(ids[i * block_tokens:(i + 1) * block_tokens]),
+                             tuple(ids[:(i + 1) * block_tokens]), self.config, self.fingerprint)
+                for i in range(first, last)]
+
+    def _copy(self, seq: Sequence, computed: int | None, kv_from: int = 0, exact: bool | None = None) -> Snapshot:
         """Gather `seq`'s state: `computed` tokens of a prefilling request, or (None) all but
-        the last of a decoding one."""
+        the last of a decoding one; K/V from token `kv_from` on. `exact` (None: a mid-prefill
+        state of an exact sequence, which is at a chunk boundary) travels with it."""
         num_cached = seq.num_cached if computed is None else computed
-        specs = part_specs(self.config, self.dtype, num_cached)
-        payload = gather_state(self.pool, seq.request_id, num_cached, specs).numpy()
+        specs = part_specs(self.config, self.dtype, num_cached - kv_from)
+        payload = gather_state(self.pool, seq.request_id, num_cached, specs, kv_from).numpy()
+        exact = seq.exact and computed is not None if exact is None else exact
         return Snapshot(seq.request_id, self.fingerprint, tuple(seq.token_ids), seq.prompt_len,
-                        seq.sampling.to_dict(), specs, checksum(payload), payload, computed=computed)
+                        seq.sampling.to_dict(), specs, checksum(payload), payload, computed=computed,
+                        kv_from=kv_from, exact=exact)
 
     def check_snapshot(self, snap: Snapshot) -> None:
         """Raise SnapshotError if `snap` cannot be restored here (nothing changes)."""
@@ -332,7 +363,11 @@ class Engine:
         self.check_snapshot(snap)
         rid = request_id or snap.request_id
         self._check_new(rid)
-        seq = Sequence(rid, list(snap.token_ids), snap.prompt_len, SamplingParams.from_dict(snap.sampling))
+        seq = Sequence(rid, list(snap.token_ids), snap.prompt_len, SamplingParams.from_dict(snap.sampling),
+                       exact=snap.exact)
+        if snap.kv_from:
+            raise SnapshotError(f"snapshot of {snap.request_id!r} holds K/V from token {snap.kv_from} only; "
+                                "restore it with its blocks (restore_prefix)")
         if snap.mid_prefill:  # back into `prefilling`: the next prefill goes on from `computed`
             return self._restore_prefilling(snap, seq)
         if not self.pool.admit(rid, snap.num_cached_tokens, zero_state=False):
@@ -342,15 +377,17 @@ class Engine:
         self.running[rid] = seq
         return True
 
-    def restore_prefix(self, snap: Snapshot, seq: Sequence) -> bool:
-        """Start a NEW request `seq` from a snapshot of its first `snap.num_cached_tokens` tokens.
+    def restore_prefix(self, snap: Snapshot, seq: Sequence, blocks: tuple[KVBlock, ...] = ()) -> bool:
+        """Start a NEW request `seq` from a point: a snapshot of its first
+        `snap.num_cached_tokens` tokens whose K/V before `snap.kv_from` is in `blocks` (in order).
 
         `seq.token_ids` must extend those tokens by at least one. Slots for all of `seq`'s
-        tokens are taken, the snapshot's K/V, conv and SSM state are written into them,
-        `seq.num_computed` is set to `snap.num_cached_tokens` and `seq` joins `prefilling`: the
-        next `prefill([seq.request_id])` computes the rest. False (nothing changed) if the pool
-        has no room for `seq`'s tokens. Raises SnapshotError, before touching the pool, for
-        another model, a wrong shape or dtype, a bad checksum, or tokens that do not match.
+        tokens are taken, the blocks' K/V and the snapshot's K/V, conv and SSM state are written
+        into them, `seq.num_computed` is set to `snap.num_cached_tokens` and `seq` joins
+        `prefilling`: the next `prefill([seq.request_id])` computes the rest. False (nothing
+        changed) if the pool has no room for `seq`'s tokens. Raises SnapshotError, before
+        touching the pool, for another model, a wrong shape or dtype, a bad checksum, tokens that
+        do not match, or blocks that do not cover exactly the tokens before `kv_from`.
         """
         self.check_snapshot(snap)
         self._check_new(seq.request_id)
@@ -358,14 +395,25 @@ class Engine:
         if len(seq.token_ids) <= n or tuple(seq.token_ids[:n]) != snap.token_ids[:n]:
             raise SnapshotError(f"request {seq.request_id!r}: its tokens do not extend the "
                                 f"{n} cached tokens of snapshot {snap.request_id!r}")
-        return self._restore_prefilling(snap, seq)
+        end = 0
+        for block in blocks:
+            check_block(block, seq.token_ids, self.config, self.dtype, self.fingerprint)
+            if block.start != end:
+                raise SnapshotError(f"K/V block at {block.start} does not follow the one ending at {end}")
+            end = block.end
+        if end != snap.kv_from:
+            raise SnapshotError(f"K/V blocks cover {end} tokens, the point needs {snap.kv_from}")
+        seq.exact, seq.parked_blocks = snap.exact, len(blocks)
+        return self._restore_prefilling(snap, seq, blocks)
 
-    def _restore_prefilling(self, snap: Snapshot, seq: Sequence) -> bool:
-        """Slots for all of `seq`'s tokens, the (checked) snapshot's state written into its first
-        ones, `seq` into `prefilling` with `num_computed` = the tokens the snapshot covers."""
+    def _restore_prefilling(self, snap: Snapshot, seq: Sequence, blocks: tuple[KVBlock, ...] = ()) -> bool:
+        """Slots for all of `seq`'s tokens, the (checked) blocks' and snapshot's state written
+        into its first ones, `seq` into `prefilling` with `num_computed` = the tokens covered."""
         n = snap.num_cached_tokens
         if not self.pool.admit(seq.request_id, len(seq.token_ids), zero_state=False):
             return False
+        for block in blocks:
+            scatter_block(self.pool, seq.request_id, block)
         scatter_state(self.pool, seq.request_id, snap)
         seq.num_computed = n
         self.prefilling[seq.request_id] = seq

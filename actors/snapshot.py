@@ -19,6 +19,11 @@ raw 16-bit), so Ray moves it zero-copy. Layout of the parts:
   head_dim, d_state) float32, "gdn_conv", "gdn_state" (num_gdn_layers, v_heads, d_k, d_v) float32.
 One code path gathers, scatters and checks every architecture; restore refuses a part list that
 differs from this model's.
+
+Prefix reuse parks K/V in blocks (`KVBlock`: the K/V of tokens [start, start + n), one "kv"
+part, checksummed, with a hash of every token before its end so it is only ever restored under
+the history it was computed on) and *points*: snapshots whose "kv" part starts at `kv_from`, the
+K/V before that coming from blocks. A retraction snapshot has `kv_from` 0.
 """
 
 from __future__ import annotations
@@ -69,6 +74,10 @@ class Snapshot:
     version: int = SNAPSHOT_VERSION
     computed: int | None = None  # mid-prefill: the state covers token_ids[:computed] (a chunk
     #   boundary) and the rest is still to prefill; None: decoding, the state covers all but the last
+    kv_from: int = 0  # the "kv" part holds tokens [kv_from, num_cached_tokens); earlier ones are
+    #   in KVBlocks restored with it (prefix reuse)
+    exact: bool = False  # the state of an uncached chunked prefill at a chunk boundary: a request
+    #   restored from it and prefilled on runs the same chunks as an uncached one, bit for bit
 
     @property
     def num_cached_tokens(self) -> int:
@@ -100,6 +109,39 @@ class Snapshot:
         """Raise SnapshotError if the payload does not match its checksum."""
         if checksum(self.payload) != self.checksum:
             raise SnapshotError(f"snapshot of {self.request_id!r}: checksum mismatch (corrupted payload)")
+
+
+@dataclass(frozen=True)
+class KVBlock:
+    """The K/V of tokens [start, start + len(token_ids)) of one history, for every attention
+    layer: one part "kv" (2, num_attention_layers, n, kv_heads, head_dim), model dtype."""
+
+    model_fingerprint: str
+    start: int
+    token_ids: tuple[int, ...]  # this block's tokens
+    history_hash: int  # history_hash(all tokens up to this block's end)
+    part: PartSpec
+    checksum: int
+    payload: np.ndarray = field(repr=False)
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.token_ids)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.payload.nbytes)
+
+    def kv(self) -> torch.Tensor:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            raw = torch.from_numpy(self.payload[: self.part.nbytes])
+        return raw.view(getattr(torch, self.part.dtype)).view(self.part.shape)
+
+
+def history_hash(token_ids: tuple[int, ...] | list[int]) -> int:
+    """A hash of a token history (deterministic across processes: ints and tuples only)."""
+    return hash(tuple(token_ids))
 
 
 _BLOCK_WORDS = 4096
@@ -159,12 +201,13 @@ def _views(buf: torch.Tensor, specs: tuple[PartSpec, ...]) -> dict[str, torch.Te
 
 
 def gather_state(pool: HybridPool, request_id: str, num_cached: int,
-                 specs: tuple[PartSpec, ...]) -> torch.Tensor:
-    """Copy the request's state out of the pool into a fresh host buffer (uint8, payload layout)."""
+                 specs: tuple[PartSpec, ...], kv_from: int = 0) -> torch.Tensor:
+    """Copy the request's state (K/V of tokens [kv_from, num_cached), every state tensor) out of
+    the pool into a fresh host buffer (uint8, payload layout)."""
     device = pool.k.device
     buf = _alloc_payload(payload_nbytes(specs), device)
     views = _views(buf, specs)
-    slots = pool.kv.token_slots(request_id)[:num_cached]  # CPU
+    slots = pool.kv.token_slots(request_id)[kv_from:num_cached]  # CPU
     slot = pool.mamba.slot(request_id)
     if device.type == "cuda":
         _gather_cuda(pool, slots, slot, views)
@@ -174,6 +217,44 @@ def gather_state(pool: HybridPool, request_id: str, num_cached: int,
         for name, tensor in pool.mamba.tensors.items():
             views[name].copy_(tensor[:, slot])
     return buf
+
+
+def gather_block(pool: HybridPool, request_id: str, start: int, token_ids: tuple[int, ...],
+                 history: tuple[int, ...], config: ModelConfig, fingerprint: str) -> KVBlock:
+    """Copy the K/V of the request's tokens [start, start + len(token_ids)) into a KVBlock
+    (`history`: its tokens up to the block's end)."""
+    spec = part_specs(config, pool.k.dtype, len(token_ids))[0]
+    buf = _alloc_payload(-(-spec.nbytes // _ALIGN) * _ALIGN, pool.k.device)
+    kv = _views(buf, (spec,))["kv"]
+    slots = pool.kv.token_slots(request_id)[start:start + len(token_ids)]
+    _gather_tokens(pool.k, slots, kv[0])
+    _gather_tokens(pool.v, slots, kv[1])
+    payload = buf.numpy()
+    return KVBlock(fingerprint, start, token_ids, history_hash(history), spec, checksum(payload), payload)
+
+
+def scatter_block(pool: HybridPool, request_id: str, block: KVBlock) -> None:
+    """Write a block's K/V into the slots the pool gave `request_id` for its tokens."""
+    slots = pool.kv.token_slots(request_id)[block.start:block.end]
+    kv = block.kv().to(pool.k.device, non_blocking=True)
+    _scatter_tokens(pool.k, slots, kv[0])
+    _scatter_tokens(pool.v, slots, kv[1])
+
+
+def check_block(block: KVBlock, token_ids: list[int], config: ModelConfig, dtype: torch.dtype,
+                fingerprint: str) -> None:
+    """Refuse a block that is not this model's K/V of `token_ids[block.start:block.end]` after
+    exactly `token_ids[:block.start]`; changes nothing."""
+    if not isinstance(block, KVBlock):
+        raise SnapshotError(f"expected a KVBlock, got {type(block).__name__}")
+    if block.model_fingerprint != fingerprint:
+        raise SnapshotError(f"K/V block at {block.start} was taken on model {block.model_fingerprint}")
+    if history_hash(token_ids[:block.end]) != block.history_hash:
+        raise SnapshotError(f"K/V block of tokens [{block.start}, {block.end}) belongs to another history")
+    if block.part != part_specs(config, dtype, len(block.token_ids))[0]:
+        raise SnapshotError(f"K/V block at {block.start}: part {_describe((block.part,))} does not match")
+    if checksum(block.payload) != block.checksum:
+        raise SnapshotError(f"K/V block at {block.start}: checksum mismatch (corrupted payload)")
 
 
 def _gather_tokens(src: torch.Tensor, slots: torch.Tensor, out: torch.Tensor) -> None:
@@ -214,7 +295,7 @@ def scatter_state(pool: HybridPool, request_id: str, snap: Snapshot) -> None:
     """Write the snapshot's parts into the slots the pool gave `request_id`."""
     device = pool.k.device
     views = {s.name: snap.part(s.name) for s in snap.parts}
-    slots = pool.kv.token_slots(request_id)[: snap.num_cached_tokens]  # CPU
+    slots = pool.kv.token_slots(request_id)[snap.kv_from: snap.num_cached_tokens]  # CPU
     slot = pool.mamba.slot(request_id)
     kv = views["kv"].to(device, non_blocking=True)
     _scatter_tokens(pool.k, slots, kv[0])
@@ -238,7 +319,10 @@ def check_compatible(snap: Snapshot, config: ModelConfig, dtype: torch.dtype, fi
     if snap.computed is not None and not 1 <= snap.computed < len(snap.token_ids):
         raise SnapshotError(f"snapshot of {snap.request_id!r}: mid-prefill state of {snap.computed} tokens "
                             f"does not fit {len(snap.token_ids)} tokens")
-    expected = part_specs(config, dtype, snap.num_cached_tokens)
+    if not 0 <= snap.kv_from <= snap.num_cached_tokens:
+        raise SnapshotError(f"snapshot of {snap.request_id!r}: K/V from token {snap.kv_from} does not fit "
+                            f"{snap.num_cached_tokens} cached tokens")
+    expected = part_specs(config, dtype, snap.num_cached_tokens - snap.kv_from)
     if tuple(snap.parts) != expected:
         raise SnapshotError(f"snapshot of {snap.request_id!r}: parts {_describe(snap.parts)} do not match "
                             f"this model's {_describe(expected)}")

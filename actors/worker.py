@@ -22,9 +22,10 @@ import ray
 import torch
 
 from actors.engine import Engine, Sequence, StepOutput, build_engine
-from actors.snapshot import Snapshot, SnapshotError
+from actors.snapshot import KVBlock, Snapshot, SnapshotError
 from raysched.config import ServeConfig
-from raysched.messages import SNAPSHOT_LOST, FaultPoint, PrefillItem, StepPlan, StepResult, Usage, WorkerInfo
+from raysched.messages import (SNAPSHOT_LOST, FaultPoint, ParkedPoint, PrefillItem, StepPlan, StepResult, Usage,
+                               WorkerInfo)
 from raysched.sampling import SamplingParams
 
 
@@ -37,7 +38,8 @@ class Worker:
                                            seed=config.seed,
                                            fixed_shape_decode=config.fixed_shape_decode)
         self._speeds: tuple[float, float] | None = None
-        self._parked: dict[tuple[str, str], Snapshot] = {}  # (id, kind) -> copy, until taken
+        self._parked: dict[tuple[str, str, int], Snapshot | KVBlock] = {}  # ParkedPoint keys ->
+        #   copies, until taken or discarded
 
     # ------------------------------------------------------------------ queries
     def info(self) -> WorkerInfo:
@@ -99,18 +101,24 @@ class Worker:
         n = len(plan.resume)
         self._resume(plan, snapshots[:n], result, out)
         prefilled = self._prefill(plan, snapshots[n:], result)
-        self._park_prompts(prefilled, plan.park_min_tokens, result)
+        self._park_prompts(prefilled, plan, result)
         out.merge(prefilled)
         if plan.decode_steps:
             out.merge(self._decode(plan))
         self._park_finished(plan, result)
         return self._result(result, out, time.perf_counter() - t0)
 
-    def take_parked(self, keys: list[tuple[str, str]]) -> Snapshot | tuple[Snapshot, ...]:
-        """Hand over the copies listed in `StepResult.parked`, as this call's return values (so
-        the caller, the scheduler, owns them); call it with ``num_returns=len(keys)``."""
+    def take_parked(self, keys: list[tuple[str, str, int]]) -> Snapshot | KVBlock | tuple:
+        """Hand over copies listed in `StepResult.parked` (points and the blocks they offer, by
+        `ParkedPoint.key` / `block_key`), as this call's return values (so the caller, the
+        scheduler, owns them); call it with ``num_returns=len(keys)``."""
         snaps = tuple(self._parked.pop(tuple(k)) for k in keys)
         return snaps[0] if len(snaps) == 1 else snaps
+
+    def discard_parked(self, keys: list[tuple[str, str, int]]) -> None:
+        """Drop copies the scheduler does not want (blocks parked already, points refused)."""
+        for k in keys:
+            self._parked.pop(tuple(k), None)
 
     # ------------------------------------------------------------------ turn cache
     def _prefill(self, plan: StepPlan, prefixes: tuple, result: StepResult) -> StepOutput:
@@ -134,11 +142,26 @@ class Worker:
         items += waiting
         if not items:
             return StepOutput()
-        return self.engine.prefill(items, plan.prefill_chunk_tokens or None, plan.prefill_budget_tokens or None)
+        before = {rid: s.num_computed for rid, s in self.engine.prefilling.items()}
+        out = self.engine.prefill(items, plan.prefill_chunk_tokens or None, plan.prefill_budget_tokens or None)
+        self._park_boundaries(before, plan, result)
+        return out
+
+    def _park_boundaries(self, before: dict[str, int], plan: StepPlan, result: StepResult) -> None:
+        """A point at each prefill chunk boundary reached in this call, for prompts of at least
+        `park_min_tokens` whose state is an uncached chunked prefill's (`Sequence.exact`)."""
+        b = plan.prefill_chunk_tokens
+        if not (plan.park_min_tokens and b):
+            return
+        for rid, seq in self.engine.prefilling.items():
+            advanced = seq.num_computed > before.get(rid, 0)
+            if advanced and seq.exact and seq.prompt_len >= plan.park_min_tokens and seq.num_computed % b == 0:
+                self._park(rid, "chunk", seq.num_computed // b, b, True, result)
 
     def _restore_prefix(self, snap: Snapshot | list, seq: Sequence, result: StepResult) -> bool:
         try:
-            ok = self.engine.restore_prefix(_fetch(snap), seq)
+            *blocks, point = _fetch_all(snap)
+            ok = self.engine.restore_prefix(point, seq, tuple(blocks))
         except SnapshotError as err:
             result.prefix_failed[seq.request_id] = str(err)
             return False
@@ -149,25 +172,41 @@ class Worker:
             result.cached[seq.request_id] = seq.num_computed
         return ok  # no room: the plain prefill reports it not admitted
 
-    def _park_prompts(self, prefilled: StepOutput, min_tokens: int, result: StepResult) -> None:
+    def _park_prompts(self, prefilled: StepOutput, plan: StepPlan, result: StepResult) -> None:
         """Copy the state at the end of each prompt whose prefill completed in this call (in
-        whichever call its last chunk ran), unless it was a recompute (history with outputs)."""
+        whichever call its last chunk ran), unless it was a recompute (history with outputs).
+        It is exact when the prompt ends on a chunk boundary of an exact prefill."""
+        min_tokens, b = plan.park_min_tokens, plan.prefill_chunk_tokens
         for rid in prefilled.new_tokens:
             seq = self.engine.running.get(rid) or self.engine.held.get(rid)
             if min_tokens and seq is not None and seq.num_generated == 1 and seq.prompt_len >= min_tokens:
-                self._park(rid, "prompt", seq.prompt_len, result)
+                exact = seq.exact and bool(b) and seq.prompt_len % b == 0
+                self._park(rid, "prompt", _exact_blocks(seq, b), b, exact, result)
 
     def _park_finished(self, plan: StepPlan, result: StepResult) -> None:
         """Copy the final state of each finished request (all tokens but the last), then free it."""
+        b = plan.prefill_chunk_tokens
         for rid, seq in list(self.engine.held.items()):
             if seq.num_cached >= plan.park_min_tokens:
-                self._park(rid, "finished", seq.num_cached, result)
+                self._park(rid, "finished", _exact_blocks(seq, b), b, False, result)
             self.engine.release(rid)
 
-    def _park(self, rid: str, kind: str, num_tokens: int, result: StepResult) -> None:
-        snap = self.engine.copy_state(rid)  # right after prefill it covers the prompt
-        self._parked[(rid, kind)] = snap
-        result.parked.append((rid, kind, num_tokens, int(snap.nbytes)))
+    def _park(self, rid: str, kind: str, num_blocks: int, block_tokens: int, exact: bool,
+              result: StepResult) -> None:
+        """Copy a point: the request's state now, with the K/V of its tokens after its first
+        `num_blocks` blocks; and those blocks it has not offered yet, one copy each."""
+        seq = self.engine.sequence(rid)
+        kv_from = num_blocks * block_tokens
+        snap = self.engine.copy_state(rid, kv_from, exact)  # right after prefill it covers the prompt
+        first = min(seq.parked_blocks, num_blocks)
+        blocks = self.engine.copy_blocks(rid, first, num_blocks, block_tokens) if block_tokens else []
+        seq.parked_blocks = max(seq.parked_blocks, num_blocks)
+        point = ParkedPoint(rid, kind, snap.num_cached_tokens, int(snap.nbytes), kv_from, exact,
+                            tuple((first + i, blk.nbytes) for i, blk in enumerate(blocks)))
+        self._parked[point.key] = snap
+        for i, blk in enumerate(blocks):
+            self._parked[point.block_key(first + i)] = blk
+        result.parked.append(point)
 
     def _decode(self, plan: StepPlan) -> StepOutput:
         """The plan's decode steps (a hook: `actors.faults` dies part-way)."""
@@ -210,12 +249,27 @@ class SnapshotLost(Exception):
 def _fetch(snap: Snapshot | list) -> Snapshot:
     """A snapshot passed by value, or `[ref]` (a nested ref Ray does not resolve): read it here,
     from the node where it lies, turning a lost object into `SnapshotLost`."""
-    if isinstance(snap, Snapshot):
-        return snap
+    return _fetch_all(snap)[-1]
+
+
+def _fetch_all(arg: Snapshot | list) -> list:
+    """`_fetch` for a list of objects and refs (a point's blocks, then the point): all of them,
+    read in one `ray.get`."""
+    items = [arg] if isinstance(arg, (Snapshot, KVBlock)) else list(arg)
+    refs = [i for i in items if isinstance(i, ray.ObjectRef)]
     try:
-        return ray.get(snap[0])
+        got = iter(ray.get(refs)) if refs else iter(())
     except (ray.exceptions.RayError, OSError) as err:
         raise SnapshotLost(type(err).__name__) from None
+    return [next(got) if isinstance(i, ray.ObjectRef) else i for i in items]
+
+
+def _exact_blocks(seq: Sequence, block_tokens: int) -> int:
+    """Leading blocks of a request's history whose K/V is an uncached chunked prefill's: every
+    whole block of the prompt for an exact request, else the blocks it was restored with."""
+    if not block_tokens:
+        return 0
+    return seq.prompt_len // block_tokens if seq.exact else seq.parked_blocks
 
 
 def _sequence(item: PrefillItem) -> Sequence:

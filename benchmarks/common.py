@@ -37,6 +37,11 @@ def best_of(fn: Callable[[], Any], repeats: int) -> float:
     return min(timed(fn)[0] for _ in range(repeats))
 
 
+def ratio(a: float | None, b: float | None) -> float | None:
+    """a / b, or None when either is missing or zero."""
+    return a / b if a and b else None
+
+
 def median(values: Sequence[float]) -> float:
     return statistics.median(values)
 

@@ -31,7 +31,7 @@ from statistics import mean
 from typing import Any
 
 from benchmarks.common import (Column, load_average, local_ray, machine, measured_client, print_table,
-                               print_targets, plot, write_json)
+                               print_targets, plot, ratio, write_json)
 from raysched.config import PoolConfig, SchedulerConfig, ServeConfig
 from raysched.workload import RequestSpec, WorkloadConfig, build_requests
 
@@ -176,17 +176,13 @@ def _targets(rows: dict[str, dict]) -> dict:
         # not a target: the same comparison in tokens per worker CPU-second, which competing
         # programs on a shared machine move much less than wall-clock throughput
         "snapshot_vs_recompute_cpu_efficiency": {
-            "value": _ratio(rows["snapshot"]["tokens_per_worker_cpu_s"],
+            "value": ratio(rows["snapshot"]["tokens_per_worker_cpu_s"],
                             rows["recompute"]["tokens_per_worker_cpu_s"]),
             "target": "(informational)", "met": None},
         "same_tokens_every_mode": {"value": sum(r["mismatches"] for r in rows.values()),
                                    "target": "0 mismatched requests",
                                    "met": all(r["mismatches"] == 0 for r in rows.values())},
     }
-
-
-def _ratio(a: float | None, b: float | None) -> float | None:
-    return a / b if a and b else None
 
 
 def _result(setup: Setup, runs: dict[str, list[dict]], order: list[str]) -> dict:

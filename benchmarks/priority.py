@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import (Column, load_average, local_ray, machine, measured_client, percentile,
-                               print_table, print_targets, plot, warm_up, write_json)
+                               print_table, print_targets, plot, ratio, warm_up, write_json)
 from raysched.config import PoolConfig, SchedulerConfig, ServeConfig
 from raysched.sampling import SamplingParams
 from raysched.workload import RequestSpec
@@ -125,18 +125,14 @@ def _row(mode: str, run: dict, reference: dict) -> dict:
             "mismatches": sum(r["token_ids"] != reference.get(r["request_id"]) for r in recs)}
 
 
-def _ratio(a: float | None, b: float | None) -> float | None:
-    return a / b if a and b else None
-
-
 def _targets(rows: dict) -> dict:
-    ttft = _ratio(rows["none"]["urgent_ttft_p99_s"], rows["snapshot"]["urgent_ttft_p99_s"])
-    tput = _ratio(rows["snapshot"]["tokens_per_s"], rows["recompute"]["tokens_per_s"])
+    ttft = ratio(rows["none"]["urgent_ttft_p99_s"], rows["snapshot"]["urgent_ttft_p99_s"])
+    tput = ratio(rows["snapshot"]["tokens_per_s"], rows["recompute"]["tokens_per_s"])
     return {
         "urgent_ttft_p99_none_over_snapshot": {"value": ttft, "target": ">= 5", "met": bool(ttft and ttft >= 5)},
         "throughput_snapshot_vs_recompute": {"value": tput, "target": ">= 1.3", "met": bool(tput and tput >= 1.3)},
         "worker_cpu_recompute_over_snapshot": {
-            "value": _ratio(rows["recompute"]["worker_cpu_s"], rows["snapshot"]["worker_cpu_s"]),
+            "value": ratio(rows["recompute"]["worker_cpu_s"], rows["snapshot"]["worker_cpu_s"]),
             "target": "(informational)", "met": None},
         "same_tokens_every_mode": {"value": sum(r["mismatches"] for r in rows.values()),
                                    "target": "0 mismatched requests",

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import (Column, load_average, local_ray, machine, measured_client, percentile,
-                               print_table, print_targets, plot, warm_up, write_json)
+                               print_table, print_targets, plot, ratio, warm_up, write_json)
 from raysched.config import PoolConfig, ServeConfig, StateCacheConfig
 
 MODES = ("cache_on", "cache_off")
@@ -165,18 +165,14 @@ def _mismatches(runs: dict) -> list[dict]:
             for t in runs["cache_on"]["turns"] if off.get(key(t)) != t["token_ids"]]
 
 
-def _ratio(a: float | None, b: float | None) -> float | None:
-    return a / b if a and b else None
-
-
 def _targets(rows: dict, mismatches: list) -> dict:
     on, off = rows["cache_on"], rows["cache_off"]
-    tput = _ratio(on["tokens_per_s"], off["tokens_per_s"])
-    ttft = _ratio(off["ttft_turn2plus_p50_s"], on["ttft_turn2plus_p50_s"])
+    tput = ratio(on["tokens_per_s"], off["tokens_per_s"])
+    ttft = ratio(off["ttft_turn2plus_p50_s"], on["ttft_turn2plus_p50_s"])
     return {
         "throughput_on_vs_off": {"value": tput, "target": ">= 2", "met": bool(tput and tput >= 2)},
         "turn2plus_ttft_p50_off_over_on": {"value": ttft, "target": ">= 5", "met": bool(ttft and ttft >= 5)},
-        "worker_cpu_off_over_on": {"value": _ratio(off["worker_cpu_s"], on["worker_cpu_s"]),
+        "worker_cpu_off_over_on": {"value": ratio(off["worker_cpu_s"], on["worker_cpu_s"]),
                                    "target": "(informational)", "met": None},
         "same_tokens": {"value": len(mismatches), "target": "0 mismatched turns", "met": not mismatches},
     }

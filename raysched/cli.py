@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-BENCHES = ("snapshot", "resume", "e2e", "overhead", "engine", "sessions", "priority", "serve", "scale")
+BENCHES = ("snapshot", "resume", "e2e", "overhead", "engine", "sessions", "prefix", "priority", "serve", "scale")
 
 
 def _ids(text: str) -> list[int]:

@@ -152,6 +152,12 @@ def check_finite_number(value: Any, key: KeyPath) -> float:
     return float(value)
 
 
+def check_fraction(value: Any, key: KeyPath) -> float:
+    if not _is_number(value) or not 0 <= value <= 1:
+        raise key.error(f"must be a number in [0, 1], got {_describe(value)}")
+    return float(value)
+
+
 def check_one_of(choices: tuple[str, ...]) -> Check:
     """A check accepting exactly one of `choices`."""
 
@@ -397,8 +403,9 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class StateCacheConfig:
-    """The turn cache (`raysched.state_cache`): finished turns' and prompts' states parked in the
-    object store, restored by a later request whose prompt starts with their tokens."""
+    """Prefix reuse (`raysched.state_cache`, `raysched.prefix_cache`): states at every prefill
+    chunk boundary, prompt end and finished turn parked in the object store (K/V in blocks, once),
+    restored by a later request whose prompt starts with their tokens."""
 
     enabled: bool = True
     budget_bytes: int | None = None  # parked bytes kept; None = a quarter of the scheduler
@@ -406,12 +413,15 @@ class StateCacheConfig:
     min_tokens: int = 64  # states covering fewer tokens are not parked
     inline_budget_bytes: int = 8 << 20  # of which states under Ray's inline-return size (100 KiB),
     #   which live in the scheduler's own memory, not the object store
+    placement_slack: float = 0.25  # a request goes to the worker holding its matched state when
+    #   that worker's free fraction is within this of the roomiest worker's
 
     CHECKS: ClassVar[dict[str, Check]] = {
         "enabled": check_bool,
         "budget_bytes": check_optional(check_non_negative_int),
         "min_tokens": check_positive_int,
         "inline_budget_bytes": check_non_negative_int,
+        "placement_slack": check_fraction,
     }
 
     def __post_init__(self) -> None:

@@ -93,8 +93,31 @@ class StepResult:
     cached: dict[str, int] = field(default_factory=dict)  # id -> prompt tokens restored, not prefilled
     prefix_failed: dict[str, str] = field(default_factory=dict)  # id -> why its parked state was not
     #   used (lost, refused): it was prefilled in full instead
-    parked: list[tuple[str, str, int, int]] = field(default_factory=list)  # (id, kind, tokens
-    #   covered, bytes) of states copied this call, waiting for `Worker.take_parked`
+    parked: list[ParkedPoint] = field(default_factory=list)  # points copied this call, waiting
+    #   for `Worker.take_parked` (or `discard_parked`)
+
+
+@dataclass(frozen=True)
+class ParkedPoint:
+    """A restorable point a worker copied in a call (prefix reuse, `raysched.state_cache`): the
+    state after `num_tokens` tokens of the request's history with the K/V of its tokens from
+    `kv_from` on, kept under `key`, and the K/V blocks before `kv_from` it offers, kept under
+    `block_key(i)` (blocks the worker copied for it; the others were offered before)."""
+
+    request_id: str
+    kind: str  # "chunk" (a prefill chunk boundary) | "prompt" (a prompt's end) | "finished"
+    num_tokens: int
+    nbytes: int
+    kv_from: int = 0
+    exact: bool = False  # the state of an uncached chunked prefill at a chunk boundary
+    blocks: tuple[tuple[int, int], ...] = ()  # (block index, bytes) of the blocks offered with it
+
+    @property
+    def key(self) -> tuple[str, str, int]:
+        return (self.request_id, self.kind, self.num_tokens)
+
+    def block_key(self, index: int) -> tuple[str, str, int]:
+        return (self.request_id, "block", index)
 
     def record_restore(self, request_id: str, restore: Callable[[], bool], refused: type[Exception],
                        lost: type[Exception]) -> bool | None:

@@ -52,8 +52,9 @@ class Request:
     finish_s: float | None = None
     finish_reason: str | None = None
     error: str | None = None
-    cached_tokens: int = 0  # prompt tokens restored from the turn cache instead of prefilled
-    cache_kind: str | None = None  # which parked state it restored: "finished" | "prompt"
+    cached_tokens: int = 0  # prompt tokens restored (prefix reuse) instead of prefilled
+    cache_kind: str | None = None  # which point it restored: "chunk" | "prompt" | "finished"
+    cache_source: str | None = None  # where that point lay: "same_worker" | "same_node" | "other_node"
     text_stream: Any = None  # raysched.tokenizer.TextStream when the request has stop strings
 
     @property
@@ -86,6 +87,7 @@ class Request:
             "finish_reason": self.finish_reason, "error": self.error,
             "workers": list(self.workers), "retractions": self.retractions,
             "priority": self.priority, "cached_tokens": self.cached_tokens, "cache_kind": self.cache_kind,
+            "cache_source": self.cache_source,
             "ttft_s": None if self.first_token_s is None else self.first_token_s - self.arrival_s,
             "latency_s": None if self.finish_s is None else self.finish_s - self.arrival_s,
         }

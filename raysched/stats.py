@@ -50,6 +50,10 @@ class Counters:
     state_cache_hits: int = 0  # admissions that restored a parked state
     state_cache_hits_finished: int = 0  # ... of a finished turn
     state_cache_hits_prompt: int = 0  # ... of a prompt's end
+    state_cache_hits_chunk: int = 0  # ... of a prefill chunk boundary (a shared prefix)
+    state_cache_hits_same_worker: int = 0  # hits whose point lay on the worker that restored it
+    state_cache_hits_same_node: int = 0  # ... on another worker of the same node
+    state_cache_hits_other_node: int = 0  # ... on another node (read over the network)
     state_cache_misses: int = 0  # admissions (with the cache on) that prefilled in full
     state_cache_tokens_reused: int = 0  # prompt tokens restored instead of prefilled
     state_cache_fallbacks: int = 0  # hits whose parked state was lost or refused: full prefill
@@ -82,12 +86,16 @@ class Counters:
         self.resume_bytes_moved += moved
         self.resume_bytes_via_scheduler += via_scheduler
 
-    def on_cache_lookup(self, cached_tokens: int, kind: str | None) -> None:
+    def on_cache_lookup(self, cached_tokens: int, kind: str | None, source: str | None = None) -> None:
         if cached_tokens:
             self.state_cache_hits += 1
             self.state_cache_tokens_reused += cached_tokens
             self.state_cache_hits_finished += kind == "finished"
             self.state_cache_hits_prompt += kind == "prompt"
+            self.state_cache_hits_chunk += kind == "chunk"
+            self.state_cache_hits_same_worker += source == "same_worker"
+            self.state_cache_hits_same_node += source == "same_node"
+            self.state_cache_hits_other_node += source == "other_node"
         else:
             self.state_cache_misses += 1
 

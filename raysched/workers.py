@@ -61,8 +61,11 @@ class Worker:
     def step(self, plan: StepPlan, *snapshots: Any) -> StepResult:
         return self._impl.step(plan, *snapshots)
 
-    def take_parked(self, keys: list[tuple[str, str]]) -> Any:
+    def take_parked(self, keys: list[tuple[str, str, int]]) -> Any:
         return self._impl.take_parked(keys)
+
+    def discard_parked(self, keys: list[tuple[str, str, int]]) -> None:
+        self._impl.discard_parked(keys)
 
 
 def data_plane_class(config: ServeConfig) -> type:

@@ -33,6 +33,10 @@ EXPECTED = {
                  {"mode", "tokens_per_s", "ttft_turn2plus_p50_s", "worker_cpu_s", "worker_busy_s",
                   "state_cache_hits", "state_cache_tokens_reused"},
                  "modes", {"sessions.json", "sessions.png"}),
+    "prefix": ({"model", "workloads", "modes", "targets", "mismatched_requests", "per_request"},
+               {"workload", "mode", "tokens_per_s", "ttft_p50_s", "reuse", "state_cache_hits",
+                "state_cache_points", "state_cache_chunks"},
+               "modes", {"prefix.json", "prefix.png"}),
     "priority": ({"model", "setup", "modes", "targets", "urgent_ttft"},
                  {"mode", "tokens_per_s", "urgent_ttft_p99_s", "preemptions", "worker_cpu_s", "worker_busy_s",
                   "mismatches"},
@@ -94,6 +98,15 @@ def _sessions_correct(result: dict) -> None:
     assert off["state_cache_hits"] == 0 and on["prefilled_tokens"] < off["prefilled_tokens"]
 
 
+def _prefix_correct(result: dict) -> None:
+    """Same tokens with reuse on and off; with it on, every request after a group's first
+    reused the whole chunk-aligned shared prefix; with it off, nothing."""
+    assert result["mismatched_requests"] == {"shared": [], "trap": []}
+    for row in result["modes"]:
+        fractions = [g["fraction"] for g in row["reuse"].values()]
+        assert fractions == ([1.0] * len(fractions) if row["mode"] == "reuse_on" else [0.0] * len(fractions)), row
+
+
 def _priority_correct(result: dict) -> None:
     """Every mode finished everything with the same tokens; only the preempting modes preempt."""
     rows = {m["mode"]: m for m in result["modes"]}
@@ -115,6 +128,7 @@ CORRECTNESS = {
     "overhead": lambda r: r["mismatched_requests"] == [] or pytest.fail(f"{r['mismatched_requests']}"),
     "engine": lambda r: None,  # ours vs transformers tokens are reported, not required to match
     "sessions": _sessions_correct,
+    "prefix": _prefix_correct,
     "priority": _priority_correct,
     "serve": lambda r: r["mismatched_requests"] == [] or pytest.fail(f"{r['mismatched_requests']}"),
     "scale": _scale_keeps_up,

@@ -24,9 +24,9 @@ from raysched.scheduler.fleet import Fleet
 from raysched.scheduler.planner import Decision
 from raysched.scheduler.recovery import Recovery
 from raysched.scheduler.retraction import RetractionLedger
-from raysched.scheduler.state_cache import StateCache
+from raysched.scheduler.prefix_cache import PrefixCache
+from raysched.scheduler.state_cache import BlockRef, Place, StateCache
 from raysched.scheduler.table import Limits, RequestTable
-from raysched.scheduler.turn_cache import TurnCacheGlue
 from raysched.stats import Counters
 
 VOCAB = 100
@@ -149,7 +149,7 @@ def parts(config: ServeConfig, workers: list[FakeWorker], kills: list | None = N
                        exit_process=lambda: None)
     ledger = RetractionLedger(config.scheduler, table, fleet, counters, faults)
     ledger.budget_bytes = 1 << 30
-    cache = TurnCacheGlue(None, table, counters)
+    cache = PrefixCache(None, table, counters)
     recovery = Recovery(config, table, fleet, counters, on_added=lambda slot: None, actors=FakeActors(None))
     dispatch = Dispatcher(config, table, fleet, counters, ledger, cache, recovery, faults)
     for w in workers:
@@ -388,27 +388,71 @@ def test_recovery_fails_the_table_when_no_worker_is_left() -> None:
     asyncio.run(scenario())
 
 
-# ---------------------------------------------------------------------------- turn-cache glue
+# ---------------------------------------------------------------------------- prefix-reuse glue
 
 
-def test_turn_cache_glue_finds_prefixes_counts_hits_and_drops_unusable_states() -> None:
+def test_prefix_glue_finds_prefixes_counts_hits_and_drops_unusable_states() -> None:
     counters = Counters()
     table = RequestTable(counters)
     cache = StateCache(budget_bytes=1 << 20, min_tokens=2)
-    glue = TurnCacheGlue(cache, table, counters)
+    glue = PrefixCache(cache, table, counters)
     cache.park((1, 2, 3), "ref", 100, "finished")
     hit = table.submit([1, 2, 3, 4], {}, LIMITS)
     miss = table.submit([5, 6, 7], {}, LIMITS)
-    assert [(r, e.tokens) for r, e in glue.prefix_hits([hit, miss])] == [(hit, (1, 2, 3))]
+    hits, back = glue.admit([hit, miss], worker=0)
+    assert [(r, m.num_tokens, m.refs) for r, m in hits] == [(hit, 3, ["ref"])] and back == []
     w = parts(ServeConfig(), [FakeWorker(0)])["fleet"].slots[0]
     glue.on_result(w, Decision(admit=[hit, miss]), StepResult(cached={hit.request_id: 3}))
     assert (hit.cached_tokens, hit.cache_kind, counters.state_cache_hits, counters.state_cache_misses) == \
         (3, "finished", 1, 1)
     again = table.submit([1, 2, 3, 9], {}, LIMITS)
-    glue.prefix_hits([again])
+    glue.admit([again], worker=0)
     glue.on_result(w, Decision(admit=[again]), StepResult(prefix_failed={again.request_id: "refused"}))
     assert len(cache) == 0 and counters.state_cache_fallbacks == 1
-    assert TurnCacheGlue(None, table, counters).prefix_hits([hit]) == []
+    assert PrefixCache(None, table, counters).admit([hit], worker=0) == ([], [])
+
+
+def _shared_prefix_requests(p: dict, n: int, shared: int = 64) -> list:
+    return [p["table"].submit([t % 80 + 1 for t in range(shared)] + [90 + i] * (10 + i), {"max_new_tokens": 2}, LIMITS)
+            for i in range(n)]
+
+
+def test_placement_sends_a_request_to_the_worker_holding_its_match_when_loads_are_close() -> None:
+    """Worker 1 holds the point; both workers are idle: worker 0 (asked first) leaves the request
+    to worker 1. With worker 1 much fuller than worker 0 (beyond the slack), worker 0 takes it."""
+    p = parts(ServeConfig(), [FakeWorker(0), FakeWorker(1)])
+    index = StateCache(budget_bytes=1 << 20, min_tokens=2, block_tokens=32)
+    p["cache"] = p["dispatch"].cache = PrefixCache(index, p["table"], p["counters"], slack=0.25)
+    index.park(tuple(t % 80 + 1 for t in range(64)), "pt", 10, "chunk", kv_from=64, exact=True,
+               blocks={0: BlockRef("b0", 100), 1: BlockRef("b1", 100)}, place=Place("node-1", 1))
+    w0, w1 = p["fleet"].slots
+    r = _shared_prefix_requests(p, 1)[0]
+    assert p["dispatch"].decide(w0).admit == []  # left to worker 1, where its state lies
+    assert p["dispatch"].decide(w1).admit == [r]
+    s = _shared_prefix_requests(p, 1)[0]
+    w1.view.free_slots = 1  # worker 1: a quarter of its slots free, worker 0: all of them
+    assert p["dispatch"].decide(w1).admit == [] and p["dispatch"].decide(w0).admit == [s]
+
+
+def test_requests_sharing_blocks_with_one_being_prefilled_wait_for_its_points() -> None:
+    """Three requests share two whole blocks, none parked yet: the first admitted is their
+    producer; the other two go back to the queue (and stay held back) until its points exist."""
+    p = parts(ServeConfig(), [FakeWorker(0, kv=1024)])
+    index = StateCache(budget_bytes=1 << 20, min_tokens=2, block_tokens=32)
+    p["dispatch"].cache = PrefixCache(index, p["table"], p["counters"])
+    reqs = _shared_prefix_requests(p, 3)
+    w = p["fleet"].slots[0]
+    decision = p["dispatch"].decide(w)
+    assert decision.admit == reqs  # the planner admits all three ...
+    hits, back = p["dispatch"].cache.admit(decision.admit, w.index)
+    assert hits == [] and back == reqs[1:]  # ... the glue keeps the producer and puts back the others
+    for r in reqs[1:]:
+        p["table"].waiting.append(r)
+    p["dispatch"].mark_running(w, reqs[:1])
+    assert p["dispatch"].decide(w).admit == []  # held back while the producer prefills
+    index.park(tuple(t % 80 + 1 for t in range(64)), "pt", 10, "chunk", kv_from=64, exact=True,
+               blocks={0: BlockRef("b0", 100), 1: BlockRef("b1", 100)})
+    assert p["dispatch"].decide(w).admit == reqs[1:]  # its points exist: they restore them
 
 
 # ---------------------------------------------------------------------------- fault seam

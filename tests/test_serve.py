@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 import socket
 from collections.abc import Iterator
@@ -191,6 +192,22 @@ def test_second_chat_turn_restores_the_first_turns_state(running: Running) -> No
     other = [{"role": "system", "content": system.upper()}, messages[1]]
     fresh = api.chat.completions.create(model="tiny", messages=other, max_tokens=8, temperature=0)
     assert fresh.usage.prompt_tokens_details.cached_tokens == 0, fresh.usage
+
+
+def test_chats_sharing_a_long_system_prompt_report_its_whole_chunks_as_cached(running: Running) -> None:
+    """Prefix reuse through the OpenAI endpoint: two chats that share only a system prompt longer
+    than a prefill chunk (512 tokens); the second restores the first's point at the last chunk
+    boundary inside it and reports those tokens as cached."""
+    api = running.openai()
+    system = "Keep every answer short, plain and polite; use no lists. " * 60
+    first = [{"role": "system", "content": system}, {"role": "user", "content": "Name a colour."}]
+    second = [{"role": "system", "content": system}, {"role": "user", "content": "Name a fruit."}]
+    tok = load_tokenizer("tiny")
+    shared = len(os.path.commonprefix([tok.encode(tok.chat_prompt(m)) for m in (first, second)]))
+    a = api.chat.completions.create(model="tiny", messages=first, max_tokens=4, temperature=0)
+    b = api.chat.completions.create(model="tiny", messages=second, max_tokens=4, temperature=0)
+    assert a.usage.prompt_tokens_details.cached_tokens == 0, a.usage
+    assert shared >= 512 and b.usage.prompt_tokens_details.cached_tokens == shared // 512 * 512, (shared, b.usage)
 
 
 def test_stop_string_cuts_text_and_ends_early(running: Running) -> None:

@@ -1,7 +1,6 @@
 """The turn cache: parked states, prefix matching, and exactness of restore + suffix prefill.
 
-- `StateCache` alone (pure): longest exact prefix wins, the prompt must extend the key, LRU
-  eviction within the byte budget, a used entry stays parked.
+- The index alone (pure): `tests/test_prefix_index.py`.
 - Through the worker (no Ray): a finished turn's state and a prompt's end state, parked by
   `Worker.step` and restored for the next turn, give first-token logits within 1e-4 (fp32) of a
   full prefill of the whole history and the same greedy tokens; negative control: another
@@ -20,63 +19,9 @@ import torch
 from raysched.config import PoolConfig, SchedulerConfig, ServeConfig, StateCacheConfig
 from raysched.messages import PrefillItem, StepPlan
 from raysched.sampling import SamplingParams
-from raysched.state_cache import StateCache
 
 TOL = 1e-4
 GREEDY = SamplingParams(max_new_tokens=12)
-
-
-# ---------------------------------------------------------------------------- StateCache (pure)
-
-
-def test_the_longest_parked_prefix_wins_and_the_prompt_must_extend_it() -> None:
-    cache = StateCache(budget_bytes=1000, min_tokens=2)
-    cache.park((1, 2), "a", 10, "prompt")
-    cache.park((1, 2, 3, 4), "b", 10, "finished")
-    cache.park((1, 9, 9), "c", 10, "finished")
-    assert cache.lookup((1, 2, 3, 4, 5)).ref == "b"
-    assert cache.lookup((1, 2, 3, 4)).ref == "a"  # b covers all of it: at least one token to prefill
-    assert cache.lookup((1, 2, 3)).ref == "a"
-    assert cache.lookup((1, 9, 8, 7)) is None  # exact match only
-    assert cache.lookup((2, 1, 2, 3)) is None
-
-
-def test_used_entries_stay_parked_and_lru_eviction_keeps_the_budget() -> None:
-    cache = StateCache(budget_bytes=30, min_tokens=1)
-    for i in range(3):
-        cache.park((i, i), f"r{i}", 10, "finished")
-    assert cache.lookup((0, 0, 5)).ref == "r0" and cache.lookup((0, 0, 6)).ref == "r0"  # two forks hit
-    evicted = cache.park((7, 7), "r7", 10, "prompt")  # over budget: r1 is the least recently used
-    assert [e.ref for e in evicted] == ["r1"] and cache.evictions == 1
-    assert cache.bytes == 30 and len(cache) == 3
-    assert cache.lookup((1, 1, 1)) is None
-
-
-def test_short_states_and_oversized_ones_are_not_parked() -> None:
-    cache = StateCache(budget_bytes=100, min_tokens=4)
-    assert cache.park((1, 2, 3), "short", 10, "prompt") == [] and len(cache) == 0
-    cache.park((1, 2, 3, 4), "big", 101, "prompt")
-    assert len(cache) == 0
-    cache.park((1, 2, 3, 4), "old", 10, "prompt")
-    cache.park((1, 2, 3, 4), "new", 20, "finished")  # the same tokens: the newer one replaces it
-    assert len(cache) == 1 and cache.bytes == 20 and cache.lookup((1, 2, 3, 4, 5)).ref == "new"
-
-
-def test_states_small_enough_to_live_in_the_scheduler_have_their_own_budget() -> None:
-    """States under the inline limit are returned into the scheduler's memory: at most
-    `inline_budget_bytes` of them, evicted oldest-inline-first; larger ones are not touched."""
-    cache = StateCache(budget_bytes=1000, min_tokens=1, inline_budget_bytes=25, inline_limit=50)
-    cache.park((1,), "big-old", 60, "finished")  # object store: counts against budget_bytes only
-    evicted = [e.ref for i in range(2, 5) for e in cache.park((i,), f"small{i}", 10, "finished")]
-    evicted += [e.ref for e in cache.park((9,), "small9", 10, "prompt")]
-    assert evicted == ["small2", "small3"]  # the oldest small ones; big-old, older still, stays
-    assert cache.inline_bytes == 20 and cache.bytes == 80
-    assert cache.lookup((1, 0)).ref == "big-old" and cache.lookup((4, 0)).ref == "small4"
-    assert cache.park((8,), "too-big-inline", 30, "prompt") == [] and cache.lookup((8, 0)) is None
-    uncapped = StateCache(budget_bytes=1000, min_tokens=1, inline_limit=50)  # negative control
-    for i in range(2, 6):
-        uncapped.park((i,), f"small{i}", 10, "finished")
-    assert uncapped.inline_bytes == 40 and len(uncapped) == 4
 
 
 # ---------------------------------------------------------------------------- through the worker
@@ -104,7 +49,7 @@ def run(w, rid: str, tokens: list[int], snap=None, park: int = 0) -> tuple[list[
     result = w.step(plan, *([snap] if snap else []))
     assert result.finished.get(rid) == "length" and not result.prefix_failed, result
     assert result.cached.get(rid, 0) == (snap.num_cached_tokens if snap else 0)
-    keys = [(r, kind) for r, kind, _, _ in result.parked]
+    keys = [p.key for p in result.parked]
     snaps = w.take_parked(keys) if keys else ()
     snaps = (snaps,) if len(keys) == 1 else snaps
     return result.new_tokens[rid], w.engine.logits[rid][0], {k[1]: s for k, s in zip(keys, snaps)}
@@ -126,7 +71,9 @@ def turn1():
 def test_a_prompt_prefilled_in_chunks_parks_its_end_state_in_the_call_that_finishes_it(turn1) -> None:
     """A prompt longer than a chunk finishes its prefill in a later call than the one that
     admitted it: its prompt-end state is parked then, the same state as an unchunked prefill's
-    (within the chunking tolerance); a recompute (a history with outputs) parks none."""
+    (within the chunking tolerance), with the K/V after its last whole chunk (the chunks before
+    are parked as blocks at the chunk boundaries, one point each); a recompute (a history with
+    outputs) parks no prompt end."""
     _, p1, _, parked = turn1
     w = make_worker()
     item = PrefillItem("long", tuple(p1), len(p1), GREEDY.to_dict())
@@ -134,12 +81,16 @@ def test_a_prompt_prefilled_in_chunks_parks_its_end_state_in_the_call_that_finis
     while not calls or not calls[-1].new_tokens:
         calls.append(w.step(plan))
         plan = StepPlan(park_min_tokens=16, prefill_chunk_tokens=32)
-    assert len(calls) == 3 and [c.parked for c in calls[:2]] == [[], []]  # 80 tokens: 32 + 32 + 16
-    assert [(k, n) for _, k, n, _ in calls[-1].parked] == [("prompt", len(p1))]
-    chunked = w.take_parked([("long", "prompt")])
+    assert len(calls) == 3  # 80 tokens: 32 + 32 + 16
+    assert [[(p.kind, p.num_tokens, p.kv_from, p.blocks) for p in c.parked] for c in calls] == [
+        [("chunk", 32, 32, ((0, 32 * 256),))], [("chunk", 64, 64, ((1, 32 * 256),))], [("prompt", 80, 64, ())]]
+    chunked = w.take_parked([("long", "prompt", len(p1))])
     assert chunked.num_cached_tokens == len(p1) and chunked.token_ids[:len(p1)] == tuple(p1)
-    assert (chunked.part("kv") - parked["prompt"].part("kv")).abs().max().item() <= TOL
+    assert chunked.part("kv").shape[2] == 16 and not chunked.exact
+    assert (chunked.part("kv") - parked["prompt"].part("kv")[:, :, 64:]).abs().max().item() <= TOL
     w.step(StepPlan(drop=("long",)))
+    w.discard_parked([p.key for c in calls[:2] for p in c.parked] + [("long", "block", i) for i in (0, 1)])
+    assert not w._parked
     redo = PrefillItem("redo", tuple(p1) + (5, 6), len(p1), GREEDY.to_dict())  # prompt + 2 outputs
     assert w.step(StepPlan(prefill=(redo,), park_min_tokens=16)).parked == []
 
@@ -234,6 +185,7 @@ class TestOnCluster:
         assert r2["cached_tokens"] == len(p1) + len(r1["token_ids"]) - 1 and r2["cache_kind"] == "finished"
         assert r3["cached_tokens"] == len(p2) + len(r2["token_ids"]) - 1
         assert nodes[r2["workers"][-1]] != nodes[producer]  # restored on the other node
+        assert r2["cache_source"] == "other_node" and stats["state_cache_hits_other_node"] >= 1, stats
         assert stats["state_cache_hits"] == 2 and stats["state_cache_hits_finished"] == 2, stats
         assert stats["state_cache_tokens_reused"] == r2["cached_tokens"] + r3["cached_tokens"]
         assert stats["state_cache_misses"] >= 1 and stats["worker_failures"] == 1, stats

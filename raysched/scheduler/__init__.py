@@ -5,7 +5,8 @@
     dispatch.py    the dispatch-and-apply loop: one task per worker, decide -> call -> apply
     retraction.py  the retraction ledger: retract mode, snapshot budget, bytes in flight
     recovery.py    starting workers, worker failure, replacement, a restarted scheduler
-    turn_cache.py  the turn-cache glue around each call (`state_cache.py`: the cache itself)
+    prefix_cache.py prefix reuse around each call: lookups, placement, parked points taken over
+    state_cache.py the prefix index (points and shared K/V blocks in a radix tree of token blocks)
     fleet.py       the workers as the scheduler sees them (handles, facts, pool mirrors)
     planner.py     pure decisions: victims, resumes, admissions, decode steps
     policy.py      pure policy: victim order, retract-mode cost model

@@ -7,7 +7,7 @@ hands each call to the one that owns it:
 - `dispatch.Dispatcher`: one loop per worker (decide, call, apply);
 - `retraction.RetractionLedger`: retract modes, the snapshot budget, bytes in flight;
 - `recovery.Recovery`: starting workers, worker failure, replacement, restart;
-- `turn_cache.TurnCacheGlue`: the turn cache around each call;
+- `prefix_cache.PrefixCache`: prefix reuse around each call (`state_cache`: the index);
 - `faults.FaultSeam`: fault injection, the one seam;
 - `planner` / `policy`: pure decisions.
 
@@ -31,10 +31,10 @@ from raysched.scheduler.faults import FaultSeam
 from raysched.scheduler.fleet import Fleet, WorkerSlot
 from raysched.scheduler.heap import release_freed_memory
 from raysched.scheduler.recovery import Recovery, was_restarted
+from raysched.scheduler.prefix_cache import PrefixCache
 from raysched.scheduler.retraction import RetractionLedger
 from raysched.scheduler.state_cache import StateCache
 from raysched.scheduler.table import Limits, RequestTable, validate_generated
-from raysched.scheduler.turn_cache import TurnCacheGlue
 from raysched.stats import Counters
 from raysched.tokenizer import require_tokenizer
 from raysched.workers import kill_worker, release_workers
@@ -52,9 +52,10 @@ class Scheduler:
         self.fleet = Fleet()
         self.faults = FaultSeam(config.faults, kill=kill_worker)
         self.ledger = RetractionLedger(config.scheduler, self.table, self.fleet, self.counters, self.faults)
-        self.turn_cache = TurnCacheGlue(_state_cache(config), self.table, self.counters)
+        self.prefix_cache = PrefixCache(_state_cache(config), self.table, self.counters,
+                                        config.state_cache.placement_slack)
         self.recovery = Recovery(config, self.table, self.fleet, self.counters, on_added=self._start_loop)
-        self.dispatch = Dispatcher(config, self.table, self.fleet, self.counters, self.ledger, self.turn_cache,
+        self.dispatch = Dispatcher(config, self.table, self.fleet, self.counters, self.ledger, self.prefix_cache,
                                    self.recovery, self.faults)
         self._start_task: asyncio.Task | None = None
 
@@ -88,8 +89,8 @@ class Scheduler:
         await self.recovery.start_workers()
         self.fleet.node_id = ray.get_runtime_context().get_node_id()
         store = _local_object_store_bytes()
-        if self.turn_cache.cache is not None and self.config.state_cache.budget_bytes is None:
-            self.turn_cache.cache.budget_bytes = store // 4
+        if self.prefix_cache.index is not None and self.config.state_cache.budget_bytes is None:
+            self.prefix_cache.index.budget_bytes = store // 4
         if self.config.scheduler.snapshot_budget_bytes is None:
             self.ledger.budget_bytes = store // 2
 
@@ -108,7 +109,7 @@ class Scheduler:
                 w.task.cancel()
         for r in self.table.requests.values():
             r.snapshot_ref = None
-        self.turn_cache.clear()
+        self.prefix_cache.clear()
         release_workers([w.handle for w in self.fleet.slots])
 
     # ================================================================== client API
@@ -171,7 +172,7 @@ class Scheduler:
         d["snapshot_bytes_held"] = self.ledger.held_bytes()
         d["snapshot_budget_bytes"] = self.ledger.budget_bytes
         d["workers_alive"] = len(self.fleet.alive())
-        d.update(self.turn_cache.stats())
+        d.update(self.prefix_cache.stats())
         d["faults_fired"] = list(self.faults.fired)
         d["scheduler_restarted"] = self.restarted
         if detail:
@@ -197,7 +198,8 @@ def _state_cache(config: ServeConfig) -> StateCache | None:
     cfg = config.state_cache
     if not cfg.enabled:
         return None
-    return StateCache(cfg.budget_bytes or 0, cfg.min_tokens, cfg.inline_budget_bytes, inline_return_bytes())
+    return StateCache(cfg.budget_bytes or 0, cfg.min_tokens, cfg.inline_budget_bytes, inline_return_bytes(),
+                      config.scheduler.prefill_chunk_tokens)
 
 
 def rss_bytes() -> int:

@@ -6,8 +6,8 @@ so a slow worker never blocks the others, and client calls get through between a
 pure-decode call whose successor needs no decision is followed at once by that successor (the
 call is *pipelined*: the worker never waits for the scheduler); forced retraction (a testing
 switch) does not turn this off. Applying a result adds tokens to the requests, ends those that
-finished, puts back those that did not fit, and hands over to the turn-cache glue; a failed call
-goes to recovery.
+finished, puts back those that did not fit, and hands over to the prefix-reuse glue; a failed
+call goes to recovery.
 
 No Ray import: worker handles are opaque (`handle.step.remote(...)` returns an awaitable).
 """
@@ -17,18 +17,19 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from typing import Any
 
 from raysched.config import ServeConfig
 from raysched.messages import SNAPSHOT_LOST, PrefillItem, StepPlan, StepResult
-from raysched.request import Request, State
+from raysched.request import Request, State, enqueue
 from raysched.scheduler.faults import FaultSeam
 from raysched.scheduler.fleet import Fleet, WorkerSlot
 from raysched.scheduler.planner import Decision, decode_need, plan_step
+from raysched.scheduler.prefix_cache import PrefixCache
 from raysched.scheduler.recovery import Recovery
 from raysched.scheduler.retraction import RetractionLedger
 from raysched.scheduler.table import RequestTable
-from raysched.scheduler.turn_cache import TurnCacheGlue
 from raysched.stats import Counters
 
 log = logging.getLogger("raysched.scheduler")
@@ -36,7 +37,7 @@ log = logging.getLogger("raysched.scheduler")
 
 class Dispatcher:
     def __init__(self, config: ServeConfig, table: RequestTable, fleet: Fleet, counters: Counters,
-                 ledger: RetractionLedger, cache: TurnCacheGlue, recovery: Recovery, faults: FaultSeam) -> None:
+                 ledger: RetractionLedger, cache: PrefixCache, recovery: Recovery, faults: FaultSeam) -> None:
         self.config = config
         self.table = table
         self.fleet = fleet
@@ -78,13 +79,23 @@ class Dispatcher:
     def decide(self, w: WorkerSlot) -> Decision:
         """The planner's decision for `w`'s next call (takes requests off the queues). The other
         workers are looked at only when something waits for admission (where it goes, and
-        whether it could fit elsewhere before preempting)."""
-        waiting = self.table.waiting
+        whether it could fit elsewhere before preempting). With prefix reuse, requests waiting
+        for blocks another request is prefilling are held back, and the others prefer the
+        worker where their matched state lies."""
+        waiting, placement = self.table.waiting, None
+        if waiting and self.cache.index is not None:
+            rooms = {o.index: o.view.room() for o in (w, *self.fleet.others(w))}
+            held, placement = self.cache.survey(waiting, rooms)
+            if held:
+                waiting = deque(r for r in waiting if r.request_id not in held)
         best_elsewhere = self.fleet.best_room_except(w) if waiting else -1.0
         others = tuple(o.view for o in self.fleet.others(w)) if waiting and self.config.scheduler.preemption else ()
         reserve = self.config.scheduler.admission == "reserve"
         decision = plan_step(w.view, waiting, self.table.retracted, self.config.scheduler,
-                             best_elsewhere, reserve, others)
+                             best_elsewhere, reserve, others, placement)
+        if waiting is not self.table.waiting:
+            for r in decision.admit:
+                self.table.waiting.remove(r)
         self.counters.preemptions += decision.preempted
         if decision.forced_round:
             w.view.forced_round = decision.forced_round
@@ -94,16 +105,16 @@ class Dispatcher:
     async def execute(self, w: WorkerSlot, decision: Decision, t0: float | None = None) -> None:
         """Send `decision` to `w` (retractions, the step call, maybe a pipelined successor),
         await the replies, and apply them. `t0`: when the decision began (its latency is counted)."""
+        prefixes = self.prefix_hits(w, decision)
         self.faults.before_call(w, self.fleet)
         snap_victims, drop = self.ledger.take_victims(w, decision)
         resume_snap = [r for r in decision.resume if not r.recompute]
         cross_node = self.fleet.cross_node(resume_snap[0], w) if resume_snap else None
         self.mark_running(w, decision.resume + decision.admit)
-        prefixes = self.cache.prefix_hits(decision.admit)
         step = self.step_plan(w, decision, drop, resume_snap, [r for r, _ in prefixes], cross_node)
         retract_calls = [self.ledger.send(w, r) for r in snap_victims]  # queued: others may resume them
         step_refs = [w.handle.step.remote(step, *[[r.snapshot_ref] for r in resume_snap],
-                                          *[[e.ref] for _, e in prefixes])]
+                                          *[e.refs for _, e in prefixes])]
         self.ledger.count_resume_bytes(w, resume_snap)
         if self.can_pipeline(w, decision):  # the worker never waits for us
             step_refs.append(w.handle.step.remote(self.successor_plan(w, decision.decode_steps)))
@@ -117,6 +128,15 @@ class Dispatcher:
         sizes = await asyncio.gather(*[call[1] for call in retract_calls], return_exceptions=True)
         self.ledger.on_sizes(w, snap_victims, retract_calls, sizes)
         self.fleet.notify()
+
+    def prefix_hits(self, w: WorkerSlot, decision: Decision) -> list:
+        """(request, match) for each admitted request whose prompt starts with a parked point;
+        admissions whose blocks another request is about to prefill go back to the queue."""
+        hits, back = self.cache.admit(decision.admit, w.index)
+        for r in reversed(back):
+            decision.admit.remove(r)
+            enqueue(self.table.waiting, r, front=True)
+        return hits
 
     def step_plan(self, w: WorkerSlot, decision: Decision, drop: list[str], resume_snap: list[Request],
                   prefixed: list[Request], cross_node: bool | None) -> StepPlan:

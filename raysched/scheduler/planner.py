@@ -6,8 +6,10 @@ Order of decisions, per call:
 2. fit the decode steps: halve the number of steps until the KV they need fits; if even one
    step does not fit, retract victims (policy order, protected requests skipped) until it does;
 3. resume retracted requests (oldest retraction first) while they fit;
-4. admit waiting requests (FCFS) while they fit and this worker has the most room — only when
-   no retracted request is waiting, so retracted requests always go first;
+4. admit waiting requests (FCFS) while they fit and this worker has the most room (or, with
+   prefix reuse, is where the request's matched state lies and has room within a slack of the
+   most: `Placement`) — only when no retracted request is waiting, so retracted requests always
+   go first;
 5. preempt: when the head of the waiting queue is more urgent than some running request here
    and fits on no worker, retract the least urgent running requests until it fits, and admit it.
 
@@ -21,6 +23,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from raysched.config import SchedulerConfig
 from raysched.request import Request
@@ -67,6 +70,12 @@ class Decision:
         return not (self.victims or self.resume or self.admit or self.decode_steps)
 
 
+class Placement(Protocol):
+    """Where waiting requests would rather run (`raysched.prefix_cache.Placement`)."""
+
+    def admits_here(self, r: Request, index: int, room: float, best_elsewhere: float) -> bool: ...
+
+
 def decode_need(view: WorkerView, running: list[Request], steps: int) -> int:
     """Page-rounded KV tokens the `running` requests must newly take for `steps` decode steps."""
     ps = view.page_size
@@ -79,9 +88,10 @@ def decode_need(view: WorkerView, running: list[Request], steps: int) -> int:
 
 def plan_step(view: WorkerView, waiting: deque[Request], retracted: deque[Request],
               cfg: SchedulerConfig, best_room_elsewhere: float, reserve: bool = False,
-              others: tuple[WorkerView, ...] = ()) -> Decision:
+              others: tuple[WorkerView, ...] = (), placement: Placement | None = None) -> Decision:
     """Decide the next call of the worker described by `view` (mutates the queues it takes from).
-    `others`: the other live workers (preemption happens only when no worker has room)."""
+    `others`: the other live workers (preemption happens only when no worker has room).
+    `placement`: which worker a waiting request would rather run on (None: the roomiest)."""
     plan = Decision()
     running = list(view.running)
     free, slots = view.free_tokens, view.free_slots
@@ -101,7 +111,7 @@ def plan_step(view: WorkerView, waiting: deque[Request], retracted: deque[Reques
         free, slots = _take_resumes(view, retracted, plan, steps, free, slots, cfg, waiting)
     if not retracted or (waiting and waiting[0].priority < retracted[0].priority):
         free, slots = _take_admissions(view, waiting, plan, steps, free, slots, cfg, best_room_elsewhere,
-                                       reserve, retracted)
+                                       reserve, retracted, placement)
     if cfg.preemption and not reserve:
         _preempt(view, waiting, retracted, running, plan, steps, free, slots, cfg, others)
     if running or plan.resume or plan.admit:
@@ -133,9 +143,8 @@ def _take_resumes(view: WorkerView, retracted: deque[Request], plan: Decision, s
 
 def _take_admissions(view: WorkerView, waiting: deque[Request], plan: Decision, steps: int, free: int,
                      slots: int, cfg: SchedulerConfig, best_room_elsewhere: float, reserve: bool,
-                     retracted: deque[Request]) -> tuple[int, int]:
-    if view.room() < best_room_elsewhere:
-        return free, slots  # another worker has more room: it takes the next admission
+                     retracted: deque[Request], placement: Placement | None = None) -> tuple[int, int]:
+    here = view.room()
     if reserve:  # no-overcommit baseline: running requests keep room for their whole budget
         free -= sum(pages(len(r.prompt_ids) + r.sampling.max_new_tokens, view.page_size) * view.page_size
                     - view.held(r) for r in view.running)
@@ -143,7 +152,16 @@ def _take_admissions(view: WorkerView, waiting: deque[Request], plan: Decision, 
     budget = (lambda r: r.sampling.max_new_tokens) if reserve else (lambda r: min(steps, r.sampling.max_new_tokens))
     return _take(waiting, plan.admit, room, view, free, slots,
                  need=lambda r: len(r.prompt_ids) + budget(r),
-                 blocked=lambda r: bool(retracted) and r.priority >= retracted[0].priority)  # it goes first
+                 blocked=lambda r: (bool(retracted) and r.priority >= retracted[0].priority  # it goes first
+                                    or not _admits_here(r, view, here, best_room_elsewhere, placement)))
+
+
+def _admits_here(r: Request, view: WorkerView, room: float, best_elsewhere: float,
+                 placement: Placement | None) -> bool:
+    """Does this worker take `r`, or another one: with more room, or where `r`'s state lies?"""
+    if placement is None:
+        return room >= best_elsewhere
+    return placement.admits_here(r, view.index, room, best_elsewhere)
 
 
 def _take(queue: deque[Request], taken: list[Request], room: int, view: WorkerView, free: int, slots: int,

@@ -1,87 +1,280 @@
-"""The turn cache: complete request states parked in the object store, matched by token prefix.
+"""The prefix index: restorable points parked in the object store, K/V stored once per block.
 
-Chat and agent clients resend the whole history every turn. When a request finishes (and when
-its prompt's prefill completes), its worker copies the request's state (K/V of every attention
-layer, conv + SSM of every Mamba layer) into a snapshot the scheduler owns; the cache keeps the
-ref under the tokens that state covers (all but the last token of the request). A new request
-whose prompt *starts with* a parked key (exact token match; the longest wins) and is longer
-than it restores that state on any worker and prefills only the rest. A parked state stays
-parked when used (the worker copies it into its own slots), so several forks of one turn all
-hit. Entries are evicted least recently used when the parked bytes exceed the budget.
+A *point* is a state a new request can start from: the recurrent state (conv + SSM of every
+Mamba layer, ...) after some prefix of tokens, plus the K/V of that prefix. Points are parked
+- at every prefill chunk boundary of a prompt (`kind="chunk"`; multiples of the block size from
+  token 0, where the state is exactly that of an uncached chunked prefill),
+- at the end of a prompt (`"prompt"`) and when a request finishes (`"finished"`), at any length.
 
-Small states are special: Ray returns a call's results under `inline_limit` bytes (100 KiB by
-default) into the caller's own memory, not the object store, so parked states that small live in
-the scheduler's process. They have a budget of their own, `inline_budget_bytes` (a few MiB, so the
-scheduler stays small), on top of counting against `budget_bytes`.
+K/V is parked per *block* (`block_tokens` tokens, the prefill chunk), once, and shared by every
+point whose prefix contains it: a point holds only its own recurrent state and its *tail*, the
+K/V of its tokens after its last parked block. Blocks sit in a radix tree whose edges are whole
+token blocks (a child is found by the exact tuple of its block's tokens), so a lookup walks one
+node per block of the prompt: its cost grows with the prompt's length, never with the number of
+points kept. Each node keeps its points in a dict keyed by their tail tokens.
+
+Eviction is least recently used over points; a block goes when no kept point uses it. Parked
+bytes (blocks + points) stay within `budget_bytes`; objects under `inline_limit` (Ray returns
+results that small into the caller's memory, so they live in the scheduler's process) also
+within `inline_budget_bytes`.
 
 Pure bookkeeping (no Ray, no torch): the refs are opaque values here.
 
-    cache = StateCache(budget_bytes=1 << 30, min_tokens=64, inline_budget_bytes=8 << 20)
-    cache.park(tuple(range(100)), ref, nbytes=4096, kind="finished", node="n1")
-    hit = cache.lookup(tuple(range(150)))   # -> the entry above (100 tokens restored)
+    index = StateCache(budget_bytes=1 << 30, min_tokens=64, block_tokens=512)
+    index.park(prompt[:1024], point_ref, 4096, "chunk", kv_from=1024, exact=True,
+               blocks={0: BlockRef(ref0, 65536), 1: BlockRef(ref1, 65536)})
+    hit = index.lookup(prompt)          # -> Match: 1024 tokens, refs [ref0, ref1, point_ref]
 """
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-KINDS = ("finished", "prompt")  # a finished turn's state, or the state at the end of a prompt
+KINDS = ("chunk", "prompt", "finished")  # a prefill chunk boundary, a prompt's end, a finished turn
+
+
+@dataclass(frozen=True)
+class Place:
+    """Where a parked object lies: the node's store and the worker that made it."""
+
+    node: str | None = None
+    worker: int | None = None
+
+
+@dataclass(frozen=True)
+class BlockRef:
+    """A parked K/V block offered with a point: its object ref, size and place."""
+
+    ref: Any
+    nbytes: int
+    place: Place = Place()
 
 
 @dataclass
-class Parked:
-    """One parked state: the tokens it covers, its snapshot's ref, size and where it lies."""
+class Point:
+    """One restorable point: `num_tokens` tokens covered, its blocks up to `kv_from`, its own
+    object (recurrent state + tail K/V) and where it lies."""
 
-    tokens: tuple[int, ...]
+    num_tokens: int
+    kv_from: int  # tokens covered by its blocks (a multiple of the block size)
     ref: Any
     nbytes: int
     kind: str  # one of KINDS
-    node: str | None = None
+    exact: bool  # the state of an uncached chunked prefill at a chunk boundary
+    place: Place
+    node: "_Node" = field(repr=False, default=None)  # deepest block node (the root if no blocks)
+    tail: tuple[int, ...] = ()
+    key: int = 0
+
+
+@dataclass(frozen=True)
+class Match:
+    """A lookup's answer: the point and the blocks before it, in token order."""
+
+    point: Point
+    blocks: tuple[BlockRef, ...]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.point.num_tokens
+
+    @property
+    def kind(self) -> str:
+        return self.point.kind
+
+    @property
+    def refs(self) -> list[Any]:
+        """The objects a worker reads to restore it: the blocks in order, then the point."""
+        return [b.ref for b in self.blocks] + [self.point.ref]
+
+    @property
+    def nbytes(self) -> int:
+        return self.point.nbytes + sum(b.nbytes for b in self.blocks)
+
+
+class _Node:
+    """A tree node: one block of tokens under its parent. The root has no block."""
+
+    __slots__ = ("parent", "key", "depth", "block", "children", "points", "tail_lengths", "users")
+
+    def __init__(self, parent: "_Node | None", key: tuple[int, ...], block: BlockRef | None) -> None:
+        self.parent, self.key, self.block = parent, key, block
+        self.depth = 0 if parent is None else parent.depth + 1  # blocks from the root, itself included
+        self.children: dict[tuple[int, ...], _Node] = {}
+        self.points: dict[tuple[int, ...], Point] = {}  # tail tokens -> point
+        self.tail_lengths: dict[int, int] = {}  # tail length -> points with it (longest tried first)
+        self.users = 0  # points at or under this node (they all need its block)
+
+    def chain(self) -> list["_Node"]:
+        """This node and its ancestors with blocks, root first."""
+        nodes, n = [], self
+        while n.parent is not None:
+            nodes.append(n)
+            n = n.parent
+        return nodes[::-1]
 
 
 class StateCache:
-    """Parked states keyed by the exact token tuple they cover, LRU order, bounded in bytes."""
+    """Points and blocks in a radix tree of token blocks, LRU over points, bounded in bytes."""
 
     def __init__(self, budget_bytes: int, min_tokens: int, inline_budget_bytes: int | None = None,
-                 inline_limit: int = 100 * 1024) -> None:
+                 inline_limit: int = 100 * 1024, block_tokens: int = 0) -> None:
         self.budget_bytes = budget_bytes
         self.min_tokens = min_tokens
+        self.block_tokens = block_tokens  # 0: no blocks, every point holds all of its K/V
         self.inline_budget_bytes = budget_bytes if inline_budget_bytes is None else inline_budget_bytes
-        self.inline_limit = inline_limit  # states under this size live in the scheduler's memory
-        self.inline_bytes = 0
-        self._entries: OrderedDict[tuple[int, ...], Parked] = OrderedDict()  # oldest use first
-        self._lengths: dict[int, int] = {}  # covered length -> how many entries have it
-        self.bytes = 0
+        self.inline_limit = inline_limit
+        self.root = _Node(None, (), None)
+        self._points: OrderedDict[int, Point] = OrderedDict()  # oldest use first
+        self._keys = itertools.count()
+        self.bytes = self.inline_bytes = 0
+        self.num_blocks = 0
         self.evictions = 0
 
+    # ------------------------------------------------------------------ queries
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self._points)
+
+    @property
+    def num_points(self) -> int:
+        return len(self._points)
 
     def wants(self, num_tokens: int) -> bool:
-        """Is a state covering `num_tokens` tokens worth parking?"""
+        """Is a point covering `num_tokens` tokens worth parking?"""
         return num_tokens >= self.min_tokens and self.budget_bytes > 0
 
-    def park(self, tokens: tuple[int, ...], ref: Any, nbytes: int, kind: str,
-             node: str | None = None) -> list[Parked]:
-        """Park a state covering `tokens` (a newer one replaces an equal key); evicts least
-        recently used entries past the budget and returns them (their refs are dropped here)."""
+    def lookup(self, prompt: tuple[int, ...], touch: bool = True) -> Match | None:
+        """The point with the most tokens that `prompt` starts with and extends by at least one
+        token (that token, at least, is prefilled); marks it recently used unless `touch` is
+        False. None on a miss. Cost: one dict probe per block of `prompt`, plus the node's
+        distinct tail lengths; independent of how many points are kept."""
+        best: Point | None = None
+        for node in self._path(prompt):
+            found = self._longest_tail(node, prompt)
+            if found is not None and (best is None or found.num_tokens > best.num_tokens):
+                best = found
+        if best is None:
+            return None
+        if touch:
+            self._points.move_to_end(best.key)
+        return Match(best, tuple(n.block for n in best.node.chain()))
+
+    def parked_blocks(self, prompt: tuple[int, ...]) -> int:
+        """How many leading whole blocks of `prompt` are parked already."""
+        return len(self._path(prompt)) - 1
+
+    def _path(self, prompt: tuple[int, ...]) -> list[_Node]:
+        """The root and the nodes of `prompt`'s whole blocks that are in the tree, in order."""
+        nodes, node, b = [self.root], self.root, self.block_tokens
+        while b and (node.depth + 1) * b <= len(prompt):
+            node = node.children.get(prompt[node.depth * b:(node.depth + 1) * b])
+            if node is None:
+                break
+            nodes.append(node)
+        return nodes
+
+    def _longest_tail(self, node: _Node, prompt: tuple[int, ...]) -> Point | None:
+        start = node.depth * self.block_tokens
+        for length in sorted(node.tail_lengths, reverse=True):
+            if start + length < len(prompt):
+                point = node.points.get(prompt[start:start + length])
+                if point is not None:
+                    return point
+        return None
+
+    # ------------------------------------------------------------------ parking
+    def park(self, tokens: tuple[int, ...], ref: Any, nbytes: int, kind: str, kv_from: int = 0,
+             exact: bool = False, blocks: dict[int, BlockRef] | None = None,
+             place: Place = Place()) -> tuple[set[int], list[Any]]:
+        """Park a point covering `tokens` whose own object holds the K/V of tokens[kv_from:]
+        and the recurrent state; the K/V before `kv_from` comes from blocks 0 .. kv_from/B - 1.
+        Blocks already parked are used as they are; `blocks` offers the ones that may be
+        missing (block index -> BlockRef). A point with an equal key replaces the old one.
+
+        Returns (indices of the offered blocks now kept, refs of the points it evicted or replaced;
+        blocks nobody uses any more go with them). A point
+        that is too short, too big, or misses a block is not parked (nothing is kept).
+        """
         if kind not in KINDS:
-            raise ValueError(f"unknown parked-state kind {kind!r}; choose from {list(KINDS)}")
+            raise ValueError(f"unknown point kind {kind!r}; choose from {list(KINDS)}")
+        b = self.block_tokens
+        if kv_from and (not b or kv_from % b or kv_from > len(tokens)):
+            raise ValueError(f"kv_from {kv_from} is not a block boundary within {len(tokens)} tokens")
         if not self.wants(len(tokens)) or nbytes > self._budget_for(nbytes):
-            return []
-        self.drop(tokens)
-        self._entries[tokens] = Parked(tokens, ref, nbytes, kind, node)
-        self._lengths[len(tokens)] = self._lengths.get(len(tokens), 0) + 1
-        self._count(nbytes, +1)
-        evicted = []
-        while self.bytes > self.budget_bytes or self.inline_bytes > self.inline_budget_bytes:
+            return set(), []
+        node, used = self._attach_blocks(tokens, kv_from // b if b else 0, blocks or {})
+        if node is None:
+            return set(), []
+        tail = tuple(tokens[kv_from:])
+        dropped = []
+        if tail in node.points:
+            dropped.append(self._remove_point(node.points[tail]))
+        point = Point(len(tokens), kv_from, ref, nbytes, kind, exact, place, node, tail, next(self._keys))
+        self._add_point(point)
+        dropped += self._evict()
+        return used, dropped
+
+    def _attach_blocks(self, tokens: tuple[int, ...], count: int,
+                       offered: dict[int, BlockRef]) -> tuple[_Node | None, set[int]]:
+        """The node of block `count` - 1 of `tokens`, creating nodes for offered blocks that are
+        missing; (None, {}) if one is missing and not offered (nothing changes then)."""
+        b, node, path = self.block_tokens, self.root, []
+        for i in range(count):
+            key = tokens[i * b:(i + 1) * b]
+            child = node.children.get(key)
+            if child is None:
+                if i not in offered:
+                    for created in reversed(path):
+                        self._remove_node(created)
+                    return None, set()
+                child = _Node(node, key, offered[i])
+                node.children[key] = child
+                self._count(offered[i].nbytes, +1)
+                self.num_blocks += 1
+                path.append(child)
+            node = child
+        return node, {n.depth - 1 for n in path}
+
+    def _add_point(self, p: Point) -> None:
+        p.node.points[p.tail] = p
+        p.node.tail_lengths[len(p.tail)] = p.node.tail_lengths.get(len(p.tail), 0) + 1
+        for n in p.node.chain():
+            n.users += 1
+        self._points[p.key] = p
+        self._count(p.nbytes, +1)
+
+    def _remove_point(self, p: Point) -> Any:
+        """Forget a point; blocks no other point uses go too (their refs are dropped here)."""
+        del self._points[p.key]
+        del p.node.points[p.tail]
+        lengths = p.node.tail_lengths
+        lengths[len(p.tail)] -= 1
+        if not lengths[len(p.tail)]:
+            del lengths[len(p.tail)]
+        self._count(p.nbytes, -1)
+        for n in reversed(p.node.chain()):
+            n.users -= 1
+            if not n.users:
+                self._remove_node(n)
+        return p.ref
+
+    def _remove_node(self, n: _Node) -> None:
+        del n.parent.children[n.key]
+        self._count(n.block.nbytes, -1)
+        self.num_blocks -= 1
+
+    def _evict(self) -> list[Any]:
+        dropped = []
+        while self._points and (self.bytes > self.budget_bytes or self.inline_bytes > self.inline_budget_bytes):
             over_inline = self.bytes <= self.budget_bytes
-            oldest = next(t for t, e in self._entries.items() if not over_inline or self._inline(e.nbytes))
-            evicted.append(self._pop(oldest))
+            oldest = next((p for p in self._points.values() if not over_inline or self._inline(p.nbytes)),
+                          next(iter(self._points.values())))
+            dropped.append(self._remove_point(oldest))
             self.evictions += 1
-        return evicted
+        return dropped
 
     def _inline(self, nbytes: int) -> bool:
         return nbytes < self.inline_limit
@@ -94,29 +287,23 @@ class StateCache:
         if self._inline(nbytes):
             self.inline_bytes += sign * nbytes
 
-    def lookup(self, prompt: tuple[int, ...]) -> Parked | None:
-        """The entry with the longest key that `prompt` starts with and extends by at least one
-        token (that token, at least, is prefilled); marks it recently used. None on a miss."""
-        for n in sorted((n for n in self._lengths if n < len(prompt)), reverse=True):
-            entry = self._entries.get(prompt[:n])
-            if entry is not None:
-                self._entries.move_to_end(entry.tokens)
-                return entry
-        return None
-
-    def drop(self, tokens: tuple[int, ...]) -> Parked | None:
-        """Forget the entry with exactly these tokens (e.g. its object was lost)."""
-        return self._pop(tokens) if tokens in self._entries else None
+    # ------------------------------------------------------------------ forgetting
+    def discard(self, match: Match) -> int:
+        """Forget a match that could not be restored (an object lost or refused): its point and,
+        when it has blocks, every point that shares its first block (those objects may be lost
+        too). Returns the number of points forgotten."""
+        if match.point.key not in self._points:
+            return 0
+        chain = match.point.node.chain()
+        if not chain:
+            self._remove_point(match.point)
+            return 1
+        doomed = [p for p in self._points.values() if chain[0] in p.node.chain()]
+        for p in doomed:
+            self._remove_point(p)
+        return len(doomed)
 
     def clear(self) -> None:
-        self._entries.clear()
-        self._lengths.clear()
-        self.bytes = self.inline_bytes = 0
-
-    def _pop(self, tokens: tuple[int, ...]) -> Parked:
-        entry = self._entries.pop(tokens)
-        self._count(entry.nbytes, -1)
-        self._lengths[len(tokens)] -= 1
-        if not self._lengths[len(tokens)]:
-            del self._lengths[len(tokens)]
-        return entry
+        self.root = _Node(None, (), None)
+        self._points.clear()
+        self.bytes = self.inline_bytes = self.num_blocks = 0

@@ -1,0 +1,235 @@
+"""`raysched bench prefix`: requests that share only part of a prompt, prefix reuse on and off.
+
+2 workers (`small` preset), two workloads, each run with prefix reuse on and off in one process:
+- `shared`: 4 groups of 16 requests; a group shares a 1,536-token prefix (a system prompt, a
+  document) and each request adds a unique 64-200-token suffix. All 64 are submitted at once.
+- `trap`: vLLM's trap (its issue 45238): 32 requests sharing 1,600 tokens with 600 unique ones,
+  and 32 sharing 1,500 with 700 unique (one block-boundary checkpoint per request lands in the
+  unique part there: 0 of 64 hits). All 64 are submitted at once.
+
+Answers are greedy (16-32 tokens); on and off must give the same tokens for every request.
+Reuse is counted against the *chunk-aligned* shared part (the whole prefill chunks inside the
+shared prefix: 1,536, 1,536 and 1,024 tokens with 512-token chunks), over the requests that can
+reuse anything (all but the first of each group): min(cached tokens, aligned part) summed, over
+aligned part x those requests. Targets: `shared` TTFT p50 >= 5x lower and throughput >= 2x with
+reuse on, >= 95% reused; `trap` >= 90% reused in both splits.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from benchmarks.common import (Column, load_average, local_ray, machine, measured_client, percentile,
+                               plot, print_table, print_targets, ratio, warm_up, write_json)
+from raysched.config import PoolConfig, SchedulerConfig, ServeConfig, StateCacheConfig
+
+MODES = ("reuse_on", "reuse_off")
+STORE_BYTES = 1 << 30
+
+
+@dataclass(frozen=True)
+class Group:
+    name: str
+    requests: int
+    shared: int  # tokens of the shared prefix
+    unique: tuple[int, int]  # tokens of each request's own suffix (range)
+
+
+@dataclass(frozen=True)
+class Setup:
+    model: str
+    workloads: dict[str, tuple[Group, ...]]
+    output_tokens: tuple[int, int]
+    kv_tokens: int
+    state_slots: int
+    chunk: int  # prefill_chunk_tokens = block size
+    min_tokens: int
+    vocab: int
+
+
+FULL = Setup("small", {
+    "shared": tuple(Group(f"system{i}", 16, 1536, (64, 200)) for i in range(4)),
+    "trap": (Group("1600/600", 32, 1600, (600, 600)), Group("1500/700", 32, 1500, (700, 700))),
+}, output_tokens=(16, 32), kv_tokens=24576, state_slots=8, chunk=512, min_tokens=64, vocab=8192)
+QUICK = Setup("tiny", {
+    "shared": tuple(Group(f"system{i}", 4, 96, (8, 24)) for i in range(2)),
+    "trap": (Group("100/40", 4, 100, (40, 40)), Group("90/50", 4, 90, (50, 50))),
+}, output_tokens=(4, 8), kv_tokens=2048, state_slots=4, chunk=32, min_tokens=16, vocab=512)
+
+
+def serve_config(setup: Setup, mode: str) -> ServeConfig:
+    return ServeConfig(model=setup.model, workers=2, device="cpu",
+                       pool=PoolConfig(kv_tokens=setup.kv_tokens, state_slots=setup.state_slots),
+                       scheduler=SchedulerConfig(prefill_chunk_tokens=setup.chunk),
+                       state_cache=StateCacheConfig(enabled=mode == "reuse_on", min_tokens=setup.min_tokens))
+
+
+def workload(setup: Setup, groups: tuple[Group, ...], seed: int) -> list[dict]:
+    """Requests of every group, interleaved (group 0's first, group 1's first, ...)."""
+    rng = random.Random(seed)
+    tok = lambda n: [rng.randrange(setup.vocab) for _ in range(n)]  # noqa: E731
+    per_group = []
+    for g in groups:
+        prefix = tok(g.shared)
+        per_group.append([{"group": g.name, "index": i, "shared": g.shared,
+                           "prompt": prefix + tok(rng.randint(*g.unique)),
+                           "max_new_tokens": rng.randint(*setup.output_tokens)} for i in range(g.requests)])
+    return [r for batch in zip(*per_group) for r in batch] + [r for g in per_group for r in g[len(per_group[0]):]]
+
+
+def main(out_dir: Path = Path("bench-out"), quick: bool = False) -> dict:
+    load_start = load_average()
+    setup = QUICK if quick else FULL
+    runs = {}
+    with local_ray(num_cpus=2, object_store_bytes=STORE_BYTES):
+        for mode in MODES:
+            with measured_client(serve_config(setup, mode)) as (client, costs):
+                warm_up(client)
+                for name, groups in setup.workloads.items():
+                    runs[(name, mode)] = run_workload(client, costs, workload(setup, groups, seed=len(name)), mode, name)
+    result = _result(setup, runs)
+    result["load_avg_1m_start"] = load_start
+    result["load_avg_1m_end"] = load_average()
+    _print(result)
+    write_json(out_dir, "prefix", result)
+    _plot(result, out_dir)
+    return result
+
+
+def run_workload(client, costs, requests: list[dict], mode: str, name: str) -> dict:
+    """Submit every request at once; wait for all. Stats are differences over this workload."""
+    import ray
+
+    before, cost0 = client.stats(), costs()
+    start = time.monotonic()
+    handles = [client.submit(r["prompt"], {"max_new_tokens": r["max_new_tokens"]}) for r in requests]
+    records = ray.get([client.scheduler.wait.remote(h.request_id) for h in handles])
+    duration = time.monotonic() - start
+    after, cost1 = client.stats(), costs()
+    stats = {k: after[k] - before[k] for k in after if k.startswith("state_cache_hits") or k in (
+        "state_cache_misses", "state_cache_tokens_reused", "state_cache_fallbacks")}
+    stats.update({k: after[k] for k in ("state_cache_bytes", "state_cache_points", "state_cache_chunks",
+                                        "state_cache_evictions")})
+    rows = [{**{k: r[k] for k in ("group", "index", "shared")}, "prompt_len": len(r["prompt"]),
+             "cached_tokens": rec["cached_tokens"], "cache_kind": rec["cache_kind"],
+             "cache_source": rec["cache_source"], "ttft_s": rec["ttft_s"], "token_ids": rec["token_ids"]}
+            for r, rec in zip(requests, records)]
+    worker_cpu = (cost1["worker_cpu_s"] or 0) - (cost0["worker_cpu_s"] or 0)
+    print(f"{name:>7} {mode:>9}: {sum(len(x['token_ids']) for x in rows) / duration:.1f} tokens/s in "
+          f"{duration:.1f} s, hits {stats['state_cache_hits']}", flush=True)
+    return {"duration_s": duration, "requests": rows, "stats": stats, "worker_cpu_s": worker_cpu}
+
+
+# ---------------------------------------------------------------------------- analysis
+def reuse(rows: list[dict], chunk: int) -> dict:
+    """Chunk-aligned shared tokens reused, per group, over the requests that could reuse them."""
+    by_group = {}
+    for r in rows:
+        by_group.setdefault(r["group"], []).append(r)
+    out = {}
+    for g, rs in by_group.items():
+        aligned = rs[0]["shared"] // chunk * chunk
+        later = [r for r in rs if r["index"] > 0]
+        got = sum(min(r["cached_tokens"], aligned) for r in later)
+        out[g] = {"aligned_shared": aligned, "requests": len(later), "reused": got,
+                  "fraction": got / (aligned * len(later)) if aligned and later else None}
+    return out
+
+
+def _row(name: str, mode: str, run: dict, chunk: int) -> dict:
+    rows = run["requests"]
+    tokens = sum(len(r["token_ids"]) for r in rows)
+    groups = reuse(rows, chunk)
+    prompt_tokens = sum(r["prompt_len"] for r in rows)
+    cached = sum(r["cached_tokens"] for r in rows)
+    return {"workload": name, "mode": mode, "duration_s": run["duration_s"], "tokens": tokens,
+            "tokens_per_s": tokens / run["duration_s"],
+            "ttft_p50_s": percentile([r["ttft_s"] for r in rows], 50),
+            "ttft_p99_s": percentile([r["ttft_s"] for r in rows], 99),
+            "prompt_tokens": prompt_tokens, "prefilled_tokens": prompt_tokens - cached,
+            "reuse": groups, "worker_cpu_s": run["worker_cpu_s"], **run["stats"]}
+
+
+def _mismatches(runs: dict, name: str) -> list[int]:
+    on, off = runs[(name, "reuse_on")]["requests"], runs[(name, "reuse_off")]["requests"]
+    return [i for i, (a, b) in enumerate(zip(on, off)) if a["token_ids"] != b["token_ids"]]
+
+
+def _targets(rows: dict, mismatches: dict) -> dict:
+    on, off = rows[("shared", "reuse_on")], rows[("shared", "reuse_off")]
+    ttft = ratio(off["ttft_p50_s"], on["ttft_p50_s"])
+    tput = ratio(on["tokens_per_s"], off["tokens_per_s"])
+    shared = _fraction(on["reuse"].values())
+    out = {
+        "shared_ttft_p50_off_over_on": {"value": ttft, "target": ">= 5", "met": bool(ttft and ttft >= 5)},
+        "shared_throughput_on_over_off": {"value": tput, "target": ">= 2", "met": bool(tput and tput >= 2)},
+        "shared_aligned_prefix_reused": {"value": shared, "target": ">= 0.95", "met": bool(shared and shared >= 0.95)},
+    }
+    for group, g in rows[("trap", "reuse_on")]["reuse"].items():
+        out[f"trap_{group}_aligned_prefix_reused"] = {"value": g["fraction"], "target": ">= 0.90",
+                                                      "met": bool(g["fraction"] and g["fraction"] >= 0.9)}
+    n = sum(len(v) for v in mismatches.values())
+    out["same_tokens"] = {"value": n, "target": "0 mismatched requests", "met": n == 0}
+    return out
+
+
+def _fraction(groups) -> float | None:
+    groups = list(groups)
+    total = sum(g["aligned_shared"] * g["requests"] for g in groups)
+    return sum(g["reused"] for g in groups) / total if total else None
+
+
+def _result(setup: Setup, runs: dict) -> dict:
+    rows = {key: _row(*key, run, setup.chunk) for key, run in runs.items()}
+    mismatches = {name: _mismatches(runs, name) for name in setup.workloads}
+    return {"model": setup.model, "workers": 2, "chunk_tokens": setup.chunk,
+            "workloads": {n: [g.__dict__ | {"unique": list(g.unique)} for g in gs] for n, gs in setup.workloads.items()},
+            "machine": machine(), "modes": list(rows.values()), "targets": _targets(rows, mismatches),
+            "mismatched_requests": mismatches,
+            "per_request": {f"{n}/{m}": [{k: v for k, v in r.items() if k != "token_ids"} for r in run["requests"]]
+                            for (n, m), run in runs.items()}}
+
+
+# ---------------------------------------------------------------------------- output
+def _print(result: dict) -> None:
+    print(f"prefix: model {result['model']}, 2 workers, prefill chunk {result['chunk_tokens']}")
+    cols = [Column("workload", "workload"), Column("mode", "mode"), Column("tokens/s", "tokens_per_s", ".1f"),
+            Column("time s", "duration_s", ".1f"), Column("TTFT p50 s", "ttft_p50_s", ".2f"),
+            Column("TTFT p99 s", "ttft_p99_s", ".2f"), Column("prefilled", "prefilled_tokens", "d"),
+            Column("hits", "state_cache_hits", "d"), Column("chunk/prompt/fin", "split"),
+            Column("same wkr/node/other", "where"), Column("reused", "reused"),
+            Column("points", "state_cache_points", "d"), Column("blocks", "state_cache_chunks", "d"),
+            Column("parked MB", "parked_mb", ".1f")]
+    rows = [{**r, "split": f"{r['state_cache_hits_chunk']}/{r['state_cache_hits_prompt']}/"
+                           f"{r['state_cache_hits_finished']}",
+             "where": f"{r['state_cache_hits_same_worker']}/{r['state_cache_hits_same_node']}/"
+                      f"{r['state_cache_hits_other_node']}",
+             "reused": " ".join(f"{g['fraction']:.0%}" if g["fraction"] is not None else "-" for g in r["reuse"].values()),
+             "parked_mb": r["state_cache_bytes"] / 1e6} for r in result["modes"]]
+    print_table("", cols, rows)
+    print_targets(result["targets"])
+
+
+def _plot(result: dict, out_dir: Path) -> None:
+    def draw(plt):
+        fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+        for ax, name in zip(axes, ("shared", "trap")):
+            for mode in MODES:
+                ttfts = sorted(r["ttft_s"] for r in result["per_request"][f"{name}/{mode}"])
+                ax.plot(ttfts, [(i + 1) / len(ttfts) for i in range(len(ttfts))], label=mode)
+            ax.set_xscale("log")
+            ax.set_xlabel("time to first token (s)")
+            ax.set_ylabel("fraction of requests")
+            ax.set_title(f"{name} ({result['model']}, 2 workers)")
+            ax.grid(True, alpha=0.3)
+            ax.legend()
+        return fig
+
+    plot(out_dir, "prefix", draw)
+
+
+if __name__ == "__main__":
+    main()

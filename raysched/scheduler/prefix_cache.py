@@ -1,0 +1,256 @@
+"""Prefix reuse, the scheduler's side (the glue between the dispatcher and the index): lookups
+at admission, placement hints, holding back a request whose prefix another one is prefilling,
+taking over the points workers park, and the hit counts. With reuse off every answer is empty.
+
+The index itself (`state_cache.StateCache`) is pure; this part talks to workers: a
+worker that parked points in a call lists them in `StepResult.parked`; `take` hands the ones
+the index keeps (and the K/V blocks it lacks) over to the scheduler with `Worker.take_parked`
+(their return values: the scheduler owns them, they stay in that worker's node store and
+outlive the worker) and tells the worker to drop the rest (`Worker.discard_parked`).
+
+Placement: when a waiting request's match lies on worker h and h's room is within `slack` of
+the roomiest worker's, h admits it (no transfer); hits are counted by where the point came from
+(same worker, same node, other node). A request whose prompt shares more whole blocks with a
+prompt being prefilled right now than the index holds waits for those blocks' points (`held`)
+instead of prefilling them a second time.
+
+No Ray import: worker handles are opaque.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+from raysched.messages import ParkedPoint, StepResult
+from raysched.request import Request, State
+from raysched.scheduler.fleet import WorkerSlot
+from raysched.scheduler.planner import Decision
+from raysched.scheduler.state_cache import BlockRef, Match, Place, StateCache
+from raysched.scheduler.table import RequestTable
+from raysched.stats import Counters
+
+log = logging.getLogger("raysched.scheduler")
+
+LOOKAHEAD = 64  # waiting requests looked at per plan for placement and holding back
+SOURCES = ("same_worker", "same_node", "other_node")
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where the next waiting requests' matched points lie; the planner asks `admits_here`."""
+
+    home: dict[str, int]  # request id -> index of the worker holding its match (or its producer)
+    rooms: dict[int, float]  # live worker index -> room (fraction of its scarcer pool free)
+    slack: float
+
+    def admits_here(self, r: Request, index: int, room: float, best_elsewhere: float) -> bool:
+        """Should the worker `index` (with `room`) admit `r` now? Its home worker when that one
+        has room within `slack` of the best; otherwise the roomiest worker, as without reuse."""
+        home = self.home.get(r.request_id)
+        if home is None or home not in self.rooms:
+            return room >= best_elsewhere
+        if home == index:
+            return room >= best_elsewhere - self.slack
+        return self.rooms[home] < room - self.slack and room >= best_elsewhere
+
+
+class PrefixCache:
+    """The index (None: reuse off), the matches of admitted requests, in-flight producers and
+    placement."""
+
+    def __init__(self, index: StateCache | None, table: RequestTable, counters: Counters,
+                 slack: float = 0.25) -> None:
+        self.index = index
+        self.table = table
+        self.counters = counters
+        self.slack = slack
+        self._match_of: dict[str, Match] = {}  # admitted id -> its match, until its call returns
+        self._producers: dict[str, tuple[Request, int, set[tuple[int, ...]]]] = {}  # id -> (request,
+        #   worker, whole-block prefixes it will park)
+        self._inflight: dict[tuple[int, ...], int] = {}  # block-aligned prefix -> producers
+
+    def park_min_tokens(self) -> int:
+        """What a step plan asks the worker to park (0: nothing)."""
+        return self.index.min_tokens if self.index is not None else 0
+
+    # ------------------------------------------------------------------ admission
+    def survey(self, waiting: deque[Request], rooms: dict[int, float]) -> tuple[set[str], Placement | None]:
+        """For the first LOOKAHEAD waiting requests: those held back (their prompt shares more
+        whole blocks with a prompt being prefilled now than the index holds for them: they wait
+        for those points instead of computing them twice), and everyone's home worker (where
+        its match lies, or where its producer runs). None: nothing to say (reuse off)."""
+        held, home = set(), {}
+        if self.index is None:
+            return held, None
+        for r in _head(waiting):
+            match = self.index.lookup(r.prompt_ids, touch=False) if not r.num_generated else None
+            producer = None if r.num_generated else self._producer_of(r, match.num_tokens if match else 0)
+            if producer is not None:
+                held.add(r.request_id)
+                home[r.request_id] = producer
+            elif match is not None and match.point.place.worker is not None:
+                home[r.request_id] = match.point.place.worker
+        return held, Placement(home, rooms, self.slack)
+
+    def admit(self, admitted: list[Request], worker: int) -> tuple[list[tuple[Request, Match]], list[Request]]:
+        """Look up each request a plan admits, in order: ((request, match) for the hits, the
+        requests to put back: those whose blocks a request admitted before them (in this plan or
+        earlier) is about to prefill). Requests that will park boundary points become producers."""
+        hits, back = [], []
+        if self.index is None:
+            return hits, back
+        for r in admitted:
+            match = self.index.lookup(r.prompt_ids) if not r.num_generated else None
+            restored = match.num_tokens if match else 0
+            if not r.num_generated and not r.retractions and self._producer_of(r, restored) is not None:
+                back.append(r)
+                continue
+            if match is not None:
+                hits.append((r, match))
+                self._match_of[r.request_id] = match
+            if not r.num_generated and (match is None or match.point.exact):
+                self._add_producer(r, worker, restored)
+        return hits, back
+
+    # ------------------------------------------------------------------ producers
+    def _block_prefixes(self, prompt: tuple[int, ...], after: int) -> set[tuple[int, ...]]:
+        b = self.index.block_tokens
+        if not b or len(prompt) < self.index.min_tokens:
+            return set()
+        return {prompt[:k * b] for k in range(after // b + 1, len(prompt) // b + 1)}
+
+    def _add_producer(self, r: Request, worker: int, restored: int) -> None:
+        keys = self._block_prefixes(r.prompt_ids, restored)
+        if keys:
+            self._producers[r.request_id] = (r, worker, keys)
+            for k in keys:
+                self._inflight[k] = self._inflight.get(k, 0) + 1
+
+    def _drop_producer(self, rid: str) -> None:
+        _, _, keys = self._producers.pop(rid)
+        for k in keys:
+            self._inflight[k] -= 1
+            if not self._inflight[k]:
+                del self._inflight[k]
+
+    def _producer_of(self, r: Request, parked: int) -> int | None:
+        """The worker of a live producer of a whole block of `r`'s prompt past `parked` tokens."""
+        b = self.index.block_tokens
+        if not b or not self._inflight:
+            return None
+        for k in range(len(r.prompt_ids) // b, parked // b, -1):
+            if k * b >= len(r.prompt_ids) or not self._inflight.get(r.prompt_ids[:k * b]):
+                continue
+            self._sweep_producers()
+            for p, worker, keys in self._producers.values():
+                if r.prompt_ids[:k * b] in keys and p is not r:
+                    return worker
+        return None
+
+    def _sweep_producers(self) -> None:
+        """Forget producers that finished their prefill (or ended, or were retracted)."""
+        for rid, (p, _, _) in list(self._producers.items()):
+            if p.state.is_done or p.state is State.RETRACTED or p.num_generated:
+                self._drop_producer(rid)
+
+    # ------------------------------------------------------------------ results
+    def on_result(self, w: WorkerSlot, decision: Decision, result: StepResult) -> None:
+        """Count hits (by source) and misses of the admitted requests, forget points that could
+        not be used, and take over the points this call parked."""
+        if self.index is None:
+            return
+        for r in decision.admit:
+            match = self._match_of.pop(r.request_id, None)
+            if r.request_id in result.not_admitted:
+                if r.request_id in self._producers:
+                    self._drop_producer(r.request_id)
+                continue  # looked up again when it is admitted
+            r.cached_tokens = result.cached.get(r.request_id, 0)
+            r.cache_kind = match.kind if match is not None and r.cached_tokens else None
+            r.cache_source = _source(match, w) if r.cache_kind else None
+            self.counters.on_cache_lookup(r.cached_tokens, r.cache_kind, r.cache_source)
+            if r.request_id in result.prefix_failed and match is not None:
+                log.warning("parked state for %s not used on worker %d (%s); prefilled in full",
+                            r.request_id, w.index, result.prefix_failed[r.request_id])
+                self.index.discard(match)
+                self.counters.state_cache_fallbacks += 1
+        if result.parked:
+            self.take(w, result.parked)
+        self._sweep_producers()
+
+    def forget_lookups(self, admitted: list[Request]) -> None:
+        """The call failed: these are looked up again when admitted again."""
+        for r in admitted:
+            self._match_of.pop(r.request_id, None)
+            if r.request_id in self._producers:
+                self._drop_producer(r.request_id)
+
+    def take(self, w: WorkerSlot, parked: list[ParkedPoint]) -> None:
+        """Keep the points the index wants (with the blocks it lacks): `Worker.take_parked` hands
+        them over as return values, so the scheduler owns them, they stay in the worker node's
+        store, and outlive the worker process. The worker drops every other copy."""
+        place, handle = Place(w.info.node_id, w.index), w.handle
+        keep: list[tuple[ParkedPoint, tuple[int, ...]]] = []
+        wanted: list[tuple] = []
+        for p in parked:
+            req = self.table.requests.get(p.request_id)
+            if req is None or req.state is not State.RUNNING or len(req.token_ids) <= p.num_tokens:
+                continue
+            tokens = req.token_ids[:p.num_tokens]
+            missing = self._missing_blocks(tokens, p)
+            if missing is None or not self.index.wants(p.num_tokens):
+                continue
+            keep.append((p, tokens))
+            wanted += [p.key] + [p.block_key(i) for i in missing]
+        refs = handle.take_parked.options(num_returns=len(wanted)).remote(wanted) if wanted else []
+        refs = {k: ref for k, ref in zip(wanted, [refs] if len(wanted) == 1 else refs)}
+        for p, tokens in keep:
+            blocks = {i: BlockRef(refs[p.block_key(i)], size, place) for i, size in p.blocks
+                      if p.block_key(i) in refs}
+            self.index.park(tokens, refs[p.key], p.nbytes, p.kind, p.kv_from, p.exact, blocks, place)
+        unwanted = [k for p in parked for k in [p.key] + [p.block_key(i) for i, _ in p.blocks] if k not in refs]
+        if unwanted:
+            handle.discard_parked.remote(unwanted)
+
+    def _missing_blocks(self, tokens: tuple[int, ...], p: ParkedPoint) -> list[int] | None:
+        """Indices of the point's blocks the index lacks (all offered by it), or None when one
+        is lacking and not offered (the point cannot be kept)."""
+        b = self.index.block_tokens
+        count = p.kv_from // b if b else 0
+        have = min(self.index.parked_blocks(tokens), count)
+        offered = {i for i, _ in p.blocks}
+        missing = list(range(have, count))
+        return missing if all(i in offered for i in missing) else None
+
+    # ------------------------------------------------------------------ stats
+    def stats(self) -> dict:
+        i = self.index or StateCache(0, 1)  # off: every count 0
+        return {"state_cache_bytes": i.bytes, "state_cache_entries": i.num_points,
+                "state_cache_points": i.num_points, "state_cache_chunks": i.num_blocks,
+                "state_cache_evictions": i.evictions, "state_cache_budget_bytes": i.budget_bytes,
+                "state_cache_inline_bytes": i.inline_bytes}
+
+    def clear(self) -> None:
+        if self.index is not None:
+            self.index.clear()
+        self._match_of.clear()
+        self._producers.clear()
+        self._inflight.clear()
+
+
+def _head(waiting: deque[Request]) -> list[Request]:
+    return [r for _, r in zip(range(LOOKAHEAD), waiting)]
+
+
+def _source(match: Match | None, w: WorkerSlot) -> str | None:
+    """Where a restored point came from, seen from the worker that restored it."""
+    if match is None:
+        return None
+    place = match.point.place
+    if place.worker == w.index:
+        return "same_worker"
+    return "same_node" if place.node == w.info.node_id else "other_node"
+

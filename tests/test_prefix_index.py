@@ -1,0 +1,167 @@
+"""The prefix index (`raysched.state_cache.StateCache`), pure: no Ray, no torch.
+
+- Longest match over whole token blocks and point tails; the prompt must extend the point.
+- K/V blocks are stored once and shared by every point that contains them; a point adds only
+  its own state and tail; eviction is LRU over points and a block goes with its last user.
+- A point whose blocks are missing (and not offered) is not parked.
+- At 10k points a lookup probes as many nodes as the prompt has blocks, no more (the cost does
+  not grow with the number of points); the timings are printed, not asserted.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+from raysched.scheduler.state_cache import BlockRef, Place, StateCache
+
+B = 4  # block tokens
+
+
+def blocks_for(tokens: tuple[int, ...], count: int, nbytes: int = 100) -> dict[int, BlockRef]:
+    return {i: BlockRef(f"blk{tokens[:(i + 1) * B]}", nbytes) for i in range(count)}
+
+
+def park_boundaries(cache: StateCache, tokens: tuple[int, ...], state_bytes: int = 10) -> None:
+    """Points at every block boundary of `tokens` (as a chunked prefill parks them)."""
+    for k in range(1, len(tokens) // B + 1):
+        cache.park(tokens[:k * B], f"pt{k}", state_bytes, "chunk", kv_from=k * B, exact=True,
+                   blocks={k - 1: BlockRef(f"blk{k - 1}", 100)})
+
+
+def test_the_longest_point_wins_at_a_block_boundary_or_at_any_length() -> None:
+    cache = StateCache(budget_bytes=10_000, min_tokens=2, block_tokens=B)
+    shared = tuple(range(12))
+    park_boundaries(cache, shared)
+    finished = shared + (50, 51, 52)  # a finished turn: blocks 0-2 + a 3-token tail
+    cache.park(finished, "fin", 30, "finished", kv_from=12)
+    hit = cache.lookup(shared + (50, 51, 52, 53))
+    assert hit.point.ref == "fin" and hit.num_tokens == 15 and len(hit.blocks) == 3
+    assert hit.refs == ["blk0", "blk1", "blk2", "fin"]
+    assert cache.lookup(shared + (50, 51, 9)).point.ref == "pt3"  # the tail does not match: boundary 12
+    assert cache.lookup(shared[:10] + (0, 0)).point.ref == "pt2"  # diverges inside block 2
+    assert cache.lookup(shared).point.ref == "pt2"  # pt3 covers all of it: a token must be left
+    assert cache.lookup(shared[:3] + (9,) * 9) is None
+    assert cache.lookup((99,) + shared) is None
+
+
+def test_kv_blocks_are_stored_once_for_every_point_that_shares_them() -> None:
+    """A 4k prompt in 512-token blocks with 8 points: 8 blocks + 8 states, not 8 full copies;
+    a second prompt sharing 3 blocks adds only its own blocks and points."""
+    cache = StateCache(budget_bytes=1 << 40, min_tokens=1, block_tokens=512)
+    kv, state = 512 * 2048, 1_655_808  # the `small` preset: K/V per block, recurrent state
+    prompt = tuple(random.Random(0).randrange(8192) for _ in range(4096))
+    for k in range(1, 9):
+        cache.park(prompt[:k * 512], f"p{k}", state, "chunk", kv_from=k * 512, exact=True,
+                   blocks={i: BlockRef(f"b{i}", kv) for i in range(k)})  # every block offered again
+    assert cache.num_points == 8 and cache.num_blocks == 8
+    assert cache.bytes == 8 * kv + 8 * state
+    one_snapshot = 4096 * 2048 + state
+    print(f"\n4k prompt, 8 points: {cache.bytes / one_snapshot:.2f}x one full snapshot "
+          f"(K/V once: {8 * kv / (4096 * 2048):.2f}x its K/V)")
+    other = prompt[:1536] + tuple(range(600))
+    used, _ = cache.park(other[:2048], "q4", state, "chunk", kv_from=2048, exact=True,
+                         blocks={i: BlockRef(f"c{i}", kv) for i in range(4)})
+    assert used == {3} and cache.num_blocks == 9  # blocks 0-2 were parked already
+    assert cache.lookup(other + (1,)).refs == ["b0", "b1", "b2", "c3", "q4"]
+
+
+def test_eviction_is_lru_over_points_and_a_block_goes_with_its_last_user() -> None:
+    cache = StateCache(budget_bytes=3 * 100 + 3 * 10, min_tokens=1, block_tokens=B)
+    a = tuple(range(12))
+    park_boundaries(cache, a)  # blocks 0-2, points 4, 8, 12: exactly the budget
+    assert cache.bytes == 330 and cache.evictions == 0
+    cache.lookup(a[:4] + (7,))  # pt1 (4 tokens) is now the most recently used
+    _, dropped = cache.park(a[:4] + (9, 9, 9, 9, 9), "x", 10, "prompt", kv_from=4)
+    # over budget by 10: the least recently used point (pt2) goes, but its blocks stay (pt3 uses them)
+    assert dropped == ["pt2"] and cache.num_blocks == 3 and cache.evictions == 1
+    _, dropped = cache.park((5,) * 8, "y", 10, "chunk", kv_from=8, exact=True,
+                            blocks={0: BlockRef("y0", 100), 1: BlockRef("y1", 100)})
+    # 210 more bytes: pt3 goes (LRU), and with it blocks 2 and 1 (no user left), not block 0
+    assert dropped == ["pt3"] and cache.num_blocks == 3 and cache.bytes == 330
+    assert cache.lookup(a + (1,)).point.ref == "pt1" and cache.lookup(a[:4] + (9,) * 6).point.ref == "x"
+    assert cache.lookup((5,) * 9).point.ref == "y"
+
+
+def test_a_point_whose_blocks_are_missing_is_not_parked() -> None:
+    cache = StateCache(budget_bytes=10_000, min_tokens=1, block_tokens=B)
+    used, _ = cache.park(tuple(range(8)), "p", 10, "chunk", kv_from=8, blocks={0: BlockRef("b0", 100)})
+    assert used == set() and cache.num_points == 0 and cache.num_blocks == 0 and cache.bytes == 0
+    cache.park(tuple(range(5)), "short", 10, "prompt")  # no blocks: all of its K/V in its own object
+    assert cache.lookup(tuple(range(6))).refs == ["short"]
+
+
+def test_a_lost_match_is_discarded_with_every_point_sharing_its_blocks() -> None:
+    cache = StateCache(budget_bytes=10_000, min_tokens=1, block_tokens=B)
+    park_boundaries(cache, tuple(range(12)))
+    cache.park((7,) * 5, "other", 10, "prompt")
+    assert cache.discard(cache.lookup(tuple(range(13)))) == 3
+    assert cache.num_points == 1 and cache.num_blocks == 0 and cache.bytes == 10
+
+
+def test_short_and_oversized_points_are_not_parked_and_an_equal_key_replaces_the_old_one() -> None:
+    cache = StateCache(budget_bytes=100, min_tokens=4)
+    assert cache.park((1, 2, 3), "short", 10, "prompt") == (set(), []) and len(cache) == 0
+    cache.park((1, 2, 3, 4), "big", 101, "prompt")
+    assert len(cache) == 0
+    cache.park((1, 2, 3, 4), "old", 10, "prompt")
+    assert cache.park((1, 2, 3, 4), "new", 20, "finished")[1] == ["old"]
+    assert len(cache) == 1 and cache.bytes == 20 and cache.lookup((1, 2, 3, 4, 5)).point.ref == "new"
+    assert cache.lookup((1, 2, 3, 4, 6)).point.ref == "new"  # a used point stays: two forks both hit
+
+
+def test_small_objects_that_live_in_the_scheduler_have_their_own_budget() -> None:
+    cache = StateCache(budget_bytes=1000, min_tokens=1, inline_budget_bytes=25, inline_limit=50)
+    cache.park((1,), "big-old", 60, "finished")  # object store: counts against budget_bytes only
+    dropped = [d for i in range(2, 5) for d in cache.park((i,), f"small{i}", 10, "finished")[1]]
+    dropped += cache.park((9,), "small9", 10, "prompt")[1]
+    assert dropped == ["small2", "small3"]  # the oldest small ones; big-old, older still, stays
+    assert cache.inline_bytes == 20 and cache.bytes == 80
+    assert cache.park((8,), "too-big-inline", 30, "prompt") == (set(), [])
+    uncapped = StateCache(budget_bytes=1000, min_tokens=1, inline_limit=50)  # negative control
+    for i in range(2, 6):
+        uncapped.park((i,), f"small{i}", 10, "finished")
+    assert uncapped.inline_bytes == 40 and len(uncapped) == 4
+
+
+class CountingCache(StateCache):
+    probes = 0
+
+    def _longest_tail(self, node, prompt):
+        CountingCache.probes += 1
+        return super()._longest_tail(node, prompt)
+
+
+def _fill(cache: StateCache, num_prompts: int, rng: random.Random) -> list[tuple[int, ...]]:
+    """`num_prompts` prompts of 4-16 blocks in 64 families (a shared first block), each with a
+    point at every boundary and a prompt-end point."""
+    prompts = []
+    for i in range(num_prompts):
+        family = (i % 64,) * 64
+        tail = tuple(rng.randrange(8192) for _ in range(64 * rng.randrange(3, 15) + rng.randrange(1, 60)))
+        p = family + tail
+        for k in range(1, len(p) // 64 + 1):
+            cache.park(p[:k * 64], ("pt", i, k), 10, "chunk", kv_from=k * 64, exact=True,
+                       blocks={k - 1: BlockRef(("b", i, k), 100)})
+        cache.park(p, ("end", i), 10, "prompt", kv_from=len(p) // 64 * 64)
+        prompts.append(p)
+    return prompts
+
+
+def test_a_lookup_at_10k_points_probes_one_node_per_block_of_the_prompt() -> None:
+    rng = random.Random(1)
+    timings = {}
+    for num_prompts in (10, 1100):
+        cache = CountingCache(budget_bytes=1 << 40, min_tokens=1, block_tokens=64)
+        prompts = _fill(cache, num_prompts, rng)
+        queries = [p[:rng.randrange(64, len(p))] + (1, 2, 3) for p in rng.sample(prompts, 10)]
+        CountingCache.probes = 0
+        t0 = time.perf_counter()
+        hits = [cache.lookup(q) for q in queries]
+        timings[cache.num_points] = (time.perf_counter() - t0) / len(queries)
+        assert all(h is not None for h in hits)
+        assert CountingCache.probes <= sum(len(q) // 64 + 1 for q in queries)
+        for q, h in zip(queries, hits):  # the longest: the last whole block inside q (or q's prompt end)
+            assert h.num_tokens >= (len(q) - 3) // 64 * 64
+    assert max(timings) >= 10_000
+    print("\nlookup time by points kept: " + ", ".join(f"{n}: {t * 1e6:.0f} us" for n, t in sorted(timings.items())))
