@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from raysched.stats import percentile  # noqa: F401  (one rule for every percentile; benchmarks import it here)
+
 OBJECT_STORE_BYTES = 256 << 20  # per node; snapshots here are at most ~35 MB
 
 
@@ -33,14 +35,6 @@ def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
 def best_of(fn: Callable[[], Any], repeats: int) -> float:
     """Shortest of `repeats` timed calls: the least disturbed by other load on the machine."""
     return min(timed(fn)[0] for _ in range(repeats))
-
-
-def percentile(values: Sequence[float], q: float) -> float | None:
-    """Nearest-rank percentile (the same rule as `raysched.runner.percentile`)."""
-    if not values:
-        return None
-    xs = sorted(values)
-    return xs[min(len(xs) - 1, max(0, round(q / 100 * (len(xs) - 1))))]
 
 
 def median(values: Sequence[float]) -> float:

@@ -11,6 +11,7 @@ import ray
 
 from raysched.client import Client, RequestHandle, SchedulerDiedError, _get
 from raysched.sampling import RequestError
+from raysched.stats import percentile
 from raysched.tokenizer import output_text
 from raysched.workload import RequestSpec
 
@@ -80,14 +81,6 @@ def _print_progress(client: Client, done: int, total: int, elapsed: float) -> No
           f"retractions {s['retractions']}  migrations {s['migrations']}  "
           f"running {s['tables']['running']}  retracted {s['tables']['retracted']}   ",
           end="", file=sys.stderr, flush=True)
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    xs = sorted(values)
-    k = min(len(xs) - 1, max(0, round(q / 100 * (len(xs) - 1))))
-    return xs[k]
 
 
 def build_report(records: list[dict], stats: dict, duration_s: float, idle: dict) -> dict:

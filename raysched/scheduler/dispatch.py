@@ -24,9 +24,10 @@ from raysched.messages import SNAPSHOT_LOST, PrefillItem, StepPlan, StepResult
 from raysched.request import Request, State
 from raysched.scheduler.faults import FaultSeam
 from raysched.scheduler.fleet import Fleet, WorkerSlot
-from raysched.scheduler.planner import Decision, decode_need, plan_step
+from raysched.scheduler.planner import Decision, decode_need, plan_for_role
 from raysched.scheduler.recovery import Recovery
 from raysched.scheduler.retraction import RetractionLedger
+from raysched.scheduler.roles import note_prefilled
 from raysched.scheduler.table import RequestTable
 from raysched.scheduler.turn_cache import TurnCacheGlue
 from raysched.stats import Counters
@@ -71,8 +72,8 @@ class Dispatcher:
         others = self.fleet.others(w)
         best_elsewhere = max((o.view.room() for o in others), default=-1.0)
         reserve = self.config.scheduler.admission == "reserve"
-        decision = plan_step(w.view, self.table.waiting, self.table.retracted, self.config.scheduler,
-                             best_elsewhere, reserve, tuple(o.view for o in others))
+        decision = plan_for_role(w.view, self.table.waiting, self.table.retracted, self.config.scheduler,
+                                 best_elsewhere, reserve, tuple(o.view for o in others))
         self.counters.preemptions += decision.preempted
         if decision.forced_round:
             w.view.forced_round = decision.forced_round
@@ -126,7 +127,7 @@ class Dispatcher:
         """Whether the call after this one needs no decision: nothing new starts on `w`, nothing
         waits but the victims this call just retracted, and the running requests have room for
         twice the steps."""
-        if decision.resume or decision.admit or self.table.waiting:
+        if decision.resume or decision.admit or self.table.waiting or not decision.decode_steps:
             return False
         if any(r not in victims for r in self.table.retracted):
             return False
@@ -153,17 +154,29 @@ class Dispatcher:
         now = time.monotonic()
         assert isinstance(result, StepResult)
         update_view(w, result)
+        self.count_prefill(w, decision, result)
+        note_prefilled(w.view, result.new_tokens, result.finished)
         self.add_tokens(w, result, now)
         self.cache.on_result(w, decision, result)
         for r in resumed:
             if r.request_id not in result.not_admitted and r.request_id not in result.resume_failed:
                 r.snapshot_ref = None  # restored: release the object
+                if r.handover_s is not None:  # a hand-over arrived (see `roles`)
+                    self.counters.on_handover_restored(now - r.handover_s)
+                    r.handover_s = None
         self.put_back(w, result)
         for rid, reason in result.finished.items():
             req = self.table.requests.get(rid)
             if req is not None and req.state is State.RUNNING:
                 self.finish(req, State.FINISHED, reason)
         self.counters.on_step(w.index, result, now)
+
+    def count_prefill(self, w: WorkerSlot, decision: Decision, result: StepResult) -> None:
+        """Prompt tokens this call's new prefills feed, by the worker's role (before the new
+        tokens join the history; turn-cache hits count only the suffix they prefill)."""
+        for r in decision.admit + [r for r in decision.resume if r.recompute]:
+            if r.request_id not in result.not_admitted:
+                self.counters.on_prefill(w.view.role.value, len(r.token_ids) - result.cached.get(r.request_id, 0))
 
     def add_tokens(self, w: WorkerSlot, result: StepResult, now: float) -> None:
         for rid, toks in result.new_tokens.items():

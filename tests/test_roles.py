@@ -1,0 +1,101 @@
+"""Prefill and decode roles in the scheduler's parts, without Ray (the fake workers of
+tests/test_scheduler_parts.py): who admits, who decodes, the hand-over, and a lost worker."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+
+import pytest
+
+from raysched.config import ConfigError, SchedulerConfig, ServeConfig, load_serve_config
+from raysched.request import Request
+from raysched.sampling import SamplingParams
+from raysched.scheduler.planner import WorkerView, plan_for_role
+from raysched.scheduler.roles import Role, choose_target, effective_role, initial_roles
+from tests.test_scheduler_parts import LIMITS, FakeWorker, expected, parts, run_until_done
+
+
+def roles_config(**scheduler) -> ServeConfig:
+    return load_serve_config({"roles": {"prefill": 1, "decode": 1}, "scheduler": scheduler})
+
+
+def with_roles(config: ServeConfig, workers: list[FakeWorker]) -> dict:
+    p = parts(config, workers)
+    for slot, role in zip(p["fleet"].slots, initial_roles(config)):
+        slot.view.role = role
+    return p
+
+
+def test_roles_config_is_typed_and_validated() -> None:
+    cfg = load_serve_config({"roles": {"prefill": 1, "decode": 2}})
+    assert cfg.workers == 3 and initial_roles(cfg) == [Role.PREFILL, Role.DECODE, Role.DECODE]
+    assert load_serve_config(cfg.to_dict()) == cfg
+    assert initial_roles(load_serve_config({"workers": 2})) == [Role.BOTH, Role.BOTH]
+    for bad, words in [({"roles": {"prefill": 1}}, "missing required key(s): decode"),
+                       ({"roles": {"prefill": 1, "decode": 1, "both": 1}}, "unknown key 'roles.both'"),
+                       ({"roles": {"prefill": 0, "decode": 1}}, "roles.prefill"),
+                       ({"workers": 3, "roles": {"prefill": 1, "decode": 1}}, "must equal workers (3)")]:
+        with pytest.raises(ConfigError, match=words.replace("(", r"\(").replace(")", r"\)")):
+            load_serve_config(bad)
+
+
+def test_a_prefill_worker_admits_and_never_decodes_a_decode_worker_never_admits() -> None:
+    cfg = SchedulerConfig()
+    pre = WorkerView(0, 256, 4, 256, 4, 1, role=Role.PREFILL)
+    dec = WorkerView(1, 256, 4, 256, 4, 1, role=Role.DECODE)
+    waiting = deque([Request("a", (1, 2, 3), SamplingParams(max_new_tokens=5))])
+    assert plan_for_role(dec, waiting, deque(), cfg, 1.0, False, (pre,)).is_empty()
+    decision = plan_for_role(pre, waiting, deque(), cfg, 1.0, False, (dec,))
+    assert [r.request_id for r in decision.admit] == ["a"] and decision.decode_steps == 0
+    assert effective_role(dec, ()) is Role.BOTH  # alone, it does both
+    assert choose_target([pre, dec, WorkerView(2, 10, 4, 256, 4, 1, role=Role.DECODE)]) == 1
+
+
+def test_requests_are_prefilled_on_one_worker_and_decoded_on_the_other() -> None:
+    async def scenario() -> None:
+        workers = [FakeWorker(0), FakeWorker(1)]
+        p = with_roles(roles_config(decode_steps_per_call=4), workers)
+        reqs = [p["table"].submit([1, 2, i + 3], {"max_new_tokens": 9}, LIMITS) for i in range(5)]
+        await run_until_done(p, [r.request_id for r in reqs])
+        for r in reqs:
+            assert r.output_ids == expected(r.request_id, 9) and r.workers == [0, 1]
+        assert all(plan.decode_steps == 0 and not plan.resume for plan in workers[0].calls)
+        assert all(not plan.prefill for plan in workers[1].calls)
+        c = p["counters"]
+        assert c.handovers == 5 and c.retractions == 0 and c.handover_bytes > 0
+        assert len(c.handover_latencies_s) == 5 and c.prefill_tokens_by_role == {"prefill": 15}
+
+    asyncio.run(scenario())
+
+
+def test_a_lost_decode_worker_leaves_the_prefill_worker_doing_both() -> None:
+    async def scenario() -> None:
+        workers = [FakeWorker(0), FakeWorker(1)]
+        p = with_roles(roles_config(replace_failed_workers=False), workers)
+        reqs = [p["table"].submit([1, 2, i + 3], {"max_new_tokens": 12}, LIMITS) for i in range(3)]
+        pre, dec = p["fleet"].slots
+        await p["dispatch"].execute(pre, p["dispatch"].decide(pre))  # prefill
+        await p["dispatch"].execute(pre, p["dispatch"].decide(pre))  # hand over
+        await p["dispatch"].execute(dec, p["dispatch"].decide(dec))  # restore + decode
+        workers[1].dead = True
+        await run_until_done(p, [r.request_id for r in reqs])
+        for r in reqs:
+            assert r.output_ids == expected(r.request_id, 12) and r.workers[-1] == 0
+        assert p["counters"].worker_failures == 1
+
+    asyncio.run(scenario())
+
+
+def test_a_decode_worker_that_is_out_of_room_retracts_and_recomputes_go_to_the_prefill_worker() -> None:
+    async def scenario() -> None:
+        workers = [FakeWorker(0), FakeWorker(1, kv=40, slots=4)]
+        p = with_roles(roles_config(retract="recompute", decode_steps_per_call=2), workers)
+        reqs = [p["table"].submit([1, 2, i + 3], {"max_new_tokens": 16}, LIMITS) for i in range(3)]
+        await run_until_done(p, [r.request_id for r in reqs])
+        for r in reqs:
+            assert r.output_ids == expected(r.request_id, 16)
+        assert p["counters"].retractions_recompute > 0
+        assert all(not plan.prefill for plan in workers[1].calls)  # recomputes prefilled on worker 0
+
+    asyncio.run(scenario())
