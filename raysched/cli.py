@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-BENCHES = ("snapshot", "resume", "e2e", "overhead", "engine", "sessions", "priority", "serve")
+BENCHES = ("snapshot", "resume", "e2e", "overhead", "engine", "sessions", "priority", "serve", "pd")
 
 
 def _ids(text: str) -> list[int]:

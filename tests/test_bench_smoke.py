@@ -39,7 +39,11 @@ EXPECTED = {
                "rows", {"engine.json"}),
     "serve": ({"model", "rows", "ttft", "itl", "ratio", "target", "mismatched_requests"},
               {"side", "tokens", "duration_s", "tokens_per_s"}, "rows", {"serve.json"}),
+    "pd": ({"model", "setup", "modes", "targets", "stream_gaps"},
+           {"mode", "tokens_per_s", "gap_p99_s", "long_ttft_p50_s", "handovers", "handover_bytes", "mismatches"},
+           "modes", {"pd.json"}),
 }
+SLOW = {"serve": pytest.mark.serve_slow, "pd": pytest.mark.slow}
 
 
 def test_every_cli_benchmark_has_a_smoke_test():
@@ -49,8 +53,8 @@ def test_every_cli_benchmark_has_a_smoke_test():
 # `serve` starts Ray Serve (~15-60 s on a busy machine): its smoke run is behind a marker
 # (pytest -m serve_slow tests/test_bench_smoke.py); tests/test_serve.py runs its measuring
 # functions against the server that module starts anyway.
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.serve_slow) if n == "serve" else n
-                                  for n in BENCHES])
+# `pd` starts two deployments of 2 workers one after another (a minute on a busy machine): `slow`.
+@pytest.mark.parametrize("name", [pytest.param(n, marks=SLOW[n]) if n in SLOW else n for n in BENCHES])
 def test_quick_benchmark_writes_its_json(name, tmp_path):
     if ray.is_initialized():  # a fixture of another test left Ray connected: benchmarks start their own
         ray.shutdown()
@@ -95,6 +99,14 @@ def _priority_correct(result: dict) -> None:
     assert rows["none"]["preemptions"] == 0
 
 
+def _pd_correct(result: dict) -> None:
+    """Same tokens in both modes; only the roles run hands over, every request but the ones
+    that end at their first token."""
+    rows = {m["mode"]: m for m in result["modes"]}
+    assert rows["roles"]["mismatches"] == 0, rows
+    assert rows["colocated"]["handovers"] == 0 and rows["roles"]["handovers"] > 0, rows
+
+
 CORRECTNESS = {
     "snapshot": lambda r: None,
     "resume": lambda r: r["all_same_next_token"] or pytest.fail("snapshot and recompute disagree"),
@@ -104,4 +116,5 @@ CORRECTNESS = {
     "sessions": _sessions_correct,
     "priority": _priority_correct,
     "serve": lambda r: r["mismatched_requests"] == [] or pytest.fail(f"{r['mismatched_requests']}"),
+    "pd": _pd_correct,
 }
