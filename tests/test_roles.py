@@ -99,3 +99,23 @@ def test_a_decode_worker_that_is_out_of_room_retracts_and_recomputes_go_to_the_p
         assert all(not plan.prefill for plan in workers[1].calls)  # recomputes prefilled on worker 0
 
     asyncio.run(scenario())
+
+
+def test_a_prefill_worker_that_stood_in_hands_over_once_a_decode_worker_is_back() -> None:
+    async def scenario() -> None:
+        workers = [FakeWorker(0), FakeWorker(1)]
+        p = with_roles(roles_config(replace_failed_workers=False), workers)
+        pre, dec = p["fleet"].slots
+        dec.alive = False  # lost: the prefill worker does both
+        reqs = [p["table"].submit([1, 2, i + 3], {"max_new_tokens": 30}, LIMITS) for i in range(2)]
+        await p["dispatch"].execute(pre, p["dispatch"].decide(pre))
+        assert all(r.num_generated > 1 for r in reqs) and workers[0].calls[-1].decode_steps > 0
+        dec.alive = True  # back (as a replacement would be)
+        decision = p["dispatch"].decide(pre)
+        assert decision.handovers == reqs and decision.decode_steps == 0
+        await p["dispatch"].execute(pre, decision)
+        await run_until_done(p, [r.request_id for r in reqs])
+        for r in reqs:
+            assert r.output_ids == expected(r.request_id, 30) and r.workers == [0, 1]
+
+    asyncio.run(scenario())

@@ -27,7 +27,7 @@ from raysched.scheduler.fleet import Fleet, WorkerSlot
 from raysched.scheduler.planner import Decision, decode_need, plan_for_role
 from raysched.scheduler.recovery import Recovery
 from raysched.scheduler.retraction import RetractionLedger
-from raysched.scheduler.roles import note_prefilled
+from raysched.scheduler.roles import note_prefilled, takes_new_prompts
 from raysched.scheduler.table import RequestTable
 from raysched.scheduler.turn_cache import TurnCacheGlue
 from raysched.stats import Counters
@@ -125,9 +125,11 @@ class Dispatcher:
 
     def can_pipeline(self, w: WorkerSlot, decision: Decision, victims: list[Request]) -> bool:
         """Whether the call after this one needs no decision: nothing new starts on `w`, nothing
-        waits but the victims this call just retracted, and the running requests have room for
-        twice the steps."""
-        if decision.resume or decision.admit or self.table.waiting or not decision.decode_steps:
+        waits that `w` would take (a decode worker takes no new prompt) but the victims this call
+        just retracted, and the running requests have room for twice the steps."""
+        if decision.resume or decision.admit or not decision.decode_steps:
+            return False
+        if self.table.waiting and takes_new_prompts(w.view, (o.view for o in self.fleet.others(w))):
             return False
         if any(r not in victims for r in self.table.retracted):
             return False

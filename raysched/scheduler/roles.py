@@ -71,10 +71,17 @@ def choose_target(views: Iterable[WorkerView]) -> int | None:
 
 def note_prefilled(view: WorkerView, new_tokens: Iterable[str], finished: Iterable[str]) -> None:
     """After a prefill worker's call: the requests that got a token (their prefill ended) and
-    did not finish are ready to hand over."""
+    did not finish are ready to hand over. (Also while it stands in for a lost decode worker:
+    once a decode worker is back, what it decodes meanwhile is handed over.)"""
     if view.role is Role.PREFILL:
         done = set(finished)
         view.ready.update(rid for rid in new_tokens if rid not in done)
+        view.ready.intersection_update(r.request_id for r in view.running)
+
+
+def takes_new_prompts(view: WorkerView, others: Iterable[WorkerView]) -> bool:
+    """Does this worker admit waiting requests now (so a waiting one is a decision for it)?"""
+    return effective_role(view, others) is not Role.DECODE
 
 
 def role_stats(views: Iterable[WorkerView]) -> list[dict]:
