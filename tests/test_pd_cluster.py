@@ -6,7 +6,8 @@ every hand-over crosses the network. Each test serves a seeded workload (greedy 
 and checks every request finishes once with the tokens of the uninterrupted in-process
 reference (colocated serving on one engine). Faults come through the `faults:` config: the
 prefill worker is killed mid-prompt (prompts prefill in several chunks), the decode worker
-mid-stream. No replacement fits the cluster, so the survivor takes both roles.
+mid-stream. No replacement fits the cluster, so the survivor takes both roles. The two kills
+are behind the marker `slow` (a launch each: half a minute or more on a busy machine).
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ class TestRolesOnCluster:
                 assert record["workers"] == [0, 1], record
             assert_idle(client.check_idle())
 
+    @pytest.mark.slow
     def test_prefill_worker_killed_mid_prompt(self):
         specs = synthetic(42, requests=8, prompt_len=(30, 40), max_new_tokens=(8, 16))
         faults = [{"kind": "kill_worker", "worker": 0, "after_steps": 2}]  # its 3rd chunk of a prompt
@@ -71,6 +73,7 @@ class TestRolesOnCluster:
             assert stats["prefill_tokens_by_role"].get("decode", 0) > 0  # the survivor does both
             assert_idle(client.check_idle())
 
+    @pytest.mark.slow
     def test_decode_worker_killed_mid_stream(self):
         specs = synthetic(43, requests=8, prompt_len=(10, 20), max_new_tokens=(24, 40))
         faults = [{"kind": "kill_in_step", "worker": 1, "after_steps": 3, "after_decode_steps": 2}]
