@@ -12,16 +12,12 @@ are behind the marker `slow` (a launch each: half a minute or more on a busy mac
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import pytest
 
-import raysched
-from raysched.config import load_serve_config
 from raysched.runner import run_workload
-from tests.exactness import assert_exactly_once, assert_idle, synthetic
+from tests.exactness import assert_exactly_once, assert_idle, serving, synthetic
 
 POOL = {"kv_tokens": 640, "state_slots": 8}
 
@@ -30,15 +26,6 @@ def config(faults: list | None = None, **scheduler: Any) -> dict:
     return {"roles": {"prefill": 1, "decode": 1}, "pool": POOL, "faults": faults or [],
             "scheduler": {"decode_steps_per_call": 4, "prefill_chunk_tokens": 8, "prefill_budget_tokens": 16,
                           "replace_failed_workers": False, **scheduler}}
-
-
-@contextmanager
-def serving(raw: dict) -> Iterator[raysched.Client]:
-    client = raysched.launch(load_serve_config(raw))
-    try:
-        yield client
-    finally:
-        client.shutdown()
 
 
 @pytest.mark.usefixtures("multinode_cluster")

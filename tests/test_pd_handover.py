@@ -27,13 +27,7 @@ GREEDY = SamplingParams(max_new_tokens=12)
 SAMPLED = SamplingParams(max_new_tokens=12, temperature=0.8, top_p=0.9, seed=91)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """One intra-op thread: on a busy 2-core machine two OpenMP threads crawl."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # two OpenMP threads crawl on 2 busy cores
 
 
 def _engine(preset: str, **kw) -> Engine:
