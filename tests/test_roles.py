@@ -119,3 +119,19 @@ def test_a_prefill_worker_that_stood_in_hands_over_once_a_decode_worker_is_back(
             assert r.output_ids == expected(r.request_id, 30) and r.workers == [0, 1]
 
     asyncio.run(scenario())
+
+
+def test_status_prints_each_workers_role_and_the_handover_figures(capsys) -> None:
+    from raysched.cli import format_status
+
+    workers = [{"worker": i, "node": f"node-{i}", "device": "cpu", "kv_tokens": 256, "state_slots": 4}
+               for i in range(2)]
+    stats = {"workers": [{"worker": 0, "role": "prefill", "free_tokens": 256, "free_slots": 4, "running": 0},
+                         {"worker": 1, "role": "decode", "free_tokens": 200, "free_slots": 3, "running": 1}],
+             "tables": {"waiting": 0, "running": 1, "retracted": 0, "snapshots_held": 0}, "uptime_s": 3.0,
+             "workers_alive": 2, "handovers": 4, "handover_bytes": 160_000, "prefill_tokens_by_role": {"prefill": 90},
+             "handover_latency_p50_s": 0.012, "handover_latency_p99_s": 0.05}
+    format_status(workers, stats)
+    out = capsys.readouterr().out
+    assert "worker 0: role prefill" in out and "worker 1: role decode" in out
+    assert "hand-overs 4" in out and "p50 12.0 ms" in out and "p99 50.0 ms" in out
