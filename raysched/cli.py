@@ -11,7 +11,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-BENCHES = ("snapshot", "resume", "e2e", "overhead", "engine", "sessions", "prefix", "priority", "serve", "scale")
+BENCHES = ("snapshot", "resume", "e2e", "overhead", "engine", "sessions", "prefix", "priority", "serve",
+           "scale", "pd")
 
 
 def _ids(text: str) -> list[int]:
@@ -160,7 +161,7 @@ def format_status(workers: list[dict], stats: dict) -> None:
     views = {v["worker"]: v for v in stats["workers"]}
     for w in workers:
         v = views.get(w["worker"], {})
-        print(f"worker {w['worker']}: node {w['node'][:12]} device {w['device']}  "
+        print(f"worker {w['worker']}: role {v.get('role', w.get('role', 'both'))}  node {w['node'][:12]} device {w['device']}  "
               f"kv free {v.get('free_tokens')}/{w['kv_tokens']}  "
               f"state slots free {v.get('free_slots')}/{w['state_slots']}  running {v.get('running')}")
     t = stats["tables"]
@@ -169,7 +170,15 @@ def format_status(workers: list[dict], stats: dict) -> None:
     keys = ("submitted", "finished", "aborted", "failed", "tokens", "retractions", "resumes", "migrations",
             "snapshot_bytes", "worker_failures", "workers_replaced")
     print("counters: " + "  ".join(f"{k} {stats.get(k)}" for k in keys))
+    if stats.get("handovers") or stats.get("prefill_tokens_by_role"):
+        print(f"roles: prefill tokens {stats.get('prefill_tokens_by_role')}  hand-overs {stats.get('handovers')}  "
+              f"hand-over bytes {stats.get('handover_bytes')}  hand-over latency p50 "
+              f"{_ms(stats.get('handover_latency_p50_s'))}  p99 {_ms(stats.get('handover_latency_p99_s'))}")
     print(f"uptime {stats['uptime_s']:.0f} s, workers alive {stats['workers_alive']}")
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{1000 * seconds:.1f} ms"
 
 
 def cmd_stop(args: argparse.Namespace) -> int:

@@ -559,6 +559,39 @@ def _check_fault_options(kind: str, values: Mapping[str, Any], key: KeyPath) -> 
 FaultConfig: TypeAlias = tuple[FaultSpec, ...]  # the `faults:` list of a serve config
 
 
+@dataclass(frozen=True)
+class RolesConfig:
+    """Disaggregated serving (`raysched.scheduler.roles`): `prefill` workers take new prompts
+    and hand each request, once its prompt is prefilled and its first token sampled, to one of
+    the `decode` workers. Absent (the default): every worker does both."""
+
+    prefill: int
+    decode: int
+
+    CHECKS: ClassVar[dict[str, Check]] = {"prefill": check_positive_int, "decode": check_positive_int}
+    REQUIRED: ClassVar[tuple[str, ...]] = ("prefill", "decode")
+
+    def __post_init__(self) -> None:
+        check_fields(self, _ROOT.child("roles"))
+
+    @property
+    def workers(self) -> int:
+        return self.prefill + self.decode
+
+    @classmethod
+    def from_dict(cls, raw: Any, key: KeyPath = _ROOT.child("roles")) -> RolesConfig | None:
+        if raw is None:
+            return None
+        values = parse_fields(cls, raw, key)
+        missing = [name for name in cls.REQUIRED if name not in values]
+        if missing:
+            raise key.error(f"is missing required key(s): {', '.join(missing)}")
+        return cls(**values)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"prefill": self.prefill, "decode": self.decode}
+
+
 def _check_instance(cls: type) -> Check:
     def check(value: Any, key: KeyPath) -> Any:
         if not isinstance(value, cls):
@@ -600,6 +633,7 @@ class ServeConfig:
     scheduler: SchedulerConfig = SchedulerConfig()
     state_cache: StateCacheConfig = StateCacheConfig()
     faults: FaultConfig = ()
+    roles: RolesConfig | None = None  # prefill / decode workers; None: every worker does both
     object_store_memory: int | None = None  # bytes, for the embedded Ray cluster
     invariant_tile: int = 16  # rows per matrix-kernel call in batch-invariant decode
     fixed_shape_decode: bool | None = None  # decode at bucket shapes, CUDA graphs (null: on CUDA)
@@ -616,6 +650,7 @@ class ServeConfig:
         "scheduler": _check_instance(SchedulerConfig),
         "state_cache": _check_instance(StateCacheConfig),
         "faults": _check_faults,
+        "roles": check_optional(_check_instance(RolesConfig)),
         "object_store_memory": check_optional(check_positive_int),
         "invariant_tile": check_positive_int,
         "fixed_shape_decode": check_optional(check_bool),
@@ -628,10 +663,14 @@ class ServeConfig:
         "state_cache": StateCacheConfig.from_dict,
         "faults": _parse_faults,
         "sim": SimConfig.from_dict,
+        "roles": RolesConfig.from_dict,
     }
 
     def __post_init__(self) -> None:
         check_fields(self, _ROOT)
+        if self.roles is not None and self.roles.workers != self.workers:
+            raise _ROOT.child("roles").error(f"prefill + decode ({self.roles.workers}) must equal workers "
+                                             f"({self.workers}); leave workers out to take it from roles")
         for i, fault in enumerate(self.faults):
             if fault.worker is not None and fault.worker >= self.workers:
                 raise _ROOT.child("faults").item(i).child("worker").error(
@@ -644,6 +683,8 @@ class ServeConfig:
         mapping = check_mapping(raw, _ROOT, cls.CHECKS)
         values = {name: cls.PARSERS.get(name, cls.CHECKS[name])(value, _ROOT.child(name))
                   for name, value in mapping.items()}
+        if values.get("roles") is not None and "workers" not in values:  # workers follow the roles
+            values["workers"] = values["roles"].workers
         return cls(**values)
 
     def to_dict(self) -> dict[str, Any]:
@@ -654,6 +695,7 @@ class ServeConfig:
         out["state_cache"] = self.state_cache.to_dict()
         out["faults"] = [fault.to_dict() for fault in self.faults]
         out["sim"] = self.sim.to_dict()
+        out["roles"] = self.roles.to_dict() if self.roles is not None else None
         return out
 
 

@@ -2,7 +2,8 @@
 
 Series (all prefixed ``raysched_``): per-worker pool occupancy (KV tokens used fraction, Mamba
 slots used), requests running / waiting / retracted, and cumulative counters from the scheduler
-(requests, tokens, retractions, resumes, migrations, snapshot bytes, worker failures), read from
+(requests, tokens, retractions, resumes, migrations, snapshot bytes, worker failures, hand-overs and
+their bytes, prefill tokens by worker role), each worker's role and the hand-over latency p50/p99, read from
 `Scheduler.stats()` at scrape time; plus TTFT and end-to-end latency histograms of the requests
 this server answered (the scheduler's own timings), and client disconnects: requests this server
 aborted because the HTTP client left before they ended (a part of `requests_aborted`; a client
@@ -30,6 +31,8 @@ COUNTERS = {  # scheduler stats key -> (series name, help)
     "migrations": ("migrations", "resumes on another worker"),
     "snapshot_bytes": ("snapshot_bytes", "bytes of snapshots taken"),
     "worker_failures": ("worker_failures", "worker calls that failed"),
+    "handovers": ("handovers", "prefilled requests handed from a prefill worker to a decode worker"),
+    "handover_bytes": ("handover_bytes", "bytes of hand-over snapshots"),
 }
 
 
@@ -85,6 +88,7 @@ class ServeMetrics:
                                   "requests aborted because the HTTP client left before they ended",
                                   value=self.disconnects)
         yield GaugeMetricFamily("raysched_workers_alive", "live worker actors", value=s.get("workers_alive", 0))
+        yield from _role_series(s)
 
     def _pool_gauges(self, s: dict):
         kv = GaugeMetricFamily("raysched_pool_kv_used_ratio", "KV pool occupancy per worker", labels=["worker"])
@@ -98,3 +102,23 @@ class ServeMetrics:
             mamba.add_metric([str(w["worker"])], slots_total - w["free_slots"])
         yield kv
         yield mamba
+
+
+def _role_series(s: dict):
+    """Prefill tokens by worker role, each worker's role, and the hand-over latency quantiles."""
+    prefill = CounterMetricFamily("raysched_prefill_tokens", "prompt tokens prefilled, by worker role",
+                                  labels=["role"])
+    for role, tokens in sorted(s.get("prefill_tokens_by_role", {}).items()):
+        prefill.add_metric([role], tokens)
+    yield prefill
+    roles = GaugeMetricFamily("raysched_worker_role", "1 for each worker's role", labels=["worker", "role"])
+    for w in s["workers"]:
+        roles.add_metric([str(w["worker"]), w.get("role", "both")], 1)
+    yield roles
+    latency = GaugeMetricFamily("raysched_handover_latency_seconds", "hand-over latency (sent to restored)",
+                                labels=["quantile"])
+    for q in ("p50", "p99"):
+        value = s.get(f"handover_latency_{q}_s")
+        if value is not None:
+            latency.add_metric([q], value)
+    yield latency

@@ -48,6 +48,8 @@ class Request:
     snapshot_bytes: int = 0  # its payload size, once the retraction reported it
     snapshot_node: str | None = None  # the node whose object store holds the snapshot
     recompute: bool = False  # resume by re-prefilling prompt + outputs instead of a snapshot
+    target_worker: int | None = None  # a hand-over's decode worker (see `scheduler.roles`)
+    handover_s: float | None = None  # when its hand-over was sent, until it is restored
     first_token_s: float | None = None
     finish_s: float | None = None
     finish_reason: str | None = None

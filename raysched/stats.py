@@ -59,6 +59,10 @@ class Counters:
     state_cache_fallbacks: int = 0  # hits whose parked state was lost or refused: full prefill
     resubmitted: int = 0  # requests resubmitted to this (restarted) scheduler by their clients
     resubmitted_tokens: int = 0  # tokens they carried (received before the restart)
+    handovers: int = 0  # prefilled requests snapshotted for a decode worker (roles)
+    handover_bytes: int = 0
+    prefill_tokens_by_role: dict = field(default_factory=dict)  # role -> prompt tokens prefilled
+    handover_latencies_s: deque = field(default_factory=lambda: deque(maxlen=20000))  # send -> restored
     busy_s: float = 0.0
     started_s: float = field(default_factory=time.monotonic)
     timeline: deque = field(default_factory=lambda: deque(maxlen=20000))
@@ -85,6 +89,12 @@ class Counters:
     def on_resume_bytes(self, moved: int, via_scheduler: int) -> None:
         self.resume_bytes_moved += moved
         self.resume_bytes_via_scheduler += via_scheduler
+
+    def on_prefill(self, role: str, tokens: int) -> None:
+        self.prefill_tokens_by_role[role] = self.prefill_tokens_by_role.get(role, 0) + tokens
+
+    def on_handover_restored(self, latency_s: float) -> None:
+        self.handover_latencies_s.append(latency_s)
 
     def on_cache_lookup(self, cached_tokens: int, kind: str | None, source: str | None = None) -> None:
         if cached_tokens:
@@ -117,13 +127,17 @@ class Counters:
                               sum(len(t) for t in result.new_tokens.values())))
 
     def summary(self, tables: dict, views: list) -> dict:
-        d = {k: v for k, v in self.__dict__.items() if k not in ("timeline", "started_s", "decision_s")}
+        d = {k: v for k, v in self.__dict__.items() if k not in ("timeline", "started_s", "decision_s",
+                                                                 "handover_latencies_s")}
         d["decision_p50_s"] = percentile(self.decision_s, 50)
         d["decision_p99_s"] = percentile(self.decision_s, 99)
+        d["prefill_tokens_by_role"] = dict(self.prefill_tokens_by_role)
+        d["handover_latency_p50_s"] = percentile(self.handover_latencies_s, 50)
+        d["handover_latency_p99_s"] = percentile(self.handover_latencies_s, 99)
         d["uptime_s"] = time.monotonic() - self.started_s
         d["tables"] = tables
-        d["workers"] = [{"worker": v.index, "free_tokens": v.free_tokens, "free_slots": v.free_slots,
-                         "running": len(v.running)} for v in views]
+        d["workers"] = [{"worker": v.index, "role": v.role.value, "free_tokens": v.free_tokens,
+                         "free_slots": v.free_slots, "running": len(v.running)} for v in views]
         return d
 
     def timeline_rows(self) -> list[tuple]:

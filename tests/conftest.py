@@ -51,6 +51,14 @@ def reference_tokens(model: str, prompts: list[list[int]], sampling_list: list[S
         torch.set_num_threads(threads)
 
 
+async def stream_token_ids(api, model: str, prompt: list[int], sp: SamplingParams) -> list[int]:
+    """The token ids of one streamed completion of `prompt` through an `openai.AsyncOpenAI` client."""
+    stream = await api.completions.create(
+        model=model, prompt=prompt, max_tokens=sp.max_new_tokens, temperature=sp.temperature, seed=sp.seed,
+        stream=True, extra_body={"return_token_ids": True, "ignore_eos": True})
+    return [t async for c in stream for t in c.choices[0].token_ids]
+
+
 def alive_actors(*class_names: str) -> list[dict]:
     """Actors of these classes in the connected cluster that are not dead yet
     (`raysched.ray_compat.actors`: the GCS actor table, no dashboard needed)."""
@@ -105,6 +113,17 @@ def multinode_cluster() -> Iterator[object]:
     """A 3-node cluster (head + 2 one-GPU nodes), connected for the module."""
     with local_cluster(gpu_nodes=2) as cluster:
         yield cluster
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread() -> Iterator[None]:
+    """One intra-op thread for the module: on a busy 2-core machine two OpenMP threads crawl."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(autouse=True, scope="module")

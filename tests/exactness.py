@@ -13,7 +13,8 @@ retracted), and afterwards no slot, table entry or snapshot is left behind.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from functools import lru_cache
 from typing import Any
 
@@ -83,6 +84,19 @@ def assert_idle(idle: dict) -> None:
     """`client.check_idle()`: every live worker's pool free, every scheduler table empty."""
     assert idle["workers_idle"], f"a worker still holds slots: {idle}"
     assert not any(idle["tables"].values()), f"scheduler tables not empty: {idle['tables']}"
+
+
+@contextmanager
+def serving(raw: dict) -> Iterator[Any]:
+    """`raysched.launch` of the serve config `raw` on the connected cluster; shut down after."""
+    import raysched
+    from raysched.config import load_serve_config
+
+    client = raysched.launch(load_serve_config(raw))
+    try:
+        yield client
+    finally:
+        client.shutdown()
 
 
 def scheduler_log(client) -> str:

@@ -40,13 +40,7 @@ NUM_TOKENS = 32
 TOL = 1e-4
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """One intra-op thread: on a busy 2-core machine two OpenMP threads crawl."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # two OpenMP threads crawl on 2 busy cores
 
 
 @pytest.fixture(scope="module")

@@ -50,7 +50,11 @@ EXPECTED = {
               {"workers", "step_ms", "tokens_per_s", "vs_offered", "vs_ideal", "worker_busy", "scheduler_cpu_share",
                "scheduler_rss_mib", "decision_p50_ms", "decision_p99_ms", "ttft_overhead_p50_ms", "token_gap_p50_ms"},
               "rows", {"scale.json", "scale.png"}),
+    "pd": ({"model", "setup", "modes", "targets", "stream_gaps"},
+           {"mode", "tokens_per_s", "gap_p99_s", "long_ttft_p50_s", "handovers", "handover_bytes", "mismatches"},
+           "modes", {"pd.json"}),
 }
+SLOW = {"serve": pytest.mark.serve_slow, "pd": pytest.mark.slow}
 
 
 def test_every_cli_benchmark_has_a_smoke_test():
@@ -60,8 +64,8 @@ def test_every_cli_benchmark_has_a_smoke_test():
 # `serve` starts Ray Serve (~15-60 s on a busy machine): its smoke run is behind a marker
 # (pytest -m serve_slow tests/test_bench_smoke.py); tests/test_serve.py runs its measuring
 # functions against the server that module starts anyway.
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.serve_slow) if n == "serve" else n
-                                  for n in BENCHES])
+# `pd` starts two deployments of 2 workers one after another (a minute on a busy machine): `slow`.
+@pytest.mark.parametrize("name", [pytest.param(n, marks=SLOW[n]) if n in SLOW else n for n in BENCHES])
 def test_quick_benchmark_writes_its_json(name, tmp_path):
     if ray.is_initialized():  # a fixture of another test left Ray connected: benchmarks start their own
         ray.shutdown()
@@ -119,6 +123,12 @@ def _scale_keeps_up(result: dict) -> None:
     """32 simulated workers: the scheduler delivers at least a floor of the offered tokens/s."""
     row = result["rows"][0]
     assert row["workers"] == 32 and row["vs_offered"] >= SCALE_QUICK_FLOOR, row
+def _pd_correct(result: dict) -> None:
+    """Same tokens in both modes; only the roles run hands over, every request but the ones
+    that end at their first token."""
+    rows = {m["mode"]: m for m in result["modes"]}
+    assert rows["roles"]["mismatches"] == 0, rows
+    assert rows["colocated"]["handovers"] == 0 and rows["roles"]["handovers"] > 0, rows
 
 
 CORRECTNESS = {
@@ -132,6 +142,7 @@ CORRECTNESS = {
     "priority": _priority_correct,
     "serve": lambda r: r["mismatched_requests"] == [] or pytest.fail(f"{r['mismatched_requests']}"),
     "scale": _scale_keeps_up,
+    "pd": _pd_correct,
 }
 
 

@@ -23,7 +23,6 @@ import concurrent.futures
 import sys
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any, NamedTuple
 
 import pytest
@@ -31,14 +30,14 @@ import ray
 
 import raysched
 from raysched.client import SchedulerDiedError
-from raysched.config import load_serve_config
 from raysched.messages import StepResult, Usage
 from raysched.scheduler.planner import Decision
 from raysched.request import State
 from raysched.runner import run_workload
 from raysched.workload import RequestSpec
 from tests.conftest import local_cluster, wait_until
-from tests.exactness import assert_exactly_once, assert_idle, bare_scheduler, reference, scheduler_log, synthetic
+from tests.exactness import (assert_exactly_once, assert_idle, bare_scheduler, reference, scheduler_log, serving,
+                              synthetic)
 
 NODE_STORE_BYTES = 100 << 20
 POOL = {"kv_tokens": 160, "state_slots": 4}  # small: 20 requests overflow two workers
@@ -55,15 +54,6 @@ def cluster() -> Iterator[Any]:
     """Head + 3 one-GPU nodes: one spare node for replacement workers."""
     with local_cluster(gpu_nodes=3, store_bytes=NODE_STORE_BYTES) as c:
         yield c
-
-
-@contextmanager
-def serving(raw: dict) -> Iterator[raysched.Client]:
-    client = raysched.launch(load_serve_config(raw))
-    try:
-        yield client
-    finally:
-        client.shutdown()
 
 
 def config(scheduler: dict | None = None, faults: list | None = None, workers: int = 2, **extra) -> dict:

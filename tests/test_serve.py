@@ -29,7 +29,7 @@ from raysched.config import load_serve_config
 from raysched.sampling import SamplingParams
 from raysched.serve import Server, deploy_app, start_server
 from raysched.tokenizer import load_tokenizer
-from tests.conftest import reference_tokens, wait_until
+from tests.conftest import reference_tokens, stream_token_ids, wait_until
 
 KEY = "sk-raysched-test"
 NAME = "test-serve"
@@ -325,16 +325,10 @@ def test_32_concurrent_streams(running: Running) -> None:
               for i in range(32)]
     expected = reference_tokens("tiny", prompts, params)
 
-    async def one(api: openai.AsyncOpenAI, prompt: list[int], sp: SamplingParams) -> list[int]:
-        stream = await api.completions.create(
-            model="tiny", prompt=prompt, max_tokens=sp.max_new_tokens, temperature=sp.temperature, seed=sp.seed,
-            stream=True, extra_body={"return_token_ids": True, "ignore_eos": True})
-        return [t async for c in stream for t in c.choices[0].token_ids]  # type: ignore[attr-defined]
-
     async def all_of_them() -> list[list[int]]:
         async with openai.AsyncOpenAI(base_url=f"{running.open_url}/v1", api_key="x", max_retries=0,
                                       timeout=300) as api:
-            return await asyncio.gather(*[one(api, p, sp) for p, sp in zip(prompts, params)])
+            return await asyncio.gather(*[stream_token_ids(api, "tiny", p, sp) for p, sp in zip(prompts, params)])
 
     assert asyncio.run(all_of_them()) == expected
     _wait_idle(running.client)

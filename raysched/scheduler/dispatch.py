@@ -25,10 +25,11 @@ from raysched.messages import SNAPSHOT_LOST, PrefillItem, StepPlan, StepResult
 from raysched.request import Request, State, enqueue
 from raysched.scheduler.faults import FaultSeam
 from raysched.scheduler.fleet import Fleet, WorkerSlot
-from raysched.scheduler.planner import Decision, decode_need, plan_step
+from raysched.scheduler.planner import Decision, decode_need, plan_for_role
 from raysched.scheduler.prefix_cache import PrefixCache
 from raysched.scheduler.recovery import Recovery
 from raysched.scheduler.retraction import RetractionLedger
+from raysched.scheduler.roles import note_prefilled
 from raysched.scheduler.table import RequestTable
 from raysched.stats import Counters
 
@@ -89,10 +90,11 @@ class Dispatcher:
             if held:
                 waiting = deque(r for r in waiting if r.request_id not in held)
         best_elsewhere = self.fleet.best_room_except(w) if waiting else -1.0
-        others = tuple(o.view for o in self.fleet.others(w)) if waiting and self.config.scheduler.preemption else ()
+        peers = (waiting and self.config.scheduler.preemption) or self.config.roles is not None  # roles: who is left
+        others = tuple(o.view for o in self.fleet.others(w)) if peers else ()
         reserve = self.config.scheduler.admission == "reserve"
-        decision = plan_step(w.view, waiting, self.table.retracted, self.config.scheduler,
-                             best_elsewhere, reserve, others, placement)
+        decision = plan_for_role(w.view, waiting, self.table.retracted, self.config.scheduler,
+                                 best_elsewhere, reserve, others, placement)
         if waiting is not self.table.waiting:
             for r in decision.admit:
                 self.table.waiting.remove(r)
@@ -161,7 +163,7 @@ class Dispatcher:
         whatever waits could not start here now either: no room, or another worker has more),
         and the running requests have room for twice the steps. The worker then never waits for
         the scheduler between the two calls."""
-        if decision.resume or decision.admit:
+        if decision.resume or decision.admit or not decision.decode_steps:
             return False
         return decode_need(w.view, w.view.running, 2 * decision.decode_steps) <= w.view.free_tokens
 
@@ -187,17 +189,29 @@ class Dispatcher:
         assert isinstance(result, StepResult)
         update_view(w, result)
         self.fleet.note_room(w)
+        self.count_prefill(w, decision, result)
+        note_prefilled(w.view, result.new_tokens, result.finished)
         self.add_tokens(w, result, now)
         self.cache.on_result(w, decision, result)
         for r in resumed:
             if r.request_id not in result.not_admitted and r.request_id not in result.resume_failed:
                 r.snapshot_ref = None  # restored: release the object
+                if r.handover_s is not None:  # a hand-over arrived (see `roles`)
+                    self.counters.on_handover_restored(now - r.handover_s)
+                    r.handover_s = None
         self.put_back(w, result)
         for rid, reason in result.finished.items():
             req = self.table.requests.get(rid)
             if req is not None and req.state is State.RUNNING:
                 self.finish(req, State.FINISHED, reason)
         self.counters.on_step(w.index, result, now)
+
+    def count_prefill(self, w: WorkerSlot, decision: Decision, result: StepResult) -> None:
+        """Prompt tokens this call's new prefills feed, by the worker's role (before the new
+        tokens join the history; turn-cache hits count only the suffix they prefill)."""
+        for r in decision.admit + [r for r in decision.resume if r.recompute]:
+            if r.request_id not in result.not_admitted:
+                self.counters.on_prefill(w.view.role.value, len(r.token_ids) - result.cached.get(r.request_id, 0))
 
     def add_tokens(self, w: WorkerSlot, result: StepResult, now: float) -> None:
         for rid, toks in result.new_tokens.items():

@@ -20,6 +20,7 @@ from typing import Any
 from raysched.messages import WorkerInfo
 from raysched.request import Request
 from raysched.scheduler.planner import WorkerView
+from raysched.scheduler.roles import Role
 
 
 @dataclass
@@ -35,15 +36,15 @@ class WorkerSlot:
     task: asyncio.Task | None = None
 
     @classmethod
-    def from_info(cls, handle: Any, info: WorkerInfo) -> WorkerSlot:
+    def from_info(cls, handle: Any, info: WorkerInfo, role: Role = Role.BOTH) -> WorkerSlot:
         u = info.usage
         view = WorkerView(info.index, u.kv_free_tokens, u.state_free_slots, u.kv_total_tokens,
-                          u.state_total_slots, u.page_size)
+                          u.state_total_slots, u.page_size, role=role)
         return cls(info.index, handle, info, view)
 
     def line(self) -> dict:
         """One line of facts (what `Scheduler.start` and `describe` return per worker)."""
-        return {"worker": self.index, "node": self.info.node_id, "device": self.info.device,
+        return {"worker": self.index, "role": self.view.role.value, "node": self.info.node_id, "device": self.info.device,
                 "kv_tokens": self.info.usage.kv_total_tokens, "state_slots": self.info.usage.state_total_slots,
                 "vocab_size": self.info.vocab_size, "max_context": self.info.max_context}
 
@@ -57,8 +58,8 @@ class Fleet:
         self.idle: dict[int, WorkerSlot] = {}  # slots whose loop sleeps on its event
         self._rooms: list[float] = []  # room() of each slot after its last reply; -1.0 when retired
 
-    def add(self, handle: Any, info: WorkerInfo) -> WorkerSlot:
-        slot = WorkerSlot.from_info(handle, info)
+    def add(self, handle: Any, info: WorkerInfo, role: Role = Role.BOTH) -> WorkerSlot:
+        slot = WorkerSlot.from_info(handle, info, role)
         self.slots.append(slot)
         self._rooms.append(slot.view.room())
         return slot

@@ -13,6 +13,10 @@ Order of decisions, per call:
 5. preempt: when the head of the waiting queue is more urgent than some running request here
    and fits on no worker, retract the least urgent running requests until it fits, and admit it.
 
+Worker roles (`roles`): `plan_for_role` shapes these decisions for a prefill worker (admit and
+prefill, hand the prefilled requests over, no decode steps) and a decode worker (resume and
+decode, never admit); a worker with both roles gets `plan_step` unchanged.
+
 Priorities (lower is more urgent) order both queues (the scheduler keeps them sorted, see
 `request.enqueue`); a request only ever waits behind requests at least as urgent. With every
 priority equal (the default 0) steps 3-5 reduce to: resumes first, then FCFS admissions.
@@ -20,14 +24,16 @@ priority equal (the default 0) steps 3-5 reduce to: resumes first, then FCFS adm
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from raysched.config import SchedulerConfig
-from raysched.request import Request
+from raysched.request import Request, State
 from raysched.scheduler.policy import order_victims, pages
+from raysched.scheduler.roles import Role, effective_role, needs_prefill
 
 
 @dataclass
@@ -44,6 +50,8 @@ class WorkerView:
     allocated: dict[str, int] = field(default_factory=dict)  # request id -> KV tokens held
     calls: int = 0
     forced_round: int = 0  # calls // force_retract_every at the last forced retraction
+    role: Role = Role.BOTH  # what this worker does (see `roles`)
+    ready: set[str] = field(default_factory=set)  # prefill role: ids prefilled, to hand over
 
     def room(self) -> float:
         """Fraction of the scarcer pool that is free."""
@@ -65,9 +73,13 @@ class Decision:
     decode_steps: int = 0
     preempted: int = 0  # victims retracted to admit a more urgent request
     forced_round: int = 0  # > 0: a forced retraction was due (the view records it)
+    handovers: list[Request] = field(default_factory=list)  # prefill role: prefilled, snapshot them
+    #   for a decode worker (a planned retraction, see `roles`)
+    continue_prefill: bool = False  # prefill role: a call without decode steps is still due
 
     def is_empty(self) -> bool:
-        return not (self.victims or self.resume or self.admit or self.decode_steps)
+        return not (self.victims or self.resume or self.admit or self.decode_steps or self.handovers
+                    or self.continue_prefill)
 
 
 class Placement(Protocol):
@@ -219,6 +231,56 @@ def _preempt(view: WorkerView, waiting: deque[Request], retracted: deque[Request
         plan.victims.append(r)
     plan.preempted += len(chosen)
     plan.admit.append(waiting.popleft())
+
+
+def plan_for_role(view: WorkerView, waiting: deque[Request], retracted: deque[Request], cfg: SchedulerConfig,
+                  best_room_elsewhere: float, reserve: bool, others: tuple[WorkerView, ...],
+                  placement: Placement | None = None) -> Decision:
+    """`planner.plan_step` shaped by `view`'s role (mutates the queues it takes from)."""
+    role = effective_role(view, others)
+    if role is Role.BOTH:
+        return plan_step(view, waiting, retracted, cfg, best_room_elsewhere, reserve, others, placement)
+    if role is Role.PREFILL:
+        return _plan_prefill(view, waiting, retracted, cfg, others, reserve)
+    return _plan_decode(view, retracted, cfg, others)
+
+
+def _plan_prefill(view: WorkerView, waiting: deque[Request], retracted: deque[Request], cfg: SchedulerConfig,
+                  others: tuple[WorkerView, ...], reserve: bool) -> Decision:
+    """Hand over the prefilled requests, admit new prompts and resume those that need a prefill;
+    no decode steps (a call with running requests continues their prefill)."""
+    ready = [r for r in view.running if r.request_id in view.ready and r.state is State.RUNNING]
+    view.ready.intersection_update(r.request_id for r in view.running)
+    view.ready.difference_update(r.request_id for r in ready)
+    rest = [r for r in view.running if r not in ready]
+    trimmed = dataclasses.replace(view, running=rest, free_tokens=view.free_tokens + sum(view.held(r) for r in ready),
+                                  free_slots=view.free_slots + len(ready))
+    peers = tuple(o for o in others if o.role is not Role.DECODE)
+    best = max((o.room() for o in peers), default=-1.0)
+    mine = deque(r for r in retracted if needs_prefill(r))
+    decision = plan_step(trimmed, waiting, mine, dataclasses.replace(cfg, decode_steps_per_call=1), best,
+                         reserve, peers)
+    _take_out(retracted, decision.resume)
+    decision.handovers = ready
+    decision.continue_prefill = bool(rest) or bool(decision.admit or decision.resume)
+    decision.decode_steps = 0
+    return decision
+
+
+def _plan_decode(view: WorkerView, retracted: deque[Request], cfg: SchedulerConfig,
+                 others: tuple[WorkerView, ...]) -> Decision:
+    """Resume snapshots (hand-overs targeted here, or at no live worker) and decode; never admit."""
+    alive = {o.index for o in others}
+    mine = deque(r for r in retracted if not needs_prefill(r)
+                 and (r.target_worker in (None, view.index) or r.target_worker not in alive))
+    decision = plan_step(view, deque(), mine, cfg, -1.0, False, ())
+    _take_out(retracted, decision.resume)
+    return decision
+
+
+def _take_out(queue: deque[Request], taken: list[Request]) -> None:
+    for r in taken:
+        queue.remove(r)
 
 
 Plan = Decision  # its former name (old imports keep working)

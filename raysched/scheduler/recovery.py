@@ -23,6 +23,7 @@ from raysched.config import ConfigError, ServeConfig
 from raysched.messages import WorkerInfo
 from raysched.request import State, enqueue
 from raysched.scheduler.fleet import Fleet, WorkerSlot
+from raysched.scheduler.roles import Role, initial_roles
 from raysched.scheduler.table import RequestTable
 from raysched.stats import Counters
 
@@ -73,12 +74,12 @@ class Recovery:
             for h in handles:
                 self.actors.kill(h)
             raise start_error(self.config, failed, infos[failed])
-        for h, info in zip(handles, infos):
-            self._add(h, info)
+        for h, info, role in zip(handles, infos, initial_roles(self.config)):
+            self._add(h, info, role)
         self.fleet.check_same_model()
 
-    def _add(self, handle: Any, info: WorkerInfo) -> WorkerSlot:
-        slot = self.fleet.add(handle, info)
+    def _add(self, handle: Any, info: WorkerInfo, role: Role) -> WorkerSlot:
+        slot = self.fleet.add(handle, info, role)
         self._on_added(slot)
         return slot
 
@@ -107,11 +108,12 @@ class Recovery:
         w.view.running = []
         if self.config.scheduler.replace_failed_workers and not self.closing:
             self.pending_replacements += 1
-            asyncio.get_running_loop().create_task(self.replace_worker())
+            asyncio.get_running_loop().create_task(self.replace_worker(role=w.view.role))
         self.check_any_alive()
 
-    async def replace_worker(self, timeout_s: float = REPLACEMENT_TIMEOUT_S) -> None:
-        """Start a worker in place of a failed one (one already counted in `pending_replacements`)."""
+    async def replace_worker(self, timeout_s: float = REPLACEMENT_TIMEOUT_S, role: Role = Role.BOTH) -> None:
+        """Start a worker in place of a failed one (one already counted in `pending_replacements`),
+        with the role of the one it replaces."""
         index = len(self.fleet.slots) + self.pending_replacements - 1
         handle = self.actors.spawn(self.config, index)
         try:
@@ -123,7 +125,7 @@ class Recovery:
         self.pending_replacements -= 1
         if info is not None and not self.closing:
             info = dataclasses.replace(info, index=len(self.fleet.slots))
-            self._add(handle, info)
+            self._add(handle, info, role)
             self.counters.workers_replaced += 1
             log.info("replacement worker %d started on node %s", info.index, info.node_id[:12])
         self.check_any_alive()

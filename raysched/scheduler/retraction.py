@@ -14,6 +14,7 @@ No Ray import: worker handles are opaque (`handle.retract_pending.options(...).r
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 from raysched.config import SchedulerConfig
@@ -22,6 +23,7 @@ from raysched.scheduler.faults import FaultSeam
 from raysched.scheduler.fleet import Fleet, WorkerSlot
 from raysched.scheduler.planner import Decision
 from raysched.scheduler.policy import choose_retract_mode
+from raysched.scheduler.roles import choose_target
 from raysched.scheduler.table import RequestTable
 from raysched.stats import Counters
 
@@ -38,6 +40,7 @@ class RetractionLedger:
         self.faults = faults
         self.budget_bytes = cfg.snapshot_budget_bytes or 0  # None: set from the store at start
         self.inflight_bytes = 0  # estimated bytes of retractions not yet reported
+        self._handover_refs: set = set()  # snapshot refs of hand-overs whose size is not reported yet
 
     def take_victims(self, w: WorkerSlot, decision: Decision) -> tuple[list[Request], list[str]]:
         """Move the decision's victims (and ended requests) out of `w`'s running list; returns
@@ -59,11 +62,30 @@ class RetractionLedger:
                 r.recompute, r.snapshot_ref = True, None
                 drop.append(r.request_id)
                 enqueue(self.table.retracted, r)
+            r.target_worker, r.handover_s = None, None
             self.counters.on_retract(r.recompute)
+        snap += self._take_handovers(w, decision.handovers)
         if decision.victims:
             log.info("Retract requests on worker %d: #retracted_reqs: %d, #new_tokens_gained: %d, "
                      "#state_slots_gained: %d", w.index, len(decision.victims), tokens_gained, len(decision.victims))
         return snap, drop
+
+    def _take_handovers(self, w: WorkerSlot, handovers: list[Request]) -> list[Request]:
+        """Prefilled requests leaving a prefill worker: always by snapshot (a recompute would
+        prefill again), targeted at the decode worker with the most room; not retractions. Their
+        bytes count in flight, never against the budget (a decode worker consumes them at once)."""
+        taken = []
+        for r in handovers:
+            if r.state is not State.RUNNING:
+                continue
+            w.view.running.remove(r)
+            r.state, r.recompute = State.RETRACTED, False
+            r.target_worker = choose_target(o.view for o in self.fleet.others(w))
+            r.handover_s = time.monotonic()
+            self.inflight_bytes += estimate_bytes(w, r)
+            self.counters.handovers += 1
+            taken.append(r)
+        return taken
 
     def mode(self, w: WorkerSlot, r: Request) -> str:
         """snapshot | recompute for this victim (see the module docstring); a snapshot's
@@ -88,6 +110,8 @@ class RetractionLedger:
         fault = self.faults.retract_point(w, r.request_id)
         snap_ref, size_ref = w.handle.retract_pending.options(num_returns=2).remote(r.request_id, fault)
         r.snapshot_ref, r.snapshot_bytes, r.snapshot_node = snap_ref, 0, w.info.node_id
+        if r.handover_s is not None:  # a hand-over (see `_take_handovers`): its bytes count as such
+            self._handover_refs.add(snap_ref)
         enqueue(self.table.retracted, r)
         self.fleet.notify()
         return snap_ref, size_ref, estimate
@@ -98,6 +122,8 @@ class RetractionLedger:
         retractions that failed: those requests are recomputed instead."""
         for req, (ref, _, estimate), size in zip(victims, calls, sizes):
             self.inflight_bytes -= estimate
+            handover = ref in self._handover_refs
+            self._handover_refs.discard(ref)
             current = req.snapshot_ref is ref  # not resumed (or retracted again) meanwhile
             if isinstance(size, BaseException):
                 log.warning("retraction of %s on worker %d failed (%r); it will be recomputed",
@@ -108,6 +134,7 @@ class RetractionLedger:
                 self.counters.recovered += waiting  # recovered by recompute
                 continue
             self.counters.snapshot_bytes += size
+            self.counters.handover_bytes += size if handover else 0
             if current:
                 req.snapshot_bytes = size
                 self.counters.note_snapshot_bytes_held(self.held_bytes())
