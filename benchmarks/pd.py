@@ -16,7 +16,6 @@ and throughput. Targets: stream gap p99 at least 3x lower with roles; long-promp
 
 from __future__ import annotations
 
-import dataclasses
 import random
 import threading
 import time
@@ -25,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import (Column, load_average, local_ray, machine, measured_client, percentile,
-                               print_table, print_targets, pyplot, save_figure, warm_up, write_json)
+                               plain_setup, print_table, print_targets, pyplot, save_figure, warm_up, write_json)
 from raysched.config import PoolConfig, RolesConfig, SchedulerConfig, ServeConfig
 from raysched.sampling import SamplingParams
 
@@ -181,7 +180,7 @@ def _result(setup: Setup, runs: dict) -> dict:
     reference = {rid: r["token_ids"] for rid, r in runs["colocated"]["records"].items()}
     rows = {m: _row(m, runs[m], items, reference) for m in MODES}
     return {"model": setup.model, "workers": 2,
-            "setup": {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(setup).items()},
+            "setup": plain_setup(setup),
             "machine": machine(), "modes": list(rows.values()), "targets": _targets(rows),
             "stream_gaps": {m: [g for it in items if not it.is_long for g in gaps(runs[m]["records"][it.rid]["arrivals"])]
                             for m in MODES}}
