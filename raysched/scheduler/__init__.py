@@ -8,6 +8,7 @@
     turn_cache.py  the turn-cache glue around each call (`state_cache.py`: the cache itself)
     fleet.py       the workers as the scheduler sees them (handles, facts, pool mirrors)
     planner.py     pure decisions: victims, resumes, admissions, decode steps
+    roles.py       worker roles (prefill / decode / both): the one place the idea lives
     policy.py      pure policy: victim order, retract-mode cost model
     faults.py      fault injection, the one seam
     heap.py        keeps a long-lived process's heap from hoarding freed memory
