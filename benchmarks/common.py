@@ -54,6 +54,11 @@ def random_prompt(length: int, vocab_size: int, seed: int) -> list[int]:
 
 
 # ---------------------------------------------------------------------------- output
+def plain_setup(setup: Any) -> dict:
+    """A benchmark's frozen `Setup` dataclass as JSON-ready data (tuples as lists)."""
+    return {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(setup).items()}
+
+
 def machine() -> dict:
     """What the numbers were measured on (the load average says how shared it was)."""
     import torch

@@ -16,7 +16,6 @@ and throughput. Targets: stream gap p99 at least 3x lower with roles; long-promp
 
 from __future__ import annotations
 
-import dataclasses
 import random
 import threading
 import time
@@ -25,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import (Column, load_average, local_ray, machine, measured_client, percentile,
-                               print_table, print_targets, pyplot, save_figure, warm_up, write_json)
+                               plain_setup, plot, print_table, print_targets, warm_up, write_json)
 from raysched.config import PoolConfig, RolesConfig, SchedulerConfig, ServeConfig
 from raysched.sampling import SamplingParams
 
@@ -181,7 +180,7 @@ def _result(setup: Setup, runs: dict) -> dict:
     reference = {rid: r["token_ids"] for rid, r in runs["colocated"]["records"].items()}
     rows = {m: _row(m, runs[m], items, reference) for m in MODES}
     return {"model": setup.model, "workers": 2,
-            "setup": {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(setup).items()},
+            "setup": plain_setup(setup),
             "machine": machine(), "modes": list(rows.values()), "targets": _targets(rows),
             "stream_gaps": {m: [g for it in items if not it.is_long for g in gaps(runs[m]["records"][it.rid]["arrivals"])]
                             for m in MODES}}
@@ -205,22 +204,20 @@ def _print(result: dict) -> None:
 
 
 def _plot(result: dict, out_dir: Path) -> None:
-    try:
-        plt = pyplot()
-    except ImportError:
-        print("pd: matplotlib is not installed; no plot")
-        return
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for mode, values in result["stream_gaps"].items():
-        xs = sorted(g * 1e3 for g in values if g > 0)
-        ax.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], label=mode, drawstyle="steps-post")
-    ax.set_xscale("log")
-    ax.set_xlabel("stream inter-token gap, client side (ms; tokens of one call arrive together)")
-    ax.set_ylabel("fraction of gaps")
-    ax.set_title(f"decode streams beside long prompts ({result['model']} preset, 2 workers)")
-    ax.grid(True, alpha=0.3)
-    ax.legend()
-    save_figure(fig, out_dir, "pd")
+    def draw(plt):
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for mode, values in result["stream_gaps"].items():
+            xs = sorted(g * 1e3 for g in values if g > 0)
+            ax.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], label=mode, drawstyle="steps-post")
+        ax.set_xscale("log")
+        ax.set_xlabel("stream inter-token gap, client side (ms)")
+        ax.set_ylabel("fraction of gaps")
+        ax.set_title(f"decode streams beside long prompts ({result['model']} preset, 2 workers)")
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+        return fig
+
+    plot(out_dir, "pd", draw)
 
 
 if __name__ == "__main__":

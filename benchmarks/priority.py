@@ -19,14 +19,13 @@ reported beside wall time: the machine is shared.
 
 from __future__ import annotations
 
-import dataclasses
 import random
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from benchmarks.common import (Column, load_average, local_ray, machine, measured_client, percentile,
-                               print_table, print_targets, plot, ratio, warm_up, write_json)
+                               plain_setup, plot, print_table, print_targets, ratio, warm_up, write_json)
 from raysched.config import PoolConfig, SchedulerConfig, ServeConfig
 from raysched.sampling import SamplingParams
 from raysched.workload import RequestSpec
@@ -144,7 +143,7 @@ def _result(setup: Setup, runs: dict) -> dict:
     reference = {r["request_id"]: r["token_ids"] for r in runs[REFERENCE_MODE]["records"]}
     rows = {m: _row(m, runs[m], reference) for m in MODES}
     return {"model": setup.model, "workers": 2,
-            "setup": {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(setup).items()},
+            "setup": plain_setup(setup),
             "machine": machine(), "modes": list(rows.values()), "targets": _targets(rows),
             "urgent_ttft": {m: [r["ttft_s"] for r in runs[m]["records"] if r["priority"] == URGENT] for m in MODES}}
 

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import (Column, load_average, local_ray, machine, measured_client, percentile,
-                               print_table, print_targets, plot, ratio, warm_up, write_json)
+                               plain_setup, plot, print_table, print_targets, ratio, warm_up, write_json)
 from raysched.config import PoolConfig, ServeConfig, StateCacheConfig
 
 MODES = ("cache_on", "cache_off")
@@ -182,7 +182,7 @@ def _result(setup: Setup, runs: dict) -> dict:
     rows = {m: _row(m, runs[m]) for m in MODES}
     mismatches = _mismatches(runs)
     return {"model": setup.model, "workers": 2, "conversations": setup.conversations, "turns": setup.turns,
-            "setup": {k: (list(v) if isinstance(v, tuple) else v) for k, v in setup.__dict__.items()},
+            "setup": plain_setup(setup),
             "machine": machine(), "modes": list(rows.values()), "targets": _targets(rows, mismatches),
             "mismatched_turns": mismatches,
             "per_turn": {m: [{k: v for k, v in t.items() if k != "token_ids"} for t in runs[m]["turns"]]

@@ -9,6 +9,7 @@
     state_cache.py the prefix index (points and shared K/V blocks in a radix tree of token blocks)
     fleet.py       the workers as the scheduler sees them (handles, facts, pool mirrors)
     planner.py     pure decisions: victims, resumes, admissions, decode steps
+    roles.py       worker roles (prefill / decode / both): the one place the idea lives
     policy.py      pure policy: victim order, retract-mode cost model
     faults.py      fault injection, the one seam
     heap.py        keeps a long-lived process's heap from hoarding freed memory

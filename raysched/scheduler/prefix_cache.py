@@ -22,7 +22,6 @@ from __future__ import annotations
 import logging
 from collections import deque
 from dataclasses import dataclass
-from typing import Any
 
 from raysched.messages import ParkedPoint, StepResult
 from raysched.request import Request, State
