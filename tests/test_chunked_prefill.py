@@ -3,7 +3,7 @@
 Exactness cannot hold here (a chunk's matrix products see other row counts, the SSD scan splits
 at other points), so the bound is a tolerance against independent references, with greedy tokens
 identical:
-- chunked vs one-shot prefill of the same prompt, every position's logits within 1e-5 (fp32),
+- chunked vs one-shot prefill of the same prompt, every position's logits within 5e-5 (fp32),
   for chunks shorter than the conv kernel (d_conv 4), not aligned with the SSD chunk (16), and
   longer than the prompt; then 16 greedy tokens through the engine must be identical;
 - `restore_prefix` of a finished turn's snapshot + prefill of the new suffix vs a full prefill of
@@ -29,7 +29,8 @@ from raysched.sampling import SamplingParams
 from tests.hf_reference import load_hf, make_hf_bamba, make_pool
 
 CHUNKS = (1, 3, 5, 16, 23, 200)  # < d_conv, odd, == SSD chunk, unaligned, > prompt
-TOL_CHUNKED, TOL_PREFIX, TOL_HF = 1e-5, 1e-4, 1e-4
+TOL_CHUNKED, TOL_PREFIX, TOL_HF = 5e-5, 1e-4, 1e-4  # chunked: up to 1.01e-5 measured on an AMD EPYC
+#   (MKL's AVX2 path; below 1e-5 on the Intel CPU it was written on): the bound is about 5x that
 GREEDY = SamplingParams(max_new_tokens=16)
 
 
