@@ -159,13 +159,17 @@ class Dispatcher:
                         prefill_chunk_tokens=cfg.prefill_chunk_tokens, prefill_budget_tokens=cfg.prefill_budget_tokens)
 
     def can_pipeline(self, w: WorkerSlot, decision: Decision) -> bool:
-        """Whether the call after this one needs no decision: nothing new starts on `w` (so
-        whatever waits could not start here now either: no room, or another worker has more),
-        and the running requests have room for twice the steps. The worker then never waits for
-        the scheduler between the two calls."""
+        """Whether the call after this one needs no decision: nothing new starts on `w`, the
+        running requests have room for twice the steps, and either nothing waits or no running
+        request reaches its length limit in this call (so this call frees no room that a waiting
+        request could take at once: what waits could not start here now, and could not after this
+        call either). The worker then never waits for the scheduler between the two calls."""
         if decision.resume or decision.admit or not decision.decode_steps:
             return False
-        return decode_need(w.view, w.view.running, 2 * decision.decode_steps) <= w.view.free_tokens
+        steps = decision.decode_steps
+        if (self.table.waiting or self.table.retracted) and any(r.remaining <= steps for r in w.view.running):
+            return False
+        return decode_need(w.view, w.view.running, 2 * steps) <= w.view.free_tokens
 
     def mark_running(self, w: WorkerSlot, reqs: list[Request]) -> None:
         for r in reqs:
