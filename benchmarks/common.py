@@ -91,6 +91,20 @@ def pyplot():
     return plt
 
 
+def plot_ttft_cdf(ax: Any, ttfts_by_label: dict[str, list], title: str, what: str = "requests",
+                  **style: Any) -> None:
+    """One CDF line per label of time-to-first-token values (None skipped), log x axis."""
+    for label, ttfts in ttfts_by_label.items():
+        xs = sorted(t for t in ttfts if t is not None)
+        ax.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], label=label, **style)
+    ax.set_xscale("log")
+    ax.set_xlabel(f"{'urgent request ' if what.startswith('urgent') else ''}TTFT (s)")
+    ax.set_ylabel(f"fraction of {what}")
+    ax.set_title(title)
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+
+
 def save_figure(fig: Any, out_dir: Path, name: str) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"{name}.png"

@@ -23,7 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks.common import (Column, load_average, local_ray, machine, measured_client, percentile,
-                               print_table, print_targets, pyplot, ratio, save_figure, warm_up, write_json)
+                               plot_ttft_cdf, print_table, print_targets, pyplot, ratio, save_figure, warm_up,
+                               write_json)
 from raysched.config import PoolConfig, SchedulerConfig, ServeConfig, StateCacheConfig
 
 MODES = ("reuse_on", "reuse_off")
@@ -217,15 +218,8 @@ def _plot(result: dict, out_dir: Path) -> None:
     plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for ax, name in zip(axes, ("shared", "trap")):
-        for mode in MODES:
-            ttfts = sorted(r["ttft_s"] for r in result["per_request"][f"{name}/{mode}"])
-            ax.plot(ttfts, [(i + 1) / len(ttfts) for i in range(len(ttfts))], label=mode)
-        ax.set_xscale("log")
-        ax.set_xlabel("time to first token (s)")
-        ax.set_ylabel("fraction of requests")
-        ax.set_title(f"{name} ({result['model']}, 2 workers)")
-        ax.grid(True, alpha=0.3)
-        ax.legend()
+        plot_ttft_cdf(ax, {mode: [r["ttft_s"] for r in result["per_request"][f"{name}/{mode}"]] for mode in MODES},
+                      f"{name} ({result['model']}, 2 workers)")
     save_figure(fig, out_dir, "prefix")
 
 
