@@ -93,6 +93,20 @@ def pyplot() -> Any | None:
     return plt
 
 
+def plot_ttft_cdf(ax: Any, ttfts_by_label: dict[str, list], title: str, what: str = "requests",
+                  **style: Any) -> None:
+    """One CDF line per label of time-to-first-token values (None skipped), log x axis."""
+    for label, ttfts in ttfts_by_label.items():
+        xs = sorted(t for t in ttfts if t is not None)
+        ax.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], label=label, **style)
+    ax.set_xscale("log")
+    ax.set_xlabel(f"{'urgent request ' if what.startswith('urgent') else ''}TTFT (s)")
+    ax.set_ylabel(f"fraction of {what}")
+    ax.set_title(title)
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+
+
 def plot(out_dir: Path, name: str, draw: Callable[[Any], Any]) -> Path | None:
     """`draw(plt)` -> a figure, saved as out_dir/name.png; without matplotlib the plot is skipped,
     saying so in one line (the table and the JSON do not need it)."""

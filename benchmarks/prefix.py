@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks.common import (Column, load_average, local_ray, machine, measured_client, percentile,
-                               plot, print_table, print_targets, ratio, warm_up, write_json)
+                               plot, plot_ttft_cdf, print_table, print_targets, ratio, warm_up, write_json)
 from raysched.config import PoolConfig, SchedulerConfig, ServeConfig, StateCacheConfig
 
 MODES = ("reuse_on", "reuse_off")
@@ -217,15 +217,8 @@ def _plot(result: dict, out_dir: Path) -> None:
     def draw(plt):
         fig, axes = plt.subplots(1, 2, figsize=(10, 4))
         for ax, name in zip(axes, ("shared", "trap")):
-            for mode in MODES:
-                ttfts = sorted(r["ttft_s"] for r in result["per_request"][f"{name}/{mode}"])
-                ax.plot(ttfts, [(i + 1) / len(ttfts) for i in range(len(ttfts))], label=mode)
-            ax.set_xscale("log")
-            ax.set_xlabel("time to first token (s)")
-            ax.set_ylabel("fraction of requests")
-            ax.set_title(f"{name} ({result['model']}, 2 workers)")
-            ax.grid(True, alpha=0.3)
-            ax.legend()
+            plot_ttft_cdf(ax, {mode: [r["ttft_s"] for r in result["per_request"][f"{name}/{mode}"]] for mode in MODES},
+                          f"{name} ({result['model']}, 2 workers)")
         return fig
 
     plot(out_dir, "prefix", draw)

@@ -25,7 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import (Column, load_average, local_ray, machine, measured_client, percentile,
-                               plain_setup, plot, print_table, print_targets, ratio, warm_up, write_json)
+                               plain_setup, plot, plot_ttft_cdf, print_table, print_targets, ratio, warm_up,
+                               write_json)
 from raysched.config import PoolConfig, SchedulerConfig, ServeConfig
 from raysched.sampling import SamplingParams
 from raysched.workload import RequestSpec
@@ -167,15 +168,8 @@ def _print(result: dict) -> None:
 def _figure(result: dict, plt: Any) -> Any:
     """The figure of `result` (see `common.plot`)."""
     fig, ax = plt.subplots(figsize=(7, 4))
-    for mode, ttfts in result["urgent_ttft"].items():
-        xs = sorted(t for t in ttfts if t is not None)
-        ax.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], marker=".", label=mode, drawstyle="steps-post")
-    ax.set_xscale("log")
-    ax.set_xlabel("urgent request TTFT (s)")
-    ax.set_ylabel("fraction of urgent requests")
-    ax.set_title(f"urgent requests at a full cluster ({result['model']} preset, 2 workers)")
-    ax.grid(True, alpha=0.3)
-    ax.legend()
+    plot_ttft_cdf(ax, result["urgent_ttft"], f"urgent requests at a full cluster ({result['model']} preset, "
+                  "2 workers)", "urgent requests", marker=".", drawstyle="steps-post")
     return fig
 
 
