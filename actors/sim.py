@@ -248,6 +248,9 @@ class SimWorker:
     def take_parked(self, keys: list[tuple[str, str]]) -> Any:
         raise KeyError(f"a simulated worker parks no states; asked for {keys}")
 
+    def discard_parked(self, keys: list[tuple[str, str]]) -> None:
+        """Nothing is parked here (the same interface as the real worker's)."""
+
     # ------------------------------------------------------------------ hooks (see actors.faults)
     def _decode(self, plan: StepPlan, result: StepResult | None = None) -> StepResult:
         return self.engine.decode(plan.decode_steps, result)

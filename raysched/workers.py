@@ -144,7 +144,8 @@ class _SimMethod:
 class SimWorkerHandle:
     """A simulated worker: host actor + index; its methods are those of the worker actor."""
 
-    METHODS = ("info", "usage", "running_ids", "is_idle", "retract", "retract_pending", "step", "take_parked")
+    METHODS = ("info", "usage", "running_ids", "is_idle", "retract", "retract_pending", "step", "take_parked",
+               "discard_parked")
 
     def __init__(self, host: Any, index: int) -> None:
         self.host, self.index = host, index
