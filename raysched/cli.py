@@ -262,7 +262,6 @@ def cmd_run(args: argparse.Namespace) -> int:
     workload = load_workload_config(args.workload)  # validate everything before starting anything:
     build_requests(workload, PRECHECK_VOCAB, load_tokenizer(config.model))  # the trace too (but the vocabulary)
     client = raysched.launch(config, address=args.address)
-    report = None
     try:
         _raise_on_signals()  # after Ray's start-up, which installs a SIGTERM handler of its own
         _print_workers(client.workers)

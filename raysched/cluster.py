@@ -58,8 +58,12 @@ def start_embedded(num_cpus: int, object_store_bytes: int) -> None:
     """A private local Ray instance for this process (ended by `ray.shutdown()`)."""
     if ray_compat.AUTH_MODE_ENV not in os.environ:
         ray_compat.set_auth_mode("token")  # what Ray picks for a new instance, said explicitly
-    ray.init(address="local", include_dashboard=False, num_cpus=num_cpus, object_store_memory=object_store_bytes,
-             logging_level="WARNING")
+    try:
+        ray.init(address="local", include_dashboard=False, num_cpus=num_cpus,
+                 object_store_memory=object_store_bytes, logging_level="WARNING")
+    except Exception as err:  # e.g. Ray's "node timed out during startup" on an overloaded machine
+        ray.shutdown()  # whatever of it did start
+        raise ClusterError(f"could not start a local Ray instance: {_first_line(err)}") from None
 
 
 def attach(address: str) -> None:

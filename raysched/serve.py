@@ -295,7 +295,8 @@ class Server:
 
     url: str
     scheduler_name: str
-    owns_ray: bool
+    owns_ray: bool  # this server connected this process to Ray
+    embedded: bool  # ... to a local instance it started itself (which holds everything)
     app_name: str = "raysched"
 
     def stop(self) -> None:
@@ -305,11 +306,13 @@ class Server:
         On a cluster it joined, only its own Serve application is deleted: other applications
         there keep serving, and the scheduler it started or found is detached and stays
         (`raysched stop` ends it)."""
+        if not self.embedded:
+            try:
+                serve.delete(self.app_name)
+            except Exception as err:  # the cluster is gone or unreachable: nothing left to undo there
+                print(f"raysched serve: could not delete Serve application {self.app_name!r}: {err!r}", flush=True)
         if self.owns_ray:
             ray.shutdown()
-            return
-        with contextlib.suppress(Exception):  # the cluster may be gone already: nothing left to undo
-            serve.delete(self.app_name)
 
 
 def start_server(config: ServeConfig, host: str = "127.0.0.1", port: int = 8000, address: str | None = None,
@@ -328,6 +331,7 @@ def start_server(config: ServeConfig, host: str = "127.0.0.1", port: int = 8000,
 
     check_port_free(host, port)
     owns_ray = _init_ray(config, address, num_cpus)
+    embedded = owns_ray and not (address or os.environ.get("RAY_ADDRESS"))
     try:
         if on_ray_up is not None:
             on_ray_up()
@@ -341,7 +345,7 @@ def start_server(config: ServeConfig, host: str = "127.0.0.1", port: int = 8000,
         if owns_ray:
             ray.shutdown()
         raise
-    return Server(f"http://{host}:{port}", name, owns_ray)
+    return Server(f"http://{host}:{port}", name, owns_ray, embedded)
 
 
 def _check_same_config(config: ServeConfig, name: str) -> None:

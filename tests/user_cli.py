@@ -14,6 +14,7 @@ one session id): `ray stop` would end every Ray cluster of this user on the mach
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -126,3 +127,4 @@ class RayHead:
     def __exit__(self, *exc: object) -> None:
         if self.sid is not None:
             end_session(self.sid)
+        shutil.rmtree(self.temp_dir, ignore_errors=True)  # its session logs and sockets
