@@ -96,6 +96,19 @@ class StepResult:
     parked: list[ParkedPoint] = field(default_factory=list)  # points copied this call, waiting
     #   for `Worker.take_parked` (or `discard_parked`)
 
+    def record_restore(self, request_id: str, restore: Callable[[], bool], refused: type[Exception],
+                       lost: type[Exception]) -> bool | None:
+        """Run one snapshot `restore`: its answer (True, or False: no room), or None when it raised
+        `refused` (the snapshot is refused) or `lost` (unreadable), with the reason recorded in
+        `resume_failed` (a lost one with the SNAPSHOT_LOST prefix: recompute, no blame)."""
+        try:
+            return restore()
+        except refused as err:
+            self.resume_failed[request_id] = str(err)
+        except lost as err:
+            self.resume_failed[request_id] = f"{SNAPSHOT_LOST}: {err}"
+        return None
+
 
 @dataclass(frozen=True)
 class ParkedPoint:
@@ -118,19 +131,6 @@ class ParkedPoint:
 
     def block_key(self, index: int) -> tuple[str, str, int]:
         return (self.request_id, "block", index)
-
-    def record_restore(self, request_id: str, restore: Callable[[], bool], refused: type[Exception],
-                       lost: type[Exception]) -> bool | None:
-        """Run one snapshot `restore`: its answer (True, or False: no room), or None when it raised
-        `refused` (the snapshot is refused) or `lost` (unreadable), with the reason recorded in
-        `resume_failed` (a lost one with the SNAPSHOT_LOST prefix: recompute, no blame)."""
-        try:
-            return restore()
-        except refused as err:
-            self.resume_failed[request_id] = str(err)
-        except lost as err:
-            self.resume_failed[request_id] = f"{SNAPSHOT_LOST}: {err}"
-        return None
 
 
 @dataclass(frozen=True)
