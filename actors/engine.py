@@ -33,7 +33,8 @@ from actors.graph import FixedShapeDecode
 from actors.config import ModelConfig
 from actors.pools import HybridPool
 from actors.sampler import sample
-from actors.snapshot import (KVBlock, Snapshot, SnapshotError, check_block, check_compatible, checksum,
+from actors.snapshot import (KVBlock, Snapshot, SnapshotError, check_block, check_block_payload, check_compatible,
+                             check_history, checksum,
                              decode_cached, gather_block, gather_state, model_fingerprint, part_specs,
                              scatter_block, scatter_state)
 from raysched.config import PoolConfig
@@ -99,6 +100,8 @@ class Engine:
         self.prefilling: dict[str, Sequence] = {}  # admitted, prompt partly computed
         self.hold_finished = False  # True: finished requests keep their slots (in `held`) until
         self.held: dict[str, Sequence] = {}  # `release`, so their final state can be copied
+        self.reserved: dict[str, list[tuple[int, int, int]]] = {}  # live migration in: slots held
+        #   for a request not running here yet, and (start, end, history hash) per block received
         self.record_logits = record_logits
         self.logits: dict[str, list[torch.Tensor]] = {}  # filled only when record_logits
 
@@ -338,6 +341,13 @@ class Engine:
                              tuple(ids[:(i + 1) * block_tokens]), self.config, self.fingerprint)
                 for i in range(first, last)]
 
+    def copy_span(self, request_id: str, start: int, end: int) -> KVBlock:
+        """The K/V of a decoding request's tokens [start, end) as one `KVBlock` (one gather, one
+        checksum: a live-migration pre-copy stage)."""
+        ids = self.running[request_id].token_ids
+        return gather_block(self.pool, request_id, start, tuple(ids[start:end]), tuple(ids[:end]),
+                            self.config, self.fingerprint)
+
     def _copy(self, seq: Sequence, computed: int | None, kv_from: int = 0, exact: bool | None = None) -> Snapshot:
         """Gather `seq`'s state: `computed` tokens of a prefilling request, or (None) all but
         the last of a decoding one; K/V from token `kv_from` on. `exact` (None: a mid-prefill
@@ -419,8 +429,74 @@ class Engine:
         self.prefilling[seq.request_id] = seq
         return True
 
+    # ------------------------------------------------------------------ live migration (in)
+    def reserve(self, request_id: str, num_tokens: int) -> bool:
+        """Pre-allocate a state slot and room for `num_tokens` tokens for a request migrating in;
+        False (nothing taken) if they do not fit. It runs here only after `commit`."""
+        self._check_new(request_id)
+        if request_id in self.reserved:
+            raise SnapshotError(f"request {request_id!r} already has a reservation here")
+        if not self.pool.admit(request_id, num_tokens, zero_state=False):
+            return False
+        self.reserved[request_id] = []
+        return True
+
+    def receive_blocks(self, request_id: str, blocks: tuple[KVBlock, ...]) -> bool:
+        """Write pre-copied K/V blocks (each following the last one received) into the
+        reservation, growing it as needed; False (the reservation kept as it was) if the pool
+        has no room for them. Raises SnapshotError for a block of another model, a bad checksum,
+        or one out of order."""
+        marks = self.reserved[request_id]
+        end = marks[-1][1] if marks else 0
+        for block in blocks:
+            check_block_payload(block, self.config, self.dtype, self.fingerprint)
+            if block.start != end:
+                raise SnapshotError(f"K/V block at {block.start} does not follow the one ending at {end}")
+            end = block.end
+        if blocks and not self.pool.extend(request_id, end):
+            return False
+        for block in blocks:
+            scatter_block(self.pool, request_id, block)
+            marks.append((block.start, block.end, block.history_hash))
+        return True
+
+    def commit(self, snap: Snapshot) -> bool:
+        """The stop-and-copy: write the request's last K/V (from `snap.kv_from`; the blocks
+        received cover the tokens before it) and its recurrent and sampling state into its
+        reservation; it decodes here from now on. A snapshot with `kv_from` 0 (the snapshot-mode
+        fallback) overwrites whatever blocks came. False (the reservation kept) if the pool has
+        no room for its tokens. Raises SnapshotError, before writing, for a snapshot that does
+        not fit its model, its blocks' history, or a request that is still prefilling."""
+        rid = snap.request_id
+        marks = self.reserved[rid]
+        self.check_snapshot(snap)
+        if snap.mid_prefill:
+            raise SnapshotError(f"snapshot of {rid!r} is mid-prefill: only decoding requests migrate live")
+        covered = marks[-1][1] if marks else 0
+        if snap.kv_from not in (0, covered):
+            raise SnapshotError(f"snapshot of {rid!r} holds K/V from token {snap.kv_from}; "
+                                f"the blocks received cover {covered}")
+        for start, end, hashed in marks if snap.kv_from else ():
+            check_history(start, end, hashed, snap.token_ids)
+        if not self.pool.extend(rid, snap.num_cached_tokens):
+            return False
+        scatter_state(self.pool, rid, snap)
+        seq = Sequence(rid, list(snap.token_ids), snap.prompt_len, SamplingParams.from_dict(snap.sampling),
+                       exact=snap.exact)
+        seq.num_computed = seq.num_cached
+        del self.reserved[rid]
+        self.running[rid] = seq
+        return True
+
+    def unreserve(self, request_id: str) -> bool:
+        """Free a reservation that will not be committed; False if there is none."""
+        if self.reserved.pop(request_id, None) is None:
+            return False
+        self.pool.release(request_id)
+        return True
+
     def _check_new(self, request_id: str) -> None:
-        if request_id in self.running or request_id in self.prefilling:
+        if request_id in self.running or request_id in self.prefilling or request_id in self.reserved:
             raise SnapshotError(f"request {request_id!r} is already running on this engine")
 
     # ------------------------------------------------------------------ reference loop

@@ -8,10 +8,12 @@ checksum was taken. With `scheduler.debug_drop_state` (the negative control of t
 tests) it also zeroes each restored request's recurrent state. The scheduler's shell starts
 this class only when the config has faults or that switch (`raysched.workers`).
 
-It overrides three hooks of the worker it wraps: `_restore_one`, `_decode`, `retract_pending`;
-and needs from it `engine.decode(steps)` and, for `debug_drop_state`, `engine.pool.mamba`. A
-worker class may define its own `_zero_state` and `_die_at` (the simulated one does: it dies
-alone, its process stays). No torch import here.
+It overrides three hooks of the worker it wraps: `_restore_one`, `_decode`, `retract_pending`,
+and its live-migration calls (`migrate_out`, `reserve`, `migrate_in`, `commit`: the process
+exits after the copy, before the reply; a reservation is refused); and needs from it
+`engine.decode(steps)` and, for `debug_drop_state`, `engine.pool.mamba`. A worker class may
+define its own `_zero_state` and `_die_at` (the simulated one does: it dies alone, its process
+stays). No torch import here.
 """
 
 from __future__ import annotations
@@ -48,6 +50,27 @@ class FaultHooks:
             self._die_at(plan.fault, "kill_in_restore")
         if ok and self.config.scheduler.debug_drop_state:  # deliberately broken: the negative control
             self._zero_state(rid)
+        return ok
+
+    def migrate_out(self, request_id: str, start: int, block_tokens: int, final: bool,
+                    fault: FaultPoint | None = None) -> Any:
+        out = super().migrate_out(request_id, start, block_tokens, final)  # type: ignore[misc]
+        die_at(fault, "kill_migration_source")
+        return out
+
+    def reserve(self, request_id: str, num_tokens: int, fault: FaultPoint | None = None) -> bool:
+        if fault is not None and fault.kind == "refuse_migration":
+            return False
+        return super().reserve(request_id, num_tokens)  # type: ignore[misc]
+
+    def migrate_in(self, request_id: str, blocks: list, fault: FaultPoint | None = None) -> bool:
+        ok = super().migrate_in(request_id, blocks)  # type: ignore[misc]
+        die_at(fault, "kill_migration_dest")
+        return ok
+
+    def commit(self, snapshot: list, fault: FaultPoint | None = None) -> bool:
+        ok = super().commit(snapshot)  # type: ignore[misc]
+        die_at(fault, "kill_migration_dest")
         return ok
 
     def _zero_state(self, rid: str) -> None:

@@ -251,6 +251,24 @@ class SimWorker:
     def discard_parked(self, keys: list[tuple[str, str]]) -> None:
         """Nothing is parked here (the same interface as the real worker's)."""
 
+    # ------------------------------------------------------------------ live migration: not modelled
+    def migrate_out(self, request_id: str, start: int, block_tokens: int, final: bool,
+                    fault: FaultPoint | None = None) -> Any:
+        raise NotImplementedError("a simulated worker does not model live migration")
+
+    def reserve(self, request_id: str, num_tokens: int, fault: FaultPoint | None = None) -> bool:
+        """Refused (no room): a live migration to a simulated worker leaves the request where it is."""
+        return False
+
+    def migrate_in(self, request_id: str, blocks: list, fault: FaultPoint | None = None) -> bool:
+        raise NotImplementedError("a simulated worker does not model live migration")
+
+    def commit(self, snapshot: list, fault: FaultPoint | None = None) -> bool:
+        raise NotImplementedError("a simulated worker does not model live migration")
+
+    def unreserve(self, request_id: str) -> bool:
+        return False
+
     # ------------------------------------------------------------------ hooks (see actors.faults)
     def _decode(self, plan: StepPlan, result: StepResult | None = None) -> StepResult:
         return self.engine.decode(plan.decode_steps, result)

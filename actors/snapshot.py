@@ -245,12 +245,23 @@ def check_block(block: KVBlock, token_ids: list[int], config: ModelConfig, dtype
                 fingerprint: str) -> None:
     """Refuse a block that is not this model's K/V of `token_ids[block.start:block.end]` after
     exactly `token_ids[:block.start]`; changes nothing."""
+    check_block_payload(block, config, dtype, fingerprint)
+    check_history(block.start, block.end, block.history_hash, token_ids)
+
+
+def check_history(start: int, end: int, hashed: int, token_ids: list[int] | tuple[int, ...]) -> None:
+    """Refuse K/V of tokens [start, end) taken after another history than `token_ids`."""
+    if history_hash(tuple(token_ids[:end])) != hashed:
+        raise SnapshotError(f"K/V block of tokens [{start}, {end}) belongs to another history")
+
+
+def check_block_payload(block: KVBlock, config: ModelConfig, dtype: torch.dtype, fingerprint: str) -> None:
+    """Refuse a block of another model, part shape or dtype, or with a bad checksum (the history
+    is checked by `check_history` once the tokens are known)."""
     if not isinstance(block, KVBlock):
         raise SnapshotError(f"expected a KVBlock, got {type(block).__name__}")
     if block.model_fingerprint != fingerprint:
         raise SnapshotError(f"K/V block at {block.start} was taken on model {block.model_fingerprint}")
-    if history_hash(token_ids[:block.end]) != block.history_hash:
-        raise SnapshotError(f"K/V block of tokens [{block.start}, {block.end}) belongs to another history")
     if block.part != part_specs(config, dtype, len(block.token_ids))[0]:
         raise SnapshotError(f"K/V block at {block.start}: part {_describe((block.part,))} does not match")
     if checksum(block.payload) != block.checksum:

@@ -60,7 +60,7 @@ class Worker:
 
     def is_idle(self) -> bool:
         """True when no request is running and every slot is back in the free lists."""
-        return not self.running_ids() and self.engine.pool.is_empty()
+        return not self.running_ids() and not self.engine.reserved and self.engine.pool.is_empty()
 
     # ------------------------------------------------------------------ commands
     def retract(self, request_id: str) -> Snapshot:
@@ -119,6 +119,50 @@ class Worker:
         """Drop copies the scheduler does not want (blocks parked already, points refused)."""
         for k in keys:
             self._parked.pop(tuple(k), None)
+
+    # ------------------------------------------------------------------ live migration
+    def migrate_out(self, request_id: str, start: int, block_tokens: int, final: bool,
+                    fault: FaultPoint | None = None) -> tuple[tuple[KVBlock, ...] | Snapshot, tuple[int, int, int]]:
+        """A migration stage on the source, for a call made with ``num_returns=2``: (payload,
+        (its bytes, the token it covers to, the tokens the request holds now)); the caller owns
+        the payload.
+
+        A pre-copy stage (not `final`) copies the K/V of the whole `block_tokens` blocks the
+        request (decoding here, and going on) completed from token `start` on, as one `KVBlock`. The stop-and-copy (`final`) takes the request's state with K/V from `start` on
+        (`Snapshot.kv_from`) and frees its slots; with `start` 0 it is a plain retraction
+        snapshot (a prefilling request gives its computed part). `fault`: see
+        `actors.faults`. Raises KeyError for a request not decoding here (a pre-copy stage)."""
+        if final and not start:
+            snap = self.retract(request_id)
+            return snap, (int(snap.nbytes), snap.num_cached_tokens, snap.num_cached_tokens)
+        seq = self.engine.running.get(request_id)
+        if seq is None:
+            raise KeyError(f"request {request_id!r} is not decoding on worker {self.index}")
+        if final:
+            snap = self.engine.copy_state(request_id, start)
+            self.engine.release(request_id)
+            return snap, (int(snap.nbytes), snap.num_cached_tokens, snap.num_cached_tokens)
+        end = max(start, seq.num_cached // block_tokens * block_tokens)  # whole blocks only
+        blocks = (self.engine.copy_span(request_id, start, end),) if end > start else ()
+        return blocks, (sum(b.nbytes for b in blocks), end, seq.num_cached)
+
+    def reserve(self, request_id: str, num_tokens: int, fault: FaultPoint | None = None) -> bool:
+        """Pre-allocate room for a request migrating in (`Engine.reserve`); False: no room."""
+        return self.engine.reserve(request_id, num_tokens)
+
+    def migrate_in(self, request_id: str, blocks: list, fault: FaultPoint | None = None) -> bool:
+        """Write a pre-copy stage's blocks (`[ref]` of `migrate_out`'s payload) into the
+        reservation (`Engine.receive_blocks`); False: no room for them."""
+        return self.engine.receive_blocks(request_id, tuple(_fetch_all(blocks)[0]))
+
+    def commit(self, snapshot: list, fault: FaultPoint | None = None) -> bool:
+        """The stop-and-copy's arrival (`[ref]` of the final `migrate_out`): the request decodes
+        here from the next step call on (`Engine.commit`); False: no room."""
+        return self.engine.commit(_fetch(snapshot))
+
+    def unreserve(self, request_id: str) -> bool:
+        """Free a reservation that will not be committed (`Engine.unreserve`)."""
+        return self.engine.unreserve(request_id)
 
     # ------------------------------------------------------------------ turn cache
     def _prefill(self, plan: StepPlan, prefixes: tuple, result: StepResult) -> StepOutput:

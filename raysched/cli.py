@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 BENCHES = ("snapshot", "resume", "e2e", "overhead", "engine", "sessions", "prefix", "priority", "serve",
-           "scale", "pd")
+           "scale", "pd", "migrate")
 
 
 def _ids(text: str) -> list[int]:
@@ -88,6 +88,13 @@ def build_parser() -> argparse.ArgumentParser:
                       ("stop", "end the named scheduler and its workers")):
         _deployment_args(sub.add_parser(cmd, help=text))
     sub.choices["status"].add_argument("--json", action="store_true", help="print the stats as JSON")
+    dr = sub.add_parser("drain", help="move every request off a worker (live where it can) and stop admitting to it")
+    dr.add_argument("--worker", type=int, required=True, help="index of the worker to drain")
+    dr.add_argument("--remove", action="store_true", help="end the worker's actor once it is drained")
+    _deployment_args(dr)
+    sc = sub.add_parser("scale", help="grow the worker set, or shrink it by draining and removing workers")
+    sc.add_argument("--workers", type=_positive, required=True, help="live workers wanted")
+    _deployment_args(sc)
 
     b = sub.add_parser("bench", help="benchmarks; each prints a table and writes JSON")
     b.add_argument("name", choices=BENCHES)
@@ -95,6 +102,13 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--out", default="bench-out", help="directory for JSON and PNG files")
     b.add_argument("--quick", action="store_true", help="smaller sizes (smoke test)")
     return p
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def _deployment_args(p: argparse.ArgumentParser,
@@ -163,7 +177,8 @@ def format_status(workers: list[dict], stats: dict) -> None:
         v = views.get(w["worker"], {})
         print(f"worker {w['worker']}: role {v.get('role', w.get('role', 'both'))}  node {w['node'][:12]} device {w['device']}  "
               f"kv free {v.get('free_tokens')}/{w['kv_tokens']}  "
-              f"state slots free {v.get('free_slots')}/{w['state_slots']}  running {v.get('running')}")
+              f"state slots free {v.get('free_slots')}/{w['state_slots']}  running {v.get('running')}"
+              + ("  (draining)" if w.get("draining") else ""))
     t = stats["tables"]
     print(f"queues: waiting {t['waiting']}  running {t['running']}  retracted {t['retracted']}  "
           f"snapshots held {t['snapshots_held']}")
@@ -179,6 +194,38 @@ def format_status(workers: list[dict], stats: dict) -> None:
 
 def _ms(seconds: float | None) -> str:
     return "-" if seconds is None else f"{1000 * seconds:.1f} ms"
+
+
+def cmd_drain(args: argparse.Namespace) -> int:
+    import raysched
+
+    client = raysched.connect(args.address, args.name)
+    try:
+        out = (client.remove_worker if args.remove else client.drain)(args.worker)
+    finally:
+        client.shutdown()
+    print(f"worker {args.worker} drained{' and removed' if args.remove else ''}: moved {out['moved']} "
+          f"request(s) in {out['seconds']:.2f} s ({out['fallbacks']} by snapshot)")
+    return 0
+
+
+def cmd_scale(args: argparse.Namespace) -> int:
+    """Add workers up to `--workers`, or drain and remove the newest ones down to it."""
+    import raysched
+
+    client = raysched.connect(args.address, args.name)
+    try:
+        alive = [w["worker"] for w in client.workers]
+        for _ in range(args.workers - len(alive)):
+            line = client.add_worker()
+            print(f"worker {line['worker']} added on node {line['node'][:12]}")
+        for index in sorted(alive, reverse=True)[:max(0, len(alive) - args.workers)]:
+            out = client.remove_worker(index)
+            print(f"worker {index} drained ({out['moved']} moved, {out['fallbacks']} by snapshot) and removed")
+    finally:
+        client.shutdown()
+    print(f"{args.workers} worker(s)")
+    return 0
 
 
 def cmd_stop(args: argparse.Namespace) -> int:
@@ -348,7 +395,7 @@ def main(argv: list[str] | None = None) -> int:
     stderr and exit status 2; an interrupt (Ctrl-C, SIGTERM) exits 128 + the signal's number."""
     args = build_parser().parse_args(argv)
     handlers = {"generate": cmd_generate, "run": cmd_run, "bench": cmd_bench, "start": cmd_start, "serve": cmd_serve,
-                "status": cmd_status, "stop": cmd_stop}
+                "status": cmd_status, "stop": cmd_stop, "drain": cmd_drain, "scale": cmd_scale}
     _raise_on_signals()
     try:
         return handlers[args.command](args)

@@ -191,6 +191,34 @@ class Client:
         """Whether every worker pool and every scheduler table is empty."""
         return self._call("check_idle")
 
+    def migrate(self, request_id: str, worker: int | None = None, mode: str = "live") -> dict:
+        """Live-migrate a running request to `worker` (None: the scheduler picks). Returns
+        {"from", "to", "mode", "stages", "precopy_bytes", "final_bytes", "downtime_s", "reason"};
+        mode: live | snapshot (a blocking copy: too many stages) | stayed (not moved: no room,
+        or the destination failed) | ended (finished or aborted meanwhile) | recovered (a worker
+        failed mid-copy: the request is recomputed). Tokens are those of an unmoved run.
+        `mode` "snapshot" / "recompute": the blocking baselines (`raysched bench migrate`)."""
+        return self._call("migrate", request_id, worker, mode)
+
+    def drain(self, worker: int) -> dict:
+        """Stop admissions to `worker` and move everything on it elsewhere (live where it can,
+        by snapshot where it must); returns {"moved", "seconds", "fallbacks"} once it is empty."""
+        return self._call("drain", worker)
+
+    def undrain(self, worker: int) -> None:
+        """Let a drained worker (not removed) take work again."""
+        self._call("undrain", worker)
+
+    def remove_worker(self, worker: int) -> dict:
+        """Drain `worker`, then end its actor (the drain's result)."""
+        return self._call("remove_worker", worker)
+
+    def add_worker(self) -> dict:
+        """Start one more worker; it takes work from the next decision on. Its facts."""
+        line = self._call("add_worker")
+        self.workers.append(line)
+        return line
+
     def _call(self, method: str, *args: Any) -> Any:
         """The scheduler's `method(*args)`. While Ray restarts a dead scheduler it answers
         "unavailable": the call is made again (up to RESTART_WAIT_S); a scheduler gone for good

@@ -31,7 +31,9 @@ DTYPES = ("float32", "bfloat16")
 DATA_PLANES = ("torch", "sim")
 DEVICES = ("auto", "cuda", "cpu")
 FAULT_KINDS = ("kill_worker", "remove_node", "corrupt_snapshot", "kill_in_step", "kill_in_retract",
-               "kill_in_restore", "kill_scheduler")
+               "kill_in_restore", "kill_scheduler", "kill_migration_source", "kill_migration_dest",
+               "refuse_migration")
+MIGRATION_KILLS = ("kill_migration_source", "kill_migration_dest")
 MAX_SEED = 2**64  # seeds are unsigned 64-bit (the sampler mixes them with SplitMix64)
 
 PathOrDict: TypeAlias = str | os.PathLike[str] | Mapping[str, Any]
@@ -348,6 +350,38 @@ class PoolConfig:
 
 
 @dataclass(frozen=True)
+class RebalanceConfig:
+    """Load balancing by live migration (`raysched.scheduler.rebalance`): every `interval_s`,
+    when the virtual usage of the most and the least loaded worker differs by more than
+    `threshold`, one running request moves from the first to the second."""
+
+    enabled: bool = False  # off by default (see the README: it changes where requests run)
+    threshold: float = 0.25  # virtual usage gap (a fraction of a pool) that starts a move
+    interval_s: float = 0.25  # how often the loads are compared
+    max_moves: int = 1  # migrations in flight at once
+
+    CHECKS: ClassVar[dict[str, Check]] = {
+        "enabled": check_bool,
+        "threshold": check_fraction,
+        "interval_s": check_finite_number,
+        "max_moves": check_positive_int,
+    }
+
+    def __post_init__(self) -> None:
+        check_fields(self, _ROOT.child("scheduler").child("rebalance"))
+        if self.interval_s <= 0:
+            raise _ROOT.child("scheduler").child("rebalance").child("interval_s").error(
+                f"must be > 0, got {self.interval_s}")
+
+    @classmethod
+    def parse(cls, raw: Any, key: KeyPath) -> RebalanceConfig:
+        return raw if isinstance(raw, cls) else cls(**parse_fields(cls, raw, key))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in self.CHECKS}
+
+
+@dataclass(frozen=True)
 class SchedulerConfig:
     """How the scheduler batches, retracts and resumes requests."""
 
@@ -371,6 +405,7 @@ class SchedulerConfig:
     prefill_budget_tokens: int = 512  # most prompt tokens a worker call feeds in all: new prompts
     #   first, then those still prefilling, oldest first, each by a whole chunk (so a call stays
     #   short and an urgent prompt waits for one chunk, not for every long prompt's); 0 = no cap
+    rebalance: RebalanceConfig = RebalanceConfig()  # load balancing by live migration
 
     CHECKS: ClassVar[dict[str, Check]] = {
         "retract": check_one_of(RETRACT_MODES),
@@ -386,6 +421,7 @@ class SchedulerConfig:
         "preemption": check_bool,
         "prefill_chunk_tokens": check_non_negative_int,
         "prefill_budget_tokens": check_non_negative_int,
+        "rebalance": RebalanceConfig.parse,
     }
 
     def __post_init__(self) -> None:
@@ -398,7 +434,9 @@ class SchedulerConfig:
         return cls(**parse_fields(cls, rename_deprecated(raw, key, cls.RENAMED), key))
 
     def to_dict(self) -> dict[str, Any]:
-        return {name: getattr(self, name) for name in self.CHECKS}
+        out = {name: getattr(self, name) for name in self.CHECKS}
+        out["rebalance"] = self.rebalance.to_dict()
+        return out
 
 
 @dataclass(frozen=True)
@@ -486,6 +524,34 @@ class SimConfig:
 
 
 @dataclass(frozen=True)
+class MigrationConfig:
+    """Live migration (`raysched.scheduler.migration`): K/V copied in pre-copy stages while the
+    request decodes on, then one stop-and-copy (Llumnix's defaults: 16 blocks of 16 tokens,
+    at most 3 stages)."""
+
+    block_tokens: int = 16  # a pre-copy stage sends whole blocks of this many tokens
+    last_stage_tokens: int = 256  # the stop-and-copy starts once fewer unsent tokens than this
+    #   remain (0: never; every migration falls back to snapshot mode after `max_stages`)
+    max_stages: int = 3  # pre-copy stages before falling back to a blocking snapshot copy
+
+    CHECKS: ClassVar[dict[str, Check]] = {
+        "block_tokens": check_positive_int,
+        "last_stage_tokens": check_non_negative_int,
+        "max_stages": check_positive_int,
+    }
+
+    def __post_init__(self) -> None:
+        check_fields(self, _ROOT.child("migration"))
+
+    @classmethod
+    def from_dict(cls, raw: Any, key: KeyPath = _ROOT.child("migration")) -> MigrationConfig:
+        return cls(**parse_fields(cls, raw, key))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in self.CHECKS}
+
+
+@dataclass(frozen=True)
 class FaultSpec:
     """An injected fault, fired once worker `worker` has run `after_steps` calls.
 
@@ -510,6 +576,8 @@ class FaultSpec:
     after_decode_steps: int = 0  # kill_in_step only
     cross_node: bool = False  # kill_in_restore only
     pipelined: bool = False  # kill_in_step only
+    stage: int = 1  # kill_migration_* only: the pre-copy stage (1 = the first)
+    final: bool = False  # kill_migration_* only: in the stop-and-copy instead of a pre-copy stage
 
     CHECKS: ClassVar[dict[str, Check]] = {
         "kind": check_one_of(FAULT_KINDS),
@@ -518,12 +586,14 @@ class FaultSpec:
         "after_decode_steps": check_non_negative_int,
         "cross_node": check_bool,
         "pipelined": check_bool,
+        "stage": check_positive_int,
+        "final": check_bool,
     }
     REQUIRED: ClassVar[tuple[str, ...]] = ("kind", "worker", "after_steps")
     WORKER_OPTIONAL: ClassVar[tuple[str, ...]] = ("kill_scheduler",)  # kinds that need no `worker`
     ONLY_FOR: ClassVar[dict[str, tuple[str, object]]] = {  # option -> (the kind it applies to, default)
         "after_decode_steps": ("kill_in_step", 0), "pipelined": ("kill_in_step", False),
-        "cross_node": ("kill_in_restore", False)}
+        "cross_node": ("kill_in_restore", False), "stage": (MIGRATION_KILLS, 1), "final": (MIGRATION_KILLS, False)}
 
     def __post_init__(self) -> None:
         check_fields(self, _ROOT.child("fault"))
@@ -545,15 +615,21 @@ class FaultSpec:
         out = {"kind": self.kind, "after_steps": self.after_steps}
         if self.worker is not None:
             out["worker"] = self.worker
-        out.update({name: getattr(self, name) for name, (kind, _) in self.ONLY_FOR.items() if kind == self.kind})
+        out.update({name: getattr(self, name) for name, (kind, _) in self.ONLY_FOR.items() if _owns(kind, self.kind)})
         return out
 
 
 def _check_fault_options(kind: str, values: Mapping[str, Any], key: KeyPath) -> None:
     """An option of another fault kind set to a non-default value is an error, not ignored."""
     for name, (owner, default) in FaultSpec.ONLY_FOR.items():
-        if kind != owner and values.get(name, default) != default:
-            raise key.child(name).error(f"applies only to kind {owner}, not {kind}")
+        if not _owns(owner, kind) and values.get(name, default) != default:
+            names = owner if isinstance(owner, str) else " or ".join(owner)
+            raise key.child(name).error(f"applies only to kind {names}, not {kind}")
+
+
+def _owns(owner: str | tuple[str, ...], kind: str) -> bool:
+    """Whether an option owned by `owner` (a kind, or several) applies to `kind`."""
+    return kind == owner if isinstance(owner, str) else kind in owner
 
 
 FaultConfig: TypeAlias = tuple[FaultSpec, ...]  # the `faults:` list of a serve config
@@ -632,6 +708,7 @@ class ServeConfig:
     pool: PoolConfig = PoolConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     state_cache: StateCacheConfig = StateCacheConfig()
+    migration: MigrationConfig = MigrationConfig()
     faults: FaultConfig = ()
     roles: RolesConfig | None = None  # prefill / decode workers; None: every worker does both
     object_store_memory: int | None = None  # bytes, for the embedded Ray cluster
@@ -649,6 +726,7 @@ class ServeConfig:
         "pool": _check_instance(PoolConfig),
         "scheduler": _check_instance(SchedulerConfig),
         "state_cache": _check_instance(StateCacheConfig),
+        "migration": _check_instance(MigrationConfig),
         "faults": _check_faults,
         "roles": check_optional(_check_instance(RolesConfig)),
         "object_store_memory": check_optional(check_positive_int),
@@ -661,6 +739,7 @@ class ServeConfig:
         "pool": PoolConfig.from_dict,
         "scheduler": SchedulerConfig.from_dict,
         "state_cache": StateCacheConfig.from_dict,
+        "migration": MigrationConfig.from_dict,
         "faults": _parse_faults,
         "sim": SimConfig.from_dict,
         "roles": RolesConfig.from_dict,
@@ -693,6 +772,7 @@ class ServeConfig:
         out["pool"] = self.pool.to_dict()
         out["scheduler"] = self.scheduler.to_dict()
         out["state_cache"] = self.state_cache.to_dict()
+        out["migration"] = self.migration.to_dict()
         out["faults"] = [fault.to_dict() for fault in self.faults]
         out["sim"] = self.sim.to_dict()
         out["roles"] = self.roles.to_dict() if self.roles is not None else None

@@ -62,9 +62,11 @@ class FaultPoint:
     first snapshot into the pools; kill_in_retract: in the retract call, after the gather (the
     slots are freed, the snapshot built), before the snapshot is returned; corrupt_snapshot (a
     retract call): one payload byte of the snapshot is flipped after its checksum was taken.
+    kill_migration_source / kill_migration_dest (a migration call): the worker dies in it, after
+    its copy and before its reply; refuse_migration (a reservation): refused as if full.
     """
 
-    kind: str  # kill_in_step | kill_in_restore | kill_in_retract | corrupt_snapshot
+    kind: str  # kill_in_step | kill_in_restore | kill_in_retract | corrupt_snapshot | kill_migration_*
     after_decode_steps: int = 0
 
 

@@ -63,6 +63,13 @@ class Counters:
     handover_bytes: int = 0
     prefill_tokens_by_role: dict = field(default_factory=dict)  # role -> prompt tokens prefilled
     handover_latencies_s: deque = field(default_factory=lambda: deque(maxlen=20000))  # send -> restored
+    live_migrations: int = 0  # requests moved by live migration (pre-copy + stop-and-copy)
+    snapshot_migrations: int = 0  # ... by a blocking snapshot copy (too many stages, or drain)
+    migrations_abandoned: int = 0  # migrations that left the request where it was (or recovered it)
+    migration_precopy_bytes: int = 0
+    migration_final_bytes: int = 0
+    rebalance_moves: int = 0  # migrations the rebalancer started
+    downtimes_s: deque = field(default_factory=lambda: deque(maxlen=4096))  # stop-and-copy durations
     busy_s: float = 0.0
     started_s: float = field(default_factory=time.monotonic)
     timeline: deque = field(default_factory=lambda: deque(maxlen=20000))
@@ -109,6 +116,13 @@ class Counters:
         else:
             self.state_cache_misses += 1
 
+    def on_migration(self, mode: str, precopy_bytes: int, final_bytes: int, downtime_s: float) -> None:
+        self.live_migrations += mode == "live"
+        self.snapshot_migrations += mode == "snapshot"
+        self.migration_precopy_bytes += precopy_bytes
+        self.migration_final_bytes += final_bytes
+        self.downtimes_s.append(downtime_s)
+
     def on_finish(self, req: Request) -> None:
         if req.state is State.FINISHED:
             self.finished += 1
@@ -128,12 +142,13 @@ class Counters:
 
     def summary(self, tables: dict, views: list) -> dict:
         d = {k: v for k, v in self.__dict__.items() if k not in ("timeline", "started_s", "decision_s",
-                                                                 "handover_latencies_s")}
+                                                                 "handover_latencies_s", "downtimes_s")}
         d["decision_p50_s"] = percentile(self.decision_s, 50)
         d["decision_p99_s"] = percentile(self.decision_s, 99)
         d["prefill_tokens_by_role"] = dict(self.prefill_tokens_by_role)
         d["handover_latency_p50_s"] = percentile(self.handover_latencies_s, 50)
         d["handover_latency_p99_s"] = percentile(self.handover_latencies_s, 99)
+        d["migration_downtime_s"] = percentiles(self.downtimes_s)
         d["uptime_s"] = time.monotonic() - self.started_s
         d["tables"] = tables
         d["workers"] = [{"worker": v.index, "role": v.role.value, "free_tokens": v.free_tokens,
@@ -142,3 +157,12 @@ class Counters:
 
     def timeline_rows(self) -> list[tuple]:
         return list(self.timeline)
+
+
+def percentiles(values: deque | list) -> dict:
+    """{"p50", "p99", "max"} of `values` (nearest rank; all 0.0 when empty)."""
+    v = sorted(values)
+    if not v:
+        return {"p50": 0.0, "p99": 0.0, "max": 0.0}
+    rank = lambda q: v[min(len(v) - 1, int(q * len(v)))]  # noqa: E731
+    return {"p50": rank(0.5), "p99": rank(0.99), "max": v[-1]}

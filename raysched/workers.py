@@ -65,7 +65,23 @@ class Worker:
         return self._impl.take_parked(keys)
 
     def discard_parked(self, keys: list[tuple[str, str, int]]) -> None:
-        self._impl.discard_parked(keys)
+        return self._impl.discard_parked(keys)
+
+    def migrate_out(self, request_id: str, start: int, block_tokens: int, final: bool,
+                    fault: FaultPoint | None = None) -> tuple[Any, tuple[int, int, int]]:
+        return self._impl.migrate_out(request_id, start, block_tokens, final, fault)
+
+    def reserve(self, request_id: str, num_tokens: int, fault: FaultPoint | None = None) -> bool:
+        return self._impl.reserve(request_id, num_tokens, fault)
+
+    def migrate_in(self, request_id: str, blocks: list, fault: FaultPoint | None = None) -> bool:
+        return self._impl.migrate_in(request_id, blocks, fault)
+
+    def commit(self, snapshot: list, fault: FaultPoint | None = None) -> bool:
+        return self._impl.commit(snapshot, fault)
+
+    def unreserve(self, request_id: str) -> bool:
+        return self._impl.unreserve(request_id)
 
 
 def data_plane_class(config: ServeConfig) -> type:
@@ -145,7 +161,7 @@ class SimWorkerHandle:
     """A simulated worker: host actor + index; its methods are those of the worker actor."""
 
     METHODS = ("info", "usage", "running_ids", "is_idle", "retract", "retract_pending", "step", "take_parked",
-               "discard_parked")
+               "discard_parked", "migrate_out", "reserve", "migrate_in", "commit", "unreserve")
 
     def __init__(self, host: Any, index: int) -> None:
         self.host, self.index = host, index

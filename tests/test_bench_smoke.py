@@ -44,6 +44,9 @@ EXPECTED = {
     "engine": ({"model", "threads", "rows", "kernels_present"},
                {"batch", "ours_tokens_per_s", "hf_tokens_per_s", "ratio", "tokens_match_hf"},
                "rows", {"engine.json"}),
+    "migrate": ({"model", "rows", "targets", "migration_downtime_s", "live_migrations"},
+                {"tokens", "step_s", "live_gap_s", "live_gap_steps", "snapshot_gap_s", "recompute_gap_s",
+                 "live_same", "snapshot_same", "recompute_same"}, "rows", {"migrate.json", "migrate.png"}),
     "serve": ({"model", "rows", "ttft", "itl", "ratio", "target", "mismatched_requests"},
               {"side", "tokens", "duration_s", "tokens_per_s"}, "rows", {"serve.json"}),
     "scale": ({"setup", "rows", "targets", "load_avg_1m"},
@@ -143,6 +146,8 @@ CORRECTNESS = {
     "serve": lambda r: r["mismatched_requests"] == [] or pytest.fail(f"{r['mismatched_requests']}"),
     "scale": _scale_keeps_up,
     "pd": _pd_correct,
+    "migrate": lambda r: all(row[f"{m}_same"] for row in r["rows"] for m in ("live", "snapshot", "recompute"))
+    or pytest.fail("a moved request's tokens differ from an unmoved run's"),
 }
 
 

@@ -222,7 +222,8 @@ def test_kv_tokens_must_be_a_multiple_of_page_size() -> None:
 def test_fault_with_bad_kind_names_its_index() -> None:
     faults = [{"kind": "kill_worker", "worker": 0, "after_steps": 1}, {"kind": "kill", "worker": 0, "after_steps": 1}]
     message = ("serve config: faults[1].kind must be one of kill_worker | remove_node | corrupt_snapshot | "
-               "kill_in_step | kill_in_retract | kill_in_restore | kill_scheduler, got 'kill'")
+               "kill_in_step | kill_in_retract | kill_in_restore | kill_scheduler | kill_migration_source | "
+               "kill_migration_dest | refuse_migration, got 'kill'")
     with pytest.raises(ConfigError, match=re.escape(message)):
         load_serve_config({"faults": faults})
 
@@ -355,3 +356,17 @@ def test_old_key_names_keep_working_with_a_one_line_notice(caplog) -> None:
 def test_old_and_new_key_name_together_is_an_error() -> None:
     with pytest.raises(ConfigError, match="pool.mamba_slots is the old name of pool.state_slots; give only one"):
         load_serve_config({"pool": {"mamba_slots": 3, "state_slots": 4}})
+
+
+def test_migration_and_rebalance_sections_are_typed_and_round_trip() -> None:
+    cfg = load_serve_config({"migration": {"block_tokens": 8, "max_stages": 2},
+                             "scheduler": {"rebalance": {"enabled": True, "threshold": 0.3}}})
+    assert (cfg.migration.block_tokens, cfg.scheduler.rebalance.threshold) == (8, 0.3)
+    assert load_serve_config(cfg.to_dict()) == cfg
+    for raw, message in [({"migration": {"max_stages": 0}}, "migration.max_stages must be a positive integer"),
+                         ({"scheduler": {"rebalance": {"enabeld": True}}}, "unknown key 'scheduler.rebalance.enabeld'"),
+                         ({"scheduler": {"rebalance": {"interval_s": 0}}}, "scheduler.rebalance.interval_s must be > 0"),
+                         ({"faults": [{"kind": "kill_worker", "worker": 0, "after_steps": 0, "final": True}]},
+                          "faults[0].final applies only to kind kill_migration_source or kill_migration_dest")]:
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            load_serve_config(raw)

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -133,3 +134,33 @@ def test_cli_start_status_stop_a_detached_scheduler(cluster: str, reference: lis
     assert cli.main(["stop", "--name", "t-cli"]) == 0
     wait_until(lambda: _gone("t-cli"), 30, "the detached scheduler to go away")
     wait_for_no_workers()
+
+
+def test_cli_scale_and_drain_a_detached_scheduler(cluster: str, tmp_path) -> None:
+    """`raysched scale` / `drain` / `status` as a person runs them: subprocesses given the
+    address, not RAY_ADDRESS (the other RAY_* variables stay: Ray's token authentication of
+    this module's cluster travels in them)."""
+    config = tmp_path / "serve.yaml"
+    config.write_text("model: tiny\nworkers: 1\npool: {kv_tokens: 256, state_slots: 4}\n")
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        done = subprocess.run([sys.executable, "-m", "raysched.cli", *args, "--address", cluster, "--name", "t-scale"],
+                              capture_output=True, text=True, timeout=240, env=env)
+        assert done.returncode == 0, done.stderr
+        return done
+
+    run("start", "--config", str(config))
+    try:
+        assert "worker 1 added" in run("scale", "--workers", "2").stdout
+        assert "worker 1 drained: moved 0" in run("drain", "--worker", "1").stdout
+        status = run("status").stdout
+        assert "worker 0:" in status and "worker 1:" in status and status.count("(draining)") == 1
+        assert "worker 1 drained" in run("scale", "--workers", "1").stdout
+        assert "worker 1:" not in run("status").stdout
+        bad = subprocess.run([sys.executable, "-m", "raysched.cli", "drain", "--worker", "7", "--address", cluster,
+                              "--name", "t-scale"], capture_output=True, text=True, timeout=240, env=env)
+        assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "worker must be a live worker" in bad.stderr
+    finally:
+        run("stop")
+    wait_until(lambda: _gone("t-scale"), 30, "the detached scheduler to go away")

@@ -31,7 +31,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")  # two OpenMP threads c
 
 
 def _engine(preset: str, **kw) -> Engine:
-    return build_engine(preset, device="cpu", record_logits=True, **{"kv_tokens": 512, "mamba_slots": 6, **kw})
+    return build_engine(preset, device="cpu", record_logits=True, **{"kv_tokens": 512, "state_slots": 6, **kw})
 
 
 def _seqs(params: SamplingParams) -> list[Sequence]:
@@ -65,7 +65,7 @@ def handed_over(preset: str, params: SamplingParams, tamper=None) -> tuple[dict,
     _prefill(prefill, _seqs(params))
     snaps = [prefill.snapshot(rid) for rid in sorted(prefill.running)]
     assert prefill.pool.is_empty()
-    decode = _engine(preset, kv_tokens=400, mamba_slots=5, page_size=4)
+    decode = _engine(preset, kv_tokens=400, state_slots=5, page_size=4)
     decode.prefill([Sequence("other", [9] * 30, 30, SamplingParams(max_new_tokens=30))])  # slots taken
     decode.decode(2)
     for snap in snaps:

@@ -7,6 +7,7 @@ hands each call to the one that owns it:
 - `dispatch.Dispatcher`: one loop per worker (decide, call, apply);
 - `retraction.RetractionLedger`: retract modes, the snapshot budget, bytes in flight;
 - `recovery.Recovery`: starting workers, worker failure, replacement, restart;
+- `migration.Migrator`: live migration, drain, the elastic worker set;
 - `prefix_cache.PrefixCache`: prefix reuse around each call (`state_cache`: the index);
 - `faults.FaultSeam`: fault injection, the one seam;
 - `planner` / `policy`: pure decisions.
@@ -30,6 +31,7 @@ from raysched.scheduler.dispatch import Dispatcher
 from raysched.scheduler.faults import FaultSeam
 from raysched.scheduler.fleet import Fleet, WorkerSlot
 from raysched.scheduler.heap import release_freed_memory
+from raysched.scheduler.migration import Migrator
 from raysched.scheduler.recovery import Recovery, was_restarted
 from raysched.scheduler.prefix_cache import PrefixCache
 from raysched.scheduler.retraction import RetractionLedger
@@ -57,6 +59,8 @@ class Scheduler:
         self.recovery = Recovery(config, self.table, self.fleet, self.counters, on_added=self._start_loop)
         self.dispatch = Dispatcher(config, self.table, self.fleet, self.counters, self.ledger, self.prefix_cache,
                                    self.recovery, self.faults)
+        self.migrator = Migrator(config.migration, self.table, self.fleet, self.counters, self.recovery, self.faults)
+        self.dispatch.before_decide = self.migrator.send_finals
         self._start_task: asyncio.Task | None = None
 
     # the tables other code reads (tests, introspection)
@@ -93,6 +97,10 @@ class Scheduler:
             self.prefix_cache.index.budget_bytes = store // 4
         if self.config.scheduler.snapshot_budget_bytes is None:
             self.ledger.budget_bytes = store // 2
+        rb = self.config.scheduler.rebalance
+        if rb.enabled:
+            self._rebalance = asyncio.get_running_loop().create_task(
+                self.migrator.rebalance_loop(rb.threshold, rb.interval_s, rb.max_moves))
 
     def _start_loop(self, w: WorkerSlot) -> None:
         self.dispatch.start_loop(w)
@@ -159,6 +167,35 @@ class Scheduler:
     async def next_tokens(self, request_id: str, cursor: int) -> tuple[list[int], bool]:
         """Tokens generated after `cursor` (waits for at least one unless the request ended)."""
         return await self.table.next_tokens(request_id, cursor)
+
+    # ================================================================== moving running requests
+    async def migrate(self, request_id: str, worker: int | None = None, mode: str = "live") -> dict:
+        """Live-migrate a running request to `worker` (None: the one with the most room); see
+        `migration.Migrator.migrate` for the result and the baseline modes."""
+        return await self.migrator.migrate(request_id, worker, mode)
+
+    async def drain(self, worker: int) -> dict:
+        """Stop admissions to `worker` and move everything on it elsewhere; returns
+        {"moved", "seconds", "fallbacks"} once it holds nothing."""
+        return await self.migrator.drain(worker)
+
+    async def undrain(self, worker: int) -> None:
+        """Let a drained worker take work again (admissions, resumes, rebalancing)."""
+        self.migrator.undrain(worker)
+
+    async def remove_worker(self, worker: int) -> dict:
+        """Drain `worker`, then end its actor; the drain's result."""
+        out = await self.migrator.drain(worker)
+        self.recovery.retire(self.fleet.slots[worker])
+        return out
+
+    async def add_worker(self) -> dict:
+        """Start one more worker; it joins the plan at once. Its line of facts."""
+        slot = await self.recovery.start_worker()
+        if slot is None:
+            raise RuntimeError("could not start a worker: the cluster has no room for one")
+        self.fleet.notify()
+        return slot.line()
 
     def _limits(self) -> Limits:
         info = self.fleet.slots[0].info

@@ -18,7 +18,7 @@ import asyncio
 import logging
 import time
 from collections import deque
-from typing import Any
+from typing import Any, Callable
 
 from raysched.config import ServeConfig
 from raysched.messages import SNAPSHOT_LOST, PrefillItem, StepPlan, StepResult
@@ -47,6 +47,7 @@ class Dispatcher:
         self.cache = cache
         self.recovery = recovery
         self.faults = faults
+        self.before_decide: Callable[[WorkerSlot], None] = lambda w: None  # (live migration's stop-and-copy)
 
     # ------------------------------------------------------------------ loop
     def start_loop(self, w: WorkerSlot) -> None:
@@ -56,6 +57,7 @@ class Dispatcher:
         """Worker `w`'s loop, until the scheduler closes or the worker is retired."""
         try:
             while not self.recovery.closing and w.alive:
+                self.before_decide(w)
                 t0 = time.perf_counter()
                 decision = self.decide(w)
                 if decision.is_empty():
@@ -80,11 +82,13 @@ class Dispatcher:
     def decide(self, w: WorkerSlot) -> Decision:
         """The planner's decision for `w`'s next call (takes requests off the queues). The other
         workers are looked at only when something waits for admission (where it goes, and
-        whether it could fit elsewhere before preempting). With prefix reuse, requests waiting
-        for blocks another request is prefilling are held back, and the others prefer the
-        worker where their matched state lies."""
-        waiting, placement = self.table.waiting, None
-        if waiting and self.cache.index is not None:
+        whether it could fit elsewhere before preempting). Nothing new starts on a worker being
+        drained. With prefix reuse, requests waiting for blocks another request is prefilling
+        are held back, and the others prefer the worker where their matched state lies."""
+        waiting, retracted, placement = self.table.waiting, self.table.retracted, None
+        if w.draining:  # nothing new starts on a worker being drained
+            waiting, retracted = deque(), deque()
+        elif waiting and self.cache.index is not None:
             rooms = {o.index: o.view.room() for o in (w, *self.fleet.others(w))}
             held, placement = self.cache.survey(waiting, rooms)
             if held:
@@ -93,9 +97,9 @@ class Dispatcher:
         peers = (waiting and self.config.scheduler.preemption) or self.config.roles is not None  # roles: who is left
         others = tuple(o.view for o in self.fleet.others(w)) if peers else ()
         reserve = self.config.scheduler.admission == "reserve"
-        decision = plan_for_role(w.view, waiting, self.table.retracted, self.config.scheduler,
+        decision = plan_for_role(w.view, waiting, retracted, self.config.scheduler,
                                  best_elsewhere, reserve, others, placement)
-        if waiting is not self.table.waiting:
+        if waiting is not self.table.waiting and not w.draining:
             for r in decision.admit:
                 self.table.waiting.remove(r)
         self.counters.preemptions += decision.preempted

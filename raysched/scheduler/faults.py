@@ -66,6 +66,18 @@ class FaultInjector:
                 return FaultPoint(f.kind)
         return None
 
+    def in_migration(self, worker: int, call: int, kind: str, stage: int, final: bool,
+                     request_id: str) -> FaultPoint | None:
+        """The fault point of a migration call to `worker` (its calls so far: `call`): `kind` is
+        the fault this call can carry (kill_migration_source | kill_migration_dest |
+        refuse_migration); `stage` the pre-copy stage (ignored with `final` and for refusals)."""
+        for i, f in self._armed(worker, call):
+            if f.kind == kind and (kind == "refuse_migration" or (f.final, f.stage if not f.final else 0)
+                                   == (final, stage if not final else 0)):
+                self._fire(i, f, call, requests=(request_id,))
+                return FaultPoint(f.kind)
+        return None
+
     def _armed(self, worker: int, call: int, scheduler_calls: int | None = None) -> Iterator[tuple[int, FaultSpec]]:
         for i, f in enumerate(self.faults):
             if i in self._done:
@@ -133,6 +145,16 @@ class FaultSeam:
             point = FaultPoint("corrupt_snapshot")
         if point is not None:
             log.warning("fault injection: %s sent to worker %d retracting %s", point.kind, w.index, request_id)
+        return point
+
+
+    def migration_point(self, w: Any, kind: str, request_id: str, stage: int = 0,
+                        final: bool = False) -> FaultPoint | None:
+        """The fault point a migration call to `w` carries, if one is due (logged)."""
+        point = self.injector.in_migration(w.index, w.view.calls, kind, stage, final, request_id)
+        if point is not None:
+            where = "the stop-and-copy" if final else f"stage {stage}"
+            log.warning("fault injection: %s sent to worker %d migrating %s (%s)", kind, w.index, request_id, where)
         return point
 
 

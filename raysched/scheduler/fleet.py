@@ -32,6 +32,7 @@ class WorkerSlot:
     info: WorkerInfo
     view: WorkerView
     alive: bool = True
+    draining: bool = False  # no admissions or resumes; its requests are being moved off
     event: asyncio.Event = field(default_factory=asyncio.Event)
     task: asyncio.Task | None = None
 
@@ -46,7 +47,8 @@ class WorkerSlot:
         """One line of facts (what `Scheduler.start` and `describe` return per worker)."""
         return {"worker": self.index, "role": self.view.role.value, "node": self.info.node_id, "device": self.info.device,
                 "kv_tokens": self.info.usage.kv_total_tokens, "state_slots": self.info.usage.state_total_slots,
-                "vocab_size": self.info.vocab_size, "max_context": self.info.max_context}
+                "vocab_size": self.info.vocab_size, "max_context": self.info.max_context,
+                "draining": self.draining}
 
 
 class Fleet:

@@ -114,22 +114,36 @@ class Recovery:
     async def replace_worker(self, timeout_s: float = REPLACEMENT_TIMEOUT_S, role: Role = Role.BOTH) -> None:
         """Start a worker in place of a failed one (one already counted in `pending_replacements`),
         with the role of the one it replaces."""
-        index = len(self.fleet.slots) + self.pending_replacements - 1
+        slot = await self.start_worker(timeout_s, role)
+        self.pending_replacements -= 1
+        if slot is not None:
+            self.counters.workers_replaced += 1
+        self.check_any_alive()
+        self.fleet.notify()
+
+    async def start_worker(self, timeout_s: float = REPLACEMENT_TIMEOUT_S, role: Role = Role.BOTH) -> WorkerSlot | None:
+        """Start one more worker and its loop (a replacement, or `add_worker`); None (logged) if
+        the cluster has no room for it or it failed to start."""
+        index = len(self.fleet.slots) + max(self.pending_replacements - 1, 0)
         handle = self.actors.spawn(self.config, index)
         try:
             info = await asyncio.wait_for(handle.info.remote(), timeout_s)
         except Exception as err:  # no room in the cluster, or it failed to start
-            log.warning("could not start a replacement worker (%r); carrying on with fewer", err)
+            log.warning("could not start a worker (%r); carrying on with fewer", err)
             self.actors.kill(handle)
-            info = None
-        self.pending_replacements -= 1
-        if info is not None and not self.closing:
-            info = dataclasses.replace(info, index=len(self.fleet.slots))
-            self._add(handle, info, role)
-            self.counters.workers_replaced += 1
-            log.info("replacement worker %d started on node %s", info.index, info.node_id[:12])
-        self.check_any_alive()
-        self.fleet.notify()
+            return None
+        if self.closing:
+            return None
+        info = dataclasses.replace(info, index=len(self.fleet.slots))
+        slot = self._add(handle, info, role)
+        log.info("worker %d started on node %s", info.index, info.node_id[:12])
+        return slot
+
+    def retire(self, w: WorkerSlot) -> None:
+        """End a drained worker's actor (its loop stops; its slot stays, never reused)."""
+        w.alive = False
+        w.event.set()
+        self.actors.kill(w.handle)
 
     def check_any_alive(self) -> None:
         if not self.fleet.any_alive() and not self.pending_replacements:
