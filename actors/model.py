@@ -87,7 +87,7 @@ MAX_CALL_ROWS = 256  # a row-free decode call takes at most this many rows (all 
 PREFILL_CALL_ROWS = 2048  # a row-free prefill call takes at most this many rows
 PROBE_ROWS = tuple(range(1, 18)) + (31, 32, 33, 64, 100, 128, 129, 200, 256)  # every count to 17
 PROBE_ROWS_LARGE = (300, 512, 1000, 2048)  # checked against 256-row calls once those pass
-_MIN_ROWS: dict[tuple[int, int], int | None] = {}  # (out, in) -> probed: fewest rows of a row-free
+_MIN_ROWS: dict[tuple[int, int, int, int], int | None] = {}  # (out, in, tile, threads) -> probed: fewest rows of a row-free
 #   packed call of this shape (smaller calls are zero-padded up to it), or None: tiles
 
 
@@ -154,10 +154,12 @@ class TiledLinear:
         """Fewest rows of a row-free packed call of this weight's shape; None: use tiles."""
         if not self.row_free:
             return None
-        shape = (weight.shape[0], weight.shape[1])
-        if shape not in _MIN_ROWS:
-            _MIN_ROWS[shape] = _probe_min_rows(*shape, self.tile)
-        return _MIN_ROWS[shape]
+        # The answer depends on the tile it is held against and on the intra-op thread count (MKL
+        # may split a call's rows among threads): probed again for each, whoever asks first.
+        key = (weight.shape[0], weight.shape[1], self.tile, torch.get_num_threads())
+        if key not in _MIN_ROWS:
+            _MIN_ROWS[key] = _probe_min_rows(*key[:3])
+        return _MIN_ROWS[key]
 
 
 def _packed_call(x: Tensor, packed: Tensor, weight: Tensor, bias: Tensor | None,
@@ -173,8 +175,9 @@ def _packed_call(x: Tensor, packed: Tensor, weight: Tensor, bias: Tensor | None,
 def kernel_paths() -> dict[str, str]:
     """What the probe chose for each fp32 weight shape probed in this process, by "out x in":
     "packed, row-free from N rows" or "tiles" (`TiledLinear`)."""
-    return {f"{o}x{i}": "tiles" if m is None else f"packed, row-free from {m} rows"
-            for (o, i), m in sorted(_MIN_ROWS.items())}
+    return {f"{o}x{i} (tile {t}, {n} thread{'s' if n > 1 else ''})":
+            f"tiles of {t}" if m is None else f"packed, row-free from {m} rows"
+            for (o, i, t, n), m in sorted(_MIN_ROWS.items())}
 
 
 def _probe_min_rows(out_features: int, in_features: int, tile: int) -> int | None:
