@@ -19,8 +19,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import (Column, load_average, local_ray, machine, print_table, pyplot, random_prompt,
-                               save_figure, write_json)
+from benchmarks.common import (Column, load_average, local_ray, machine, plot, print_table, random_prompt,
+                               write_json)
 from raysched.config import MigrationConfig, PoolConfig, SchedulerConfig, ServeConfig, StateCacheConfig
 
 FULL_LENGTHS = (256, 1024, 4096)
@@ -137,23 +137,21 @@ def _print(result: dict) -> None:
 
 
 def _plot(result: dict, out_dir: Path) -> None:
-    try:
-        plt = pyplot()
-    except ImportError:
-        print("matplotlib is not installed: no plot")
-        return
-    rows = result["rows"]
-    xs = [r["tokens"] for r in rows]
-    fig, ax = plt.subplots(figsize=(6.4, 4.4))
-    for mode, marker in zip(MODES, "os^"):
-        ax.loglog(xs, [r[f"{mode}_gap_s"] * 1e3 for r in rows], marker + "-", label=f"{mode}: largest gap")
-    ax.loglog(xs, [r["step_s"] * 1e3 for r in rows], "k--", label="median gap (one decode step)")
-    ax.set_xlabel("context length (tokens)")
-    ax.set_ylabel("ms")
-    ax.set_title(f"downtime of a moved request at the client ({result['model']})")
-    ax.legend(fontsize=8)
-    ax.grid(True, which="both", alpha=0.3)
-    save_figure(fig, out_dir, "migrate")
+    def draw(plt):
+        rows = result["rows"]
+        xs = [r["tokens"] for r in rows]
+        fig, ax = plt.subplots(figsize=(6.4, 4.4))
+        for mode, marker in zip(MODES, "os^"):
+            ax.loglog(xs, [r[f"{mode}_gap_s"] * 1e3 for r in rows], marker + "-", label=f"{mode}: largest gap")
+        ax.loglog(xs, [r["step_s"] * 1e3 for r in rows], "k--", label="median gap (one decode step)")
+        ax.set_xlabel("context length (tokens)")
+        ax.set_ylabel("ms")
+        ax.set_title(f"downtime of a moved request at the client ({result['model']})")
+        ax.legend(fontsize=8)
+        ax.grid(True, which="both", alpha=0.3)
+        return fig
+
+    plot(out_dir, "migrate", draw)
 
 
 if __name__ == "__main__":
