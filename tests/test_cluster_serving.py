@@ -120,12 +120,13 @@ def scheduler_object_refs(client: raysched.Client) -> int:
 
 def assert_clean(client: raysched.Client) -> None:
     """Pools empty on every worker, every table zero, no object reference left in the scheduler
-    but the turn cache's parked states (one each)."""
+    but the prefix index's (one per parked point, one per parked K/V block)."""
     idle = client.check_idle()
     assert idle["workers_idle"] is True
     assert idle["tables"] == {"requests": 0, "waiting": 0, "retracted": 0, "snapshots_held": 0, "running": 0}
-    assert client.stats()["snapshot_bytes_held"] == 0
-    assert scheduler_object_refs(client) == client.stats()["state_cache_entries"]  # parked turns only
+    stats = client.stats()
+    assert stats["snapshot_bytes_held"] == 0
+    assert scheduler_object_refs(client) == stats["state_cache_points"] + stats["state_cache_chunks"]
 
 
 # ------------------------------------------------------------------------------ tokens
