@@ -557,6 +557,7 @@ class FaultSpec:
 
     Between calls (the scheduler does it): kill_worker: the worker actor is killed. remove_node:
     every worker on that worker's node is killed (what the scheduler sees when a node is lost).
+    Both wait, past `after_steps`, for a call that leaves a request's state on the worker.
     corrupt_snapshot: one byte of the next snapshot taken from that worker is flipped (its resume
     must be refused and recomputed). kill_scheduler: the scheduler actor itself dies; without
     `worker` it counts the scheduler's own calls (to all its workers together), with one that

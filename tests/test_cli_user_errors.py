@@ -9,6 +9,7 @@ terminal and systemd do) and then see that no process of the session is left.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -117,12 +118,24 @@ class Spawned:
             os.killpg(self.proc.pid, signal.SIGKILL)
 
 
+def late_workload(tmp_path: Path) -> Path:
+    """24 requests: 4 arrive at once, 20 an hour later, so the run is surely still going when
+    the signal comes (the demo workload can finish between two looks on a quick machine)."""
+    trace = tmp_path / "late.jsonl"
+    trace.write_text("".join(json.dumps({"prompt_ids": [1 + (i * 7 + j) % 50 for j in range(12)],
+                                         "max_new_tokens": 16, "arrival_s": 0 if i < 4 else 3600}) + "\n"
+                             for i in range(24)))
+    workload = tmp_path / "late.yaml"
+    workload.write_text(f"trace: {trace}\n")
+    return workload
+
+
 @pytest.mark.parametrize("sig, group", [(signal.SIGINT, True), (signal.SIGTERM, False)],
                          ids=["ctrl-c-to-the-group", "sigterm-to-the-pid"])
 def test_interrupted_run_writes_the_summary_and_report_of_what_finished(tmp_path: Path, sig: int,
                                                                          group: bool) -> None:
     report = tmp_path / "out.json"
-    run = Spawned(["run", "--config", SERVE_YAML, "--workload", WORKLOAD_YAML, "--report", report],
+    run = Spawned(["run", "--config", SERVE_YAML, "--workload", late_workload(tmp_path), "--report", report],
                   tmp_path / "home")
     try:
         wait_until(lambda: re.search(r"done [1-9]", run.err) or run.proc.poll() is not None, 300,
@@ -136,8 +149,6 @@ def test_interrupted_run_writes_the_summary_and_report_of_what_finished(tmp_path
     assert "Traceback" not in run.err and run.err.rstrip().endswith(
         f"raysched run: interrupted ({signal.Signals(sig).name})"), run.err[-3000:]
     assert "interrupted" in out and "summary" in out
-    import json
-
     written = json.loads(report.read_text())
     assert written["summary"]["interrupted"] is True and written["summary"]["finished"] >= 1
     assert written["summary"]["finished"] + written["summary"]["unfinished"] == 24

@@ -249,6 +249,20 @@ def test_kill_scheduler_needs_no_worker_and_counts_the_schedulers_calls() -> Non
         load_serve_config({"faults": [{"kind": "kill_worker", "after_steps": 1}]})
 
 
+def test_a_worker_kill_waits_for_a_call_that_leaves_state_on_the_worker() -> None:
+    """A worker that holds nothing (its only request was just dropped for recompute) has nothing
+    to lose: its kill waits for its next call that carries a request, so a rehearsal always
+    tests a recovery. Control: a corrupt_snapshot, which kills nothing, does not wait."""
+    from raysched.faults import FaultInjector
+
+    cfg = load_serve_config({"faults": [{"kind": "kill_worker", "worker": 1, "after_steps": 3},
+                                        {"kind": "corrupt_snapshot", "worker": 0, "after_steps": 3}]})
+    injector = FaultInjector(cfg.faults)
+    assert injector.due_between_calls(worker=1, call=3, scheduler_calls=6, holding=False) == []
+    assert injector.due_between_calls(worker=1, call=4, scheduler_calls=7, holding=True) == [cfg.faults[0]]
+    assert injector.due_between_calls(worker=0, call=3, scheduler_calls=8, holding=False) == [cfg.faults[1]]
+
+
 def test_fault_options_of_another_kind_are_rejected_not_ignored() -> None:
     fault = {"kind": "kill_in_retract", "worker": 0, "after_steps": 1, "after_decode_steps": 2}
     with pytest.raises(ConfigError, match=r"faults\[0\].after_decode_steps applies only to kind kill_in_step, "

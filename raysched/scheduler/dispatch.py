@@ -112,11 +112,11 @@ class Dispatcher:
         """Send `decision` to `w` (retractions, the step call, maybe a pipelined successor),
         await the replies, and apply them. `t0`: when the decision began (its latency is counted)."""
         prefixes = self.prefix_hits(w, decision)
-        self.faults.before_call(w, self.fleet)
         snap_victims, drop = self.ledger.take_victims(w, decision)
         resume_snap = [r for r in decision.resume if not r.recompute]
         cross_node = self.fleet.cross_node(resume_snap[0], w) if resume_snap else None
         self.mark_running(w, decision.resume + decision.admit)
+        self.faults.before_call(w, self.fleet, holding=bool(w.view.running or snap_victims))
         step = self.step_plan(w, decision, drop, resume_snap, [r for r, _ in prefixes], cross_node)
         retract_calls = [self.ledger.send(w, r) for r in snap_victims]  # queued: others may resume them
         step_refs = [w.handle.step.remote(step, *[[r.snapshot_ref] for r in resume_snap],

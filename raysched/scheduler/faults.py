@@ -31,6 +31,7 @@ from raysched.messages import FaultPoint
 log = logging.getLogger("raysched.scheduler")
 
 BETWEEN_CALLS = ("kill_worker", "remove_node", "corrupt_snapshot", "kill_scheduler")
+KILLS_WORKERS = ("kill_worker", "remove_node")
 
 
 class FaultInjector:
@@ -39,11 +40,14 @@ class FaultInjector:
         self.fired: list[dict] = []
         self._done: set[int] = set()
 
-    def due_between_calls(self, worker: int, call: int, scheduler_calls: int) -> list[FaultSpec]:
+    def due_between_calls(self, worker: int, call: int, scheduler_calls: int, holding: bool = True) -> list[FaultSpec]:
         """Faults the scheduler carries out now, before `worker`'s call number `call`
         (`scheduler_calls`: the calls made to all workers so far, which a fault without a
-        worker, a kill_scheduler, counts)."""
-        due = [(i, f) for i, f in self._armed(worker, call, scheduler_calls) if f.kind in BETWEEN_CALLS]
+        worker, a kill_scheduler, counts). `holding`: whether the call leaves a request's state
+        on the worker; a kill_worker or remove_node waits for such a call (a worker that holds
+        nothing has nothing to lose, and the rehearsal would test no recovery)."""
+        due = [(i, f) for i, f in self._armed(worker, call, scheduler_calls)
+               if f.kind in BETWEEN_CALLS and (holding or f.kind not in KILLS_WORKERS)]
         return [self._fire(i, f, call) for i, f in due]
 
     def in_step(self, worker: int, call: int, decode_steps: int, resume_cross_node: bool | None,
@@ -111,10 +115,11 @@ class FaultSeam:
     def fired(self) -> list[dict]:
         return self.injector.fired
 
-    def before_call(self, w: Any, fleet: Any) -> None:
-        """Carry out the faults due before worker `w`'s next call (`w.view.calls`)."""
+    def before_call(self, w: Any, fleet: Any, holding: bool = True) -> None:
+        """Carry out the faults due before worker `w`'s next call (`w.view.calls`); `holding`:
+        whether that call leaves a request's state on `w` (see `due_between_calls`)."""
         scheduler_calls = sum(x.view.calls for x in fleet.slots)
-        for fault in self.injector.due_between_calls(w.index, w.view.calls, scheduler_calls):
+        for fault in self.injector.due_between_calls(w.index, w.view.calls, scheduler_calls, holding):
             log.warning("fault injection: %s on worker %d after %d calls", fault.kind, w.index, w.view.calls)
             if fault.kind == "kill_worker":
                 self._kill(w.handle)
