@@ -11,6 +11,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from raysched import interrupts
+
 BENCHES = ("snapshot", "resume", "e2e", "overhead", "engine", "sessions", "prefix", "priority", "serve",
            "scale", "pd", "migrate")
 
@@ -123,22 +125,24 @@ def cmd_start(args: argparse.Namespace) -> int:
 
     import ray
 
-    from raysched.cluster import attach
+    from raysched.cluster import attach, shutdown_ray
     from raysched.config import load_serve_config
     from raysched.deployment import DEFAULT_NAME, start_scheduler
 
     config = load_serve_config(args.config)
     owns_ray = not ray.is_initialized()
     if owns_ray:
-        attach(args.address or os.environ.get("RAY_ADDRESS") or "auto")
+        with interrupts.holding():
+            attach(args.address or os.environ.get("RAY_ADDRESS") or "auto")
     try:
+        interrupts.raise_if_signalled()
         name = args.name or DEFAULT_NAME
         _, workers = start_scheduler(config, name, detached=True)
         _print_workers(workers)
         print(f"scheduler {name!r} started (namespace 'raysched'); `raysched stop` ends it")
     finally:
         if owns_ray:
-            ray.shutdown()
+            shutdown_ray()
     return 0
 
 
@@ -147,18 +151,36 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from raysched.config import load_serve_config
     from raysched.deployment import DEFAULT_NAME
-    from raysched.serve import API_KEY_ENV, run_server
+    from raysched.serve import API_KEY_ENV, served_model_name, start_server
 
     config = load_serve_config(args.config)
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
-    run_server(config, args.host, args.port, args.address, api_key, args.name or DEFAULT_NAME)
+    name = args.name or DEFAULT_NAME
+    with interrupts.holding():
+        server = start_server(config, args.host, args.port, args.address, api_key, name)
+    try:
+        interrupts.raise_if_signalled()  # one that came while starting: undo it all, one line, 128 + signal
+        print(f"raysched serve: {server.url}/v1 (model {served_model_name(config.model)!r}, "
+              f"scheduler {name!r}, API key {'required' if api_key else 'off'})", flush=True)
+        _serve_until_signalled()
+    finally:
+        print("raysched serve: shutting down", flush=True)
+        server.stop()
     return 0
 
 
-def cmd_status(args: argparse.Namespace) -> int:
-    import raysched
+def _serve_until_signalled() -> None:
+    """Serve until SIGTERM or Ctrl-C (then the server shuts down cleanly, exit status 0)."""
+    import threading
 
-    client = raysched.connect(args.address, args.name)
+    stop = threading.Event()
+    for sig in interrupts.SIGNALS:
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    client = _connect(args)
     try:
         stats = client.stats()
     finally:
@@ -197,9 +219,7 @@ def _ms(seconds: float | None) -> str:
 
 
 def cmd_drain(args: argparse.Namespace) -> int:
-    import raysched
-
-    client = raysched.connect(args.address, args.name)
+    client = _connect(args)
     try:
         out = (client.remove_worker if args.remove else client.drain)(args.worker)
     finally:
@@ -211,9 +231,7 @@ def cmd_drain(args: argparse.Namespace) -> int:
 
 def cmd_scale(args: argparse.Namespace) -> int:
     """Add workers up to `--workers`, or drain and remove the newest ones down to it."""
-    import raysched
-
-    client = raysched.connect(args.address, args.name)
+    client = _connect(args)
     try:
         alive = [w["worker"] for w in client.workers]
         for _ in range(args.workers - len(alive)):
@@ -229,9 +247,7 @@ def cmd_scale(args: argparse.Namespace) -> int:
 
 
 def cmd_stop(args: argparse.Namespace) -> int:
-    import raysched
-
-    client = raysched.connect(args.address, args.name)
+    client = _connect(args)
     client.stop()
     print(f"scheduler {args.name or 'raysched'!r} stopped")
     return 0
@@ -308,21 +324,22 @@ def cmd_run(args: argparse.Namespace) -> int:
     config = load_serve_config(args.config)
     workload = load_workload_config(args.workload)  # validate everything before starting anything:
     build_requests(workload, PRECHECK_VOCAB, load_tokenizer(config.model))  # the trace too (but the vocabulary)
-    client = raysched.launch(config, address=args.address)
+    with interrupts.holding():
+        client = raysched.launch(config, address=args.address)
     try:
-        _raise_on_signals()  # after Ray's start-up, which installs a SIGTERM handler of its own
+        interrupts.raise_if_signalled()
         _print_workers(client.workers)
         specs = build_requests(workload, client.vocab_size(), client.tokenizer)
         report = run_workload(client, specs, progress=not args.quiet)
     finally:  # after an interrupt, no long wait for a scheduler whose node may be going down
-        client.shutdown(timeout_s=INTERRUPTED_STOP_TIMEOUT_S if _signalled() else STOP_TIMEOUT_S)
+        client.shutdown(timeout_s=INTERRUPTED_STOP_TIMEOUT_S if interrupts.signalled() else STOP_TIMEOUT_S)
     print(file=sys.stderr)
     format_summary(report["summary"])
     if args.report:
         Path(args.report).write_text(json.dumps(report, indent=1))
         print(f"report written to {args.report}")
-    if report["summary"].get("interrupted"):
-        raise Interrupted(_signalled() or signal.SIGINT)
+    if report["summary"].get("interrupted") or interrupts.signalled():  # also one held back while Ray stopped
+        raise interrupts.Interrupted(interrupts.signalled() or signal.SIGINT)
     return 0 if report["summary"]["failed"] == 0 else 1
 
 
@@ -331,31 +348,21 @@ PRECHECK_VOCAB = 1 << 62  # trace lines are checked before Ray starts; their ids
 
 STOP_TIMEOUT_S = 30.0  # how long `raysched run` lets its scheduler shut down before killing it
 INTERRUPTED_STOP_TIMEOUT_S = 5.0  # the same after an interrupt
-_SIGNALS: list[int] = []  # the signals received (Ray code on the way may re-raise a plain KeyboardInterrupt)
 
 
-class Interrupted(KeyboardInterrupt):
-    """SIGINT (Ctrl-C) or SIGTERM: the command stops, cleans up, and exits 128 + the signal."""
+def _connect(args: argparse.Namespace) -> Any:
+    """The named scheduler of the running cluster at `--address` (a signal while connecting:
+    `Interrupted`, after disconnecting)."""
+    import raysched
 
-    def __init__(self, signum: int) -> None:
-        super().__init__(signum)
-        self.signum = signum
-
-
-def _signalled() -> int | None:
-    """The first SIGINT or SIGTERM this command received, if any."""
-    return _SIGNALS[0] if _SIGNALS else None
-
-
-def _raise_on_signals() -> None:
-    """From now on SIGINT and SIGTERM raise `Interrupted` in the main thread (what they do
-    depends on where it lands: `raysched run` writes the summary of what finished)."""
-    def handler(signum: int, _frame: Any) -> None:
-        _SIGNALS.append(signum)
-        raise Interrupted(signum)
-
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, handler)
+    with interrupts.holding():
+        client = raysched.connect(args.address, args.name)
+    try:
+        interrupts.raise_if_signalled()
+    except interrupts.Interrupted:
+        client.shutdown()
+        raise
+    return client
 
 
 def _print_workers(workers: list[dict]) -> None:
@@ -396,14 +403,14 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     handlers = {"generate": cmd_generate, "run": cmd_run, "bench": cmd_bench, "start": cmd_start, "serve": cmd_serve,
                 "status": cmd_status, "stop": cmd_stop, "drain": cmd_drain, "scale": cmd_scale}
-    _raise_on_signals()
+    interrupts.install()
     try:
         return handlers[args.command](args)
     except _user_errors() as err:  # ValueError: CheckpointError, SnapshotError, ...
         print(f"raysched {args.command}: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        signum = _signalled() or signal.SIGINT
+        signum = interrupts.signalled() or signal.SIGINT
         print(f"raysched {args.command}: interrupted ({signal.Signals(signum).name})", file=sys.stderr)
         return 128 + signum
 

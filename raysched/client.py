@@ -16,7 +16,8 @@ from typing import Any
 
 import ray
 
-from raysched.cluster import attach, init_ray
+from raysched import interrupts
+from raysched.cluster import attach, init_ray, shutdown_ray
 from raysched.config import ServeConfig, check_model_source, load_serve_config
 from raysched.deployment import DEFAULT_MAX_RESTARTS
 from raysched.sampling import RequestError, SamplingParams
@@ -71,10 +72,11 @@ def launch(config: ServeConfig | str | Mapping[str, Any] | None = None, address:
     cfg = config if isinstance(config, ServeConfig) else load_serve_config(config or {})
     owns_ray = _init_ray(cfg, address, num_cpus)
     try:
+        interrupts.raise_if_signalled()  # a Ctrl-C held back while Ray started (the CLI's `holding`)
         sched, workers = start_scheduler(cfg, name, detached, max_restarts)
     except BaseException:
         if owns_ray:
-            ray.shutdown()
+            shutdown_ray()
         raise
     return Client(sched, cfg, workers, owns_ray, owns_scheduler=True)
 
@@ -98,14 +100,14 @@ def connect(address: str | None = None, name: str | None = None) -> "Client":
     handle = find_scheduler(name)
     if handle is None:
         if owns_ray:
-            ray.shutdown()
+            shutdown_ray()
         raise SchedulerNotFoundError(f"no raysched scheduler named {name!r} runs in this cluster "
                                      f"(start one with `raysched start` or `raysched serve`)")
     try:
         info = _get(handle.describe.remote())
     except BaseException:
         if owns_ray:
-            ray.shutdown()
+            shutdown_ray()
         raise
     return Client(handle, info["config"], info["workers"], owns_ray, owns_scheduler=False)
 
@@ -242,7 +244,7 @@ class Client:
         if self.owns_scheduler:
             self.stop(timeout_s)
         elif self._owns_ray:
-            ray.shutdown()
+            shutdown_ray()
         self._closed = True
 
     def stop(self, timeout_s: float = 30.0) -> None:
@@ -251,7 +253,7 @@ class Client:
 
         stop_scheduler(self.scheduler, timeout_s)
         if self._owns_ray:
-            ray.shutdown()
+            shutdown_ray()
         self._closed = True
 
     def __enter__(self) -> "Client":

@@ -25,7 +25,7 @@ import socket
 
 import ray
 
-from raysched import ray_compat
+from raysched import interrupts, ray_compat
 
 REACH_TIMEOUT_S = 5.0  # how long a cluster's GCS port may take to accept a connection
 DEFAULT_OBJECT_STORE_BYTES = 512 << 20  # the embedded instance's object store
@@ -54,6 +54,12 @@ def init_ray(address: str | None, num_cpus: int, object_store_bytes: int | None 
     return True
 
 
+def shutdown_ray() -> None:
+    """`ray.shutdown()`, which a signal does not cut short (see `interrupts.holding`)."""
+    with interrupts.holding():
+        ray.shutdown()
+
+
 def start_embedded(num_cpus: int, object_store_bytes: int) -> None:
     """A private local Ray instance for this process (ended by `ray.shutdown()`)."""
     if ray_compat.AUTH_MODE_ENV not in os.environ:
@@ -62,7 +68,7 @@ def start_embedded(num_cpus: int, object_store_bytes: int) -> None:
         ray.init(address="local", include_dashboard=False, num_cpus=num_cpus,
                  object_store_memory=object_store_bytes, logging_level="WARNING")
     except Exception as err:  # e.g. Ray's "node timed out during startup" on an overloaded machine
-        ray.shutdown()  # whatever of it did start
+        shutdown_ray()  # whatever of it did start
         raise ClusterError(f"could not start a local Ray instance: {_first_line(err)}") from None
 
 

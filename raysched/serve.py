@@ -21,11 +21,10 @@ import hmac
 import json
 import logging
 import os
-import signal
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,7 +35,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from raysched.cluster import check_port_free
+from raysched import interrupts
+from raysched.cluster import check_port_free, shutdown_ray
 from raysched.config import ConfigError, ServeConfig
 from raysched.deployment import DEFAULT_NAME, NAMESPACE, describe, find_scheduler, start_scheduler
 from raysched.metrics import ServeMetrics
@@ -312,20 +312,18 @@ class Server:
             except Exception as err:  # the cluster is gone or unreachable: nothing left to undo there
                 print(f"raysched serve: could not delete Serve application {self.app_name!r}: {err!r}", flush=True)
         if self.owns_ray:
-            ray.shutdown()
+            shutdown_ray()
 
 
 def start_server(config: ServeConfig, host: str = "127.0.0.1", port: int = 8000, address: str | None = None,
-                 api_key: str | None = None, name: str = DEFAULT_NAME, num_cpus: int | None = None,
-                 on_ray_up: Callable[[], None] | None = None) -> Server:
+                 api_key: str | None = None, name: str = DEFAULT_NAME, num_cpus: int | None = None) -> Server:
     """Start (or reuse) the named scheduler and the HTTP server; returns once both answer.
 
     The port is checked first (a taken one is a PortInUseError before anything starts). With
     `address` (or RAY_ADDRESS) it joins that cluster and the scheduler it starts is detached
     (it outlives this server; `raysched stop` ends it); an existing scheduler of that name is
     used if it serves the same config, else refused (ConfigError naming both models). Without,
-    an embedded local Ray instance holds everything, and `stop` ends it. `on_ray_up` runs once
-    Ray is connected (its core worker installs signal handlers of its own).
+    an embedded local Ray instance holds everything, and `stop` ends it.
     """
     from raysched.client import _init_ray
 
@@ -333,17 +331,17 @@ def start_server(config: ServeConfig, host: str = "127.0.0.1", port: int = 8000,
     owns_ray = _init_ray(config, address, num_cpus)
     embedded = owns_ray and not (address or os.environ.get("RAY_ADDRESS"))
     try:
-        if on_ray_up is not None:
-            on_ray_up()
+        interrupts.raise_if_signalled()  # a Ctrl-C held back while Ray started (the CLI's `holding`)
         _check_same_config(config, name)
         # detached in any case: a job's own named actors are invisible to the Serve replicas' job
         start_scheduler(config, name, detached=True, exist_ok=True)
+        interrupts.raise_if_signalled()
         serve.start(http_options={"host": host, "port": port})
         with _quiet_serve_logger():  # "Connecting to existing Serve app": the one serve.start made
             deploy_app(name, api_key)
     except BaseException:
         if owns_ray:
-            ray.shutdown()
+            shutdown_ray()
         raise
     return Server(f"http://{host}:{port}", name, owns_ray, embedded)
 
@@ -376,24 +374,3 @@ def deploy_app(scheduler_name: str = DEFAULT_NAME, api_key: str | None = None, a
     """Deploy one OpenAI app on the running Serve instance (several may share it, on other
     prefixes, e.g. one with and one without an API key)."""
     serve.run(OpenAIServer.bind(scheduler_name, api_key), name=app_name, route_prefix=route_prefix)
-
-
-def run_server(config: ServeConfig, host: str, port: int, address: str | None, api_key: str | None,
-               name: str = DEFAULT_NAME) -> None:
-    """`raysched serve`: start, print where, serve until SIGTERM or Ctrl-C, then shut down cleanly.
-    A signal during start-up (before Ray is up) interrupts it (the caller reports it in one
-    line); one that comes later is honoured as soon as the server is up."""
-    stop = threading.Event()
-
-    def on_signals() -> None:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: stop.set())
-
-    server = start_server(config, host, port, address, api_key, name, on_ray_up=on_signals)
-    print(f"raysched serve: {server.url}/v1 (model {served_model_name(config.model)!r}, "
-          f"scheduler {name!r}, API key {'required' if api_key else 'off'})", flush=True)
-    try:
-        stop.wait()
-    finally:
-        print("raysched serve: shutting down", flush=True)
-        server.stop()
