@@ -80,8 +80,8 @@ def holding() -> Iterator[None]:
     """Around a start-up or a shut-down of Ray, in a command that called `install`: the first
     signal is recorded, not raised (see the module doc); the caller acts on it at its next
     `raise_if_signalled`. Ray's driver SIGTERM handler is not installed, and our handlers go back
-    right after the core worker's shut-down (Ray's next step, `state.disconnect`), not only at
-    the end: in between, SIGTERM would end the process at once. Nests; elsewhere it does nothing."""
+    right after the core worker's shut-down, not only at the end: in between, SIGTERM would end
+    the process at once (`ray_compat.driver_signal_hooks`). Nests; elsewhere it does nothing."""
     if not _installed[0] or _holding[0]:
         _holding[0] += 1 if _installed[0] else 0
         try:
@@ -89,22 +89,13 @@ def holding() -> Iterator[None]:
         finally:
             _holding[0] -= 1 if _installed[0] else 0
         return
-    import ray._private.state as ray_state
-    import ray._private.utils as ray_utils
+    from raysched import ray_compat
 
-    keep_handler, state = ray_utils.set_sigterm_handler, ray_state.state
-
-    def disconnect() -> None:
-        type(state).disconnect(state)
-        restore()
-
-    ray_utils.set_sigterm_handler, state.disconnect = (lambda _handler: None), disconnect
-    _holding[0] = 1
-    try:
-        restore()
-        yield
-    finally:
-        _holding[0] = 0
-        ray_utils.set_sigterm_handler = keep_handler
-        del state.disconnect  # the class's method again
-        restore()
+    with ray_compat.driver_signal_hooks(restore):
+        _holding[0] = 1
+        try:
+            restore()
+            yield
+        finally:
+            _holding[0] = 0
+            restore()

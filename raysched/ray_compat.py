@@ -13,8 +13,10 @@ made-up number.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -171,3 +173,40 @@ def bootstrap_address(address: str) -> str:
     except Exception:
         return address
     return canonicalize_bootstrap_address_or_die(address)
+
+
+@contextlib.contextmanager
+def driver_signal_hooks(restore: Callable[[], None]) -> Iterator[None]:
+    """While inside: `ray.init` does not install its driver SIGTERM handler (`sys.exit(15)`,
+    via `ray._private.utils.set_sigterm_handler`), and `restore` runs right after
+    `ray.shutdown` has shut the core worker down (which leaves SIGTERM at its default action at
+    the C level), at its next step, `ray._private.state.state.disconnect`.
+
+    Fallback, where either name is missing: that hook is skipped; the caller's own `restore`
+    after the block still puts its handlers back, only later.
+    """
+    try:
+        import ray._private.state as ray_state
+        import ray._private.utils as ray_utils
+    except ImportError:
+        yield
+        return
+    state = getattr(ray_state, "state", None)
+    keep_handler = getattr(ray_utils, "set_sigterm_handler", None)
+    hook_disconnect = state is not None and callable(getattr(type(state), "disconnect", None))
+
+    def disconnect() -> None:
+        type(state).disconnect(state)
+        restore()
+
+    if keep_handler is not None:
+        ray_utils.set_sigterm_handler = lambda _handler: None
+    if hook_disconnect:
+        state.disconnect = disconnect
+    try:
+        yield
+    finally:
+        if keep_handler is not None:
+            ray_utils.set_sigterm_handler = keep_handler
+        if hook_disconnect:
+            del state.disconnect  # the class's method again
