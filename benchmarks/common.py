@@ -133,6 +133,26 @@ class Column:
     scale: float = 1.0  # e.g. 1e3 to print seconds as milliseconds
 
 
+def report(out_dir: Path, name: str, result: dict, show: Callable[[dict], None],
+           figure: Callable[[dict, Any], Any] | None = None) -> dict:
+    """A benchmark's ending: print its tables (`show`), write `<name>.json`, draw `<name>.png`
+    with `figure(result, plt)` where matplotlib is installed; returns the result."""
+    show(result)
+    write_json(out_dir, name, result)
+    if figure is not None:
+        plot(out_dir, name, lambda plt: figure(result, plt))
+    return result
+
+
+def label_axes(ax: Any, xlabel: str, ylabel: str, title: str, which: str = "major") -> None:
+    """Axis labels, title, a small legend and a light grid (`which="both"` on log axes)."""
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    ax.grid(True, which=which, alpha=0.3)
+
+
 def print_table(title: str, columns: Sequence[Column], rows: Sequence[dict]) -> None:
     """A plain fixed-width table; missing values print as '-'."""
     cells = [[_cell(row.get(c.key), c) for c in columns] for row in rows]

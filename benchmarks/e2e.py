@@ -30,8 +30,8 @@ from pathlib import Path
 from statistics import mean
 from typing import Any
 
-from benchmarks.common import (Column, load_average, local_ray, machine, measured_client, print_table,
-                               print_targets, plot, ratio, write_json)
+from benchmarks.common import (Column, load_average, local_ray, machine, measured_client, print_table, print_targets,
+                               ratio, report)
 from raysched.config import PoolConfig, SchedulerConfig, ServeConfig
 from raysched.workload import RequestSpec, WorkloadConfig, build_requests
 
@@ -77,10 +77,7 @@ def main(out_dir: Path = Path("bench-out"), quick: bool = False) -> dict:
             runs[mode].append(run_mode(setup, mode))
     result = _result(setup, runs, order)
     result["load_avg_1m_start"] = load_start
-    _print(result)
-    write_json(out_dir, "e2e", result)
-    plot(out_dir, "e2e", lambda plt: _figure(result, plt))
-    return result
+    return report(out_dir, "e2e", result, _print, _figure)
 
 
 def run_mode(setup: Setup, mode: str) -> dict:

@@ -19,8 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import (Column, load_average, local_ray, machine, plot, print_table, random_prompt,
-                               write_json)
+from benchmarks.common import Column, load_average, local_ray, machine, label_axes, print_table, random_prompt, report
 from raysched.config import MigrationConfig, PoolConfig, SchedulerConfig, ServeConfig, StateCacheConfig
 
 FULL_LENGTHS = (256, 1024, 4096)
@@ -53,10 +52,7 @@ def main(out_dir: Path = Path("bench-out"), quick: bool = False) -> dict:
             client.shutdown()
     result = _result(model, rows, stats)
     result["load_avg_1m_start"], result["load_avg_1m_end"] = load_start, load_average()
-    _print(result)
-    write_json(out_dir, "migrate", result)
-    _plot(result, out_dir)
-    return result
+    return report(out_dir, "migrate", result, _print, _figure)
 
 
 def _row(client: Any, n: int, vocab: int) -> dict:
@@ -136,22 +132,17 @@ def _print(result: dict) -> None:
         print(f"target {name}: {value} ({'met' if t['met'] else 'MISSED'})")
 
 
-def _plot(result: dict, out_dir: Path) -> None:
-    def draw(plt):
-        rows = result["rows"]
-        xs = [r["tokens"] for r in rows]
-        fig, ax = plt.subplots(figsize=(6.4, 4.4))
-        for mode, marker in zip(MODES, "os^"):
-            ax.loglog(xs, [r[f"{mode}_gap_s"] * 1e3 for r in rows], marker + "-", label=f"{mode}: largest gap")
-        ax.loglog(xs, [r["step_s"] * 1e3 for r in rows], "k--", label="median gap (one decode step)")
-        ax.set_xlabel("context length (tokens)")
-        ax.set_ylabel("ms")
-        ax.set_title(f"downtime of a moved request at the client ({result['model']})")
-        ax.legend(fontsize=8)
-        ax.grid(True, which="both", alpha=0.3)
-        return fig
+def _figure(result: dict, plt: Any) -> Any:
+    rows = result["rows"]
+    xs = [r["tokens"] for r in rows]
+    fig, ax = plt.subplots(figsize=(6.4, 4.4))
+    for mode, marker in zip(MODES, "os^"):
+        ax.loglog(xs, [r[f"{mode}_gap_s"] * 1e3 for r in rows], marker + "-", label=f"{mode}: largest gap")
+    ax.loglog(xs, [r["step_s"] * 1e3 for r in rows], "k--", label="median gap (one decode step)")
+    label_axes(ax, "context length (tokens)", "ms", f"downtime of a moved request at the client ({result['model']})",
+               which="both")
+    return fig
 
-    plot(out_dir, "migrate", draw)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import Column, load_average, local_ray, machine, print_table, timed, write_json
+from benchmarks.common import Column, load_average, local_ray, machine, print_table, report, timed
 from raysched.config import PoolConfig, SchedulerConfig, ServeConfig
 from raysched.workload import RequestSpec, WorkloadConfig, build_requests
 
@@ -70,9 +70,7 @@ def main(out_dir: Path = Path("bench-out"), quick: bool = False) -> dict:
         actor_threads = _actor_threads()
     result = _result(setup, specs, bare_runs, sched_runs, actor_threads)
     result["load_avg_1m_start"] = load_start
-    _print(result)
-    write_json(out_dir, "overhead", result)
-    return result
+    return report(out_dir, "overhead", result, _print)
 
 
 def run_bare(engine, specs: list[RequestSpec]) -> dict:

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import (Column, load_average, local_ray, machine, measured_client, percentile,
-                               plain_setup, plot, print_table, print_targets, warm_up, write_json)
+from benchmarks.common import (Column, load_average, local_ray, machine, measured_client, percentile, plain_setup,
+                               print_table, print_targets, report, warm_up)
 from raysched.config import PoolConfig, RolesConfig, SchedulerConfig, ServeConfig
 from raysched.sampling import SamplingParams
 
@@ -93,10 +93,7 @@ def main(out_dir: Path = Path("bench-out"), quick: bool = False) -> dict:
         runs = {mode: run_mode(setup, mode, items) for mode in MODES}
     result = _result(setup, runs)
     result["load_avg_1m_start"] = load_start
-    _print(result)
-    write_json(out_dir, "pd", result)
-    _plot(result, out_dir)
-    return result
+    return report(out_dir, "pd", result, _print, _figure)
 
 
 def run_mode(setup: Setup, mode: str, items: list[Item]) -> dict:
@@ -203,21 +200,19 @@ def _print(result: dict) -> None:
     print_targets(result["targets"])
 
 
-def _plot(result: dict, out_dir: Path) -> None:
-    def draw(plt):
-        fig, ax = plt.subplots(figsize=(7, 4))
-        for mode, values in result["stream_gaps"].items():
-            xs = sorted(g * 1e3 for g in values if g > 0)
-            ax.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], label=mode, drawstyle="steps-post")
-        ax.set_xscale("log")
-        ax.set_xlabel("stream inter-token gap, client side (ms)")
-        ax.set_ylabel("fraction of gaps")
-        ax.set_title(f"decode streams beside long prompts ({result['model']} preset, 2 workers)")
-        ax.grid(True, alpha=0.3)
-        ax.legend()
-        return fig
+def _figure(result: dict, plt: Any) -> Any:
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for mode, values in result["stream_gaps"].items():
+        xs = sorted(g * 1e3 for g in values if g > 0)
+        ax.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], label=mode, drawstyle="steps-post")
+    ax.set_xscale("log")
+    ax.set_xlabel("stream inter-token gap, client side (ms)")
+    ax.set_ylabel("fraction of gaps")
+    ax.set_title(f"decode streams beside long prompts ({result['model']} preset, 2 workers)")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    return fig
 
-    plot(out_dir, "pd", draw)
 
 
 if __name__ == "__main__":

@@ -21,9 +21,10 @@ import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from benchmarks.common import (Column, load_average, local_ray, machine, measured_client, percentile,
-                               plot, plot_ttft_cdf, print_table, print_targets, ratio, warm_up, write_json)
+from benchmarks.common import (Column, load_average, local_ray, machine, measured_client, percentile, plot_ttft_cdf,
+                               print_table, print_targets, ratio, report, warm_up)
 from raysched.config import PoolConfig, SchedulerConfig, ServeConfig, StateCacheConfig
 
 MODES = ("reuse_on", "reuse_off")
@@ -93,10 +94,7 @@ def main(out_dir: Path = Path("bench-out"), quick: bool = False) -> dict:
     result = _result(setup, runs)
     result["load_avg_1m_start"] = load_start
     result["load_avg_1m_end"] = load_average()
-    _print(result)
-    write_json(out_dir, "prefix", result)
-    _plot(result, out_dir)
-    return result
+    return report(out_dir, "prefix", result, _print, _figure)
 
 
 def run_workload(client, costs, requests: list[dict], mode: str, name: str) -> dict:
@@ -213,15 +211,13 @@ def _print(result: dict) -> None:
     print_targets(result["targets"])
 
 
-def _plot(result: dict, out_dir: Path) -> None:
-    def draw(plt):
-        fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-        for ax, name in zip(axes, ("shared", "trap")):
-            plot_ttft_cdf(ax, {mode: [r["ttft_s"] for r in result["per_request"][f"{name}/{mode}"]] for mode in MODES},
-                          f"{name} ({result['model']}, 2 workers)")
-        return fig
+def _figure(result: dict, plt: Any) -> Any:
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, name in zip(axes, ("shared", "trap")):
+        plot_ttft_cdf(ax, {mode: [r["ttft_s"] for r in result["per_request"][f"{name}/{mode}"]] for mode in MODES},
+                      f"{name} ({result['model']}, 2 workers)")
+    return fig
 
-    plot(out_dir, "prefix", draw)
 
 
 if __name__ == "__main__":

@@ -24,9 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import (Column, load_average, local_ray, machine, measured_client, percentile,
-                               plain_setup, plot, plot_ttft_cdf, print_table, print_targets, ratio, warm_up,
-                               write_json)
+from benchmarks.common import (Column, load_average, local_ray, machine, measured_client, percentile, plain_setup,
+                               plot_ttft_cdf, print_table, print_targets, ratio, report, warm_up)
 from raysched.config import PoolConfig, SchedulerConfig, ServeConfig
 from raysched.sampling import SamplingParams
 from raysched.workload import RequestSpec
@@ -86,10 +85,7 @@ def main(out_dir: Path = Path("bench-out"), quick: bool = False) -> dict:
         runs = {mode: run_mode(setup, mode, specs) for mode in MODES}
     result = _result(setup, runs)
     result["load_avg_1m_start"] = load_start
-    _print(result)
-    write_json(out_dir, "priority", result)
-    plot(out_dir, "priority", lambda plt: _figure(result, plt))
-    return result
+    return report(out_dir, "priority", result, _print, _figure)
 
 
 def run_mode(setup: Setup, mode: str, specs: list[RequestSpec]) -> dict:

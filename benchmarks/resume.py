@@ -24,8 +24,8 @@ from typing import Any
 
 import ray
 
-from benchmarks.common import (Column, load_average, machine, pinned, print_table, random_prompt,
-                               plot, timed, two_node_cluster, write_json)
+from benchmarks.common import (Column, label_axes, load_average, machine, pinned, print_table, random_prompt, report, timed,
+                               two_node_cluster)
 from raysched.config import PoolConfig, ServeConfig
 from raysched.messages import PrefillItem, StepPlan, StepResult
 from raysched.sampling import SamplingParams
@@ -51,10 +51,7 @@ def main(out_dir: Path = Path("bench-out"), quick: bool = False) -> dict:
         rows = [_measure(a, b, n, rounds, vocab) for n in lengths]
     result = _result(model, threads, rounds, rows)
     result["load_avg_1m_start"] = load_start
-    _print(result)
-    write_json(out_dir, "resume", result)
-    plot(out_dir, "resume", lambda plt: _figure(result, plt))
-    return result
+    return report(out_dir, "resume", result, _print, _figure)
 
 
 def _start_worker(config: ServeConfig, index: int, node: str) -> Any:
@@ -166,11 +163,8 @@ def _figure(result: dict, plt: Any) -> Any:
     for r in rows:
         ax.annotate(f"{r['speedup']:.0f}x", (r["tokens"], r["snapshot_s"] * 1e3),
                     textcoords="offset points", xytext=(0, -14), ha="center", fontsize=8)
-    ax.set_xlabel("context length (tokens)")
-    ax.set_ylabel("time to resume on another node (ms)")
-    ax.set_title(f"resume by snapshot vs recompute ({result['model']} preset)")
-    ax.legend(fontsize=8)
-    ax.grid(True, which="both", alpha=0.3)
+    label_axes(ax, "context length (tokens)", "time to resume on another node (ms)",
+               f"resume by snapshot vs recompute ({result['model']} preset)", which="both")
     return fig
 
 

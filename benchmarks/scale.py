@@ -28,9 +28,9 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from benchmarks.common import Column, load_average, percentile, plot, print_table, write_json
-
+from benchmarks.common import Column, load_average, percentile, print_table, report, write_json
 LOAD = 0.8  # arrivals at this fraction of the fleet's ideal capacity
 STREAMED = 6  # requests per point streamed by the client (TTFT and token gaps)
 
@@ -185,10 +185,7 @@ def main(out_dir: Path = Path("bench-out"), quick: bool = False) -> dict:
     rows = [_point_or_error(n, ms, setup) for ms in setup.step_ms for n in setup.sizes]
     result = {"setup": {**setup.__dict__, "load": LOAD}, "rows": rows, "load_avg_1m": [load_start, load_average()],
               "cpus": os.cpu_count(), "targets": _targets(rows)}
-    _print(result)
-    write_json(out_dir, "scale", result)
-    _plot(result, out_dir)
-    return result
+    return report(out_dir, "scale", result, _print, _figure)
 
 
 def _targets(rows: list[dict]) -> dict:
@@ -222,22 +219,20 @@ def _print(result: dict) -> None:
         print(f"target {name}: {'-' if t['value'] is None else format(t['value'], '.3g')} (want {t['target']}) {verdict}")
 
 
-def _plot(result: dict, out_dir: Path) -> None:
-    def draw(plt):
-        fig, ax = plt.subplots(figsize=(6, 4))
-        for ms in sorted({r["step_ms"] for r in result["rows"]}):
-            pts = [(r["workers"], r["vs_ideal"]) for r in result["rows"] if r["step_ms"] == ms and "error" not in r]
-            if pts:
-                ax.plot(*zip(*pts), marker="o", label=f"{ms:.0f} ms steps")
-        ax.axhline(LOAD, color="grey", linestyle="--", label=f"offered ({LOAD:.0%} of ideal)")
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("simulated workers")
-        ax.set_ylabel("throughput / ideal capacity")
-        ax.set_ylim(0, 1)
-        ax.legend()
-        return fig
+def _figure(result: dict, plt: Any) -> Any:
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for ms in sorted({r["step_ms"] for r in result["rows"]}):
+        pts = [(r["workers"], r["vs_ideal"]) for r in result["rows"] if r["step_ms"] == ms and "error" not in r]
+        if pts:
+            ax.plot(*zip(*pts), marker="o", label=f"{ms:.0f} ms steps")
+    ax.axhline(LOAD, color="grey", linestyle="--", label=f"offered ({LOAD:.0%} of ideal)")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("simulated workers")
+    ax.set_ylabel("throughput / ideal capacity")
+    ax.set_ylim(0, 1)
+    ax.legend()
+    return fig
 
-    plot(out_dir, "scale", draw)
 
 
 def main_points(out: Path, sizes: tuple[int, ...], step_ms: tuple[float, ...], duration_s: float, warmup_s: float) -> dict:

@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks.common import Column, load_average, machine, percentile, print_table, write_json
+from benchmarks.common import Column, load_average, machine, percentile, print_table, report
 from raysched.config import PoolConfig, ServeConfig
 from raysched.workload import RequestSpec, WorkloadConfig, build_requests
 
@@ -66,9 +66,7 @@ def main(out_dir: Path = Path("bench-out"), quick: bool = False) -> dict:
     assert not ray.is_initialized()
     result = _result(setup, specs, runs["http"][1:], runs["driver"][1:])
     result["load_avg_1m_start"] = load_start
-    _print(result)
-    write_json(out_dir, "serve", result)
-    return result
+    return report(out_dir, "serve", result, _print)
 
 
 async def run_http(url: str, model: str, specs: list[RequestSpec]) -> dict:

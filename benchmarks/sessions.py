@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import (Column, load_average, local_ray, machine, measured_client, percentile,
-                               plain_setup, plot, print_table, print_targets, ratio, warm_up, write_json)
+from benchmarks.common import (Column, load_average, local_ray, machine, measured_client, percentile, plain_setup,
+                               print_table, print_targets, ratio, report, warm_up)
 from raysched.config import PoolConfig, ServeConfig, StateCacheConfig
 
 MODES = ("cache_on", "cache_off")
@@ -68,10 +68,7 @@ def main(out_dir: Path = Path("bench-out"), quick: bool = False) -> dict:
             runs[mode] = run_mode(setup, mode)
     result = _result(setup, runs)
     result["load_avg_1m_start"] = load_start
-    _print(result)
-    write_json(out_dir, "sessions", result)
-    plot(out_dir, "sessions", lambda plt: _figure(result, plt))
-    return result
+    return report(out_dir, "sessions", result, _print, _figure)
 
 
 # ---------------------------------------------------------------------------- driving
