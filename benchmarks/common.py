@@ -182,15 +182,15 @@ def _cell(value: Any, col: Column) -> str:
 # ---------------------------------------------------------------------------- Ray
 @contextlib.contextmanager
 def local_ray(num_cpus: int, object_store_bytes: int = OBJECT_STORE_BYTES) -> Iterator[None]:
-    """An embedded single-node Ray instance for the duration of the block."""
-    import ray
+    """An embedded single-node Ray instance for the duration of the block (the one
+    `raysched run` starts: `raysched.cluster.start_embedded`)."""
+    from raysched.cluster import shutdown_ray, start_embedded
 
-    ray.init(address="local", include_dashboard=False, num_cpus=num_cpus,
-             object_store_memory=object_store_bytes, logging_level="WARNING")
+    start_embedded(num_cpus, object_store_bytes)
     try:
         yield
     finally:
-        ray.shutdown()
+        shutdown_ray()
 
 
 @contextlib.contextmanager

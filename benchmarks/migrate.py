@@ -19,10 +19,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import Column, load_average, local_ray, machine, label_axes, print_table, random_prompt, report
+from benchmarks.common import Column, label_axes, load_average, local_ray, machine, print_table, random_prompt, report
 from raysched.config import MigrationConfig, PoolConfig, SchedulerConfig, ServeConfig, StateCacheConfig
 
-FULL_LENGTHS = (256, 1024, 4096)
+FULL_LENGTHS = (256, 1024, 4096, 16384)
 QUICK_LENGTHS = (256, 1024)
 MODES = ("live", "snapshot", "recompute")
 MOVE_AFTER = 12  # tokens streamed before the move

@@ -165,3 +165,23 @@ def test_a_lookup_at_10k_points_probes_one_node_per_block_of_the_prompt() -> Non
             assert h.num_tokens >= (len(q) - 3) // 64 * 64
     assert max(timings) >= 10_000
     print("\nlookup time by points kept: " + ", ".join(f"{n}: {t * 1e6:.0f} us" for n, t in sorted(timings.items())))
+
+
+def test_a_point_parked_again_on_blocks_only_it_uses_keeps_its_blocks() -> None:
+    """Parking the same tokens again (a repeated greedy prompt's point) replaces the old point;
+    when the old one was its blocks' only user, the blocks must stay for the new one: before,
+    they went with the old point, the new one hung on a detached node (never found again), and
+    its eviction raised KeyError inside the scheduler's dispatch loop. Control: with a second
+    user of the blocks, they stayed even then."""
+    for other_user in (False, True):
+        cache = StateCache(budget_bytes=10_000, min_tokens=1, block_tokens=B)
+        tokens = tuple(range(8)) + (40, 41)
+        if other_user:
+            cache.park(tokens[:8] + (90,), "fork", 10, "finished", kv_from=8, blocks=blocks_for(tokens, 2))
+        cache.park(tokens, "old", 10, "finished", kv_from=8, blocks=blocks_for(tokens, 2))
+        assert cache.park(tokens, "new", 20, "finished", kv_from=8)[1] == ["old"]  # blocks kept: none offered
+        hit = cache.lookup(tokens + (42,))
+        assert hit is not None and hit.point.ref == "new" and len(hit.blocks) == 2
+        assert cache.num_blocks == 2 and cache.bytes == 200 + 20 + (10 if other_user else 0)
+        assert cache.discard(hit) == 1 + other_user  # forgetting it now must not raise
+        assert cache.num_blocks == 0 and cache.bytes == 0

@@ -209,13 +209,9 @@ class StateCache:
         if node is None:
             return set(), []
         tail = tuple(tokens[kv_from:])
-        dropped = []
-        if tail in node.points:
-            dropped.append(self._remove_point(node.points[tail]))
         point = Point(len(tokens), kv_from, ref, nbytes, kind, exact, place, node, tail, next(self._keys))
-        self._add_point(point)
-        dropped += self._evict()
-        return used, dropped
+        dropped = self._replace(node.points.get(tail), point)
+        return used, dropped + self._evict()
 
     def _attach_blocks(self, tokens: tuple[int, ...], count: int,
                        offered: dict[int, BlockRef]) -> tuple[_Node | None, set[int]]:
@@ -237,6 +233,18 @@ class StateCache:
                 path.append(child)
             node = child
         return node, {n.depth - 1 for n in path}
+
+    def _replace(self, old: Point | None, new: Point) -> list[Any]:
+        """Put `new` in place of `old` (same node and tail; None: there is none); the blocks of
+        the chain stay even when `old` was their only user. Returns the refs dropped."""
+        chain = new.node.chain()
+        for n in chain:
+            n.users += 1
+        dropped = [self._remove_point(old)] if old is not None else []
+        self._add_point(new)
+        for n in chain:
+            n.users -= 1
+        return dropped
 
     def _add_point(self, p: Point) -> None:
         p.node.points[p.tail] = p
