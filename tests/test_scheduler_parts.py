@@ -244,6 +244,23 @@ def test_fleet_knows_nodes_and_room() -> None:
     assert fleet.others(s0) == [] and fleet.largest_pool_tokens() == 256
 
 
+def test_a_draining_or_retired_worker_never_looks_roomiest() -> None:
+    """Admission compares a worker's room with the best elsewhere: a drained worker (it admits
+    nothing) or a removed one must not count, or every other worker holds back its admissions
+    while the drain runs. Control: the same worker, taking work again, counts with its room."""
+    fleet = Fleet()
+    s0, s1 = fleet.add(None, FakeWorker(0, kv=256).info()), fleet.add(None, FakeWorker(1, kv=512).info())
+    roomy = fleet.best_room_except(s0)
+    assert roomy == s1.view.room() > 0
+    fleet.set_draining(s1, True)
+    assert fleet.best_room_except(s0) == -1.0
+    fleet.set_draining(s1, False)
+    assert fleet.best_room_except(s0) == roomy  # control
+    s1.alive = False
+    fleet.note_room(s1)  # what Recovery.retire and on_worker_failure do
+    assert fleet.best_room_except(s0) == -1.0
+
+
 # ---------------------------------------------------------------------------- dispatcher
 
 

@@ -286,6 +286,20 @@ def test_top_k_and_min_tokens_over_http_equal_generate_and_the_driver(running: R
     assert running.client.submit([5, 17, 42], sampling).result()["token_ids"] == held_ids
 
 
+def test_a_stop_string_before_min_tokens_does_not_end_the_request(running: Running) -> None:
+    """The scheduler matches stop strings as tokens arrive and ends the request there; one that
+    completes before `min_tokens` tokens must not end it (the scheduler's matcher once did not
+    get min_tokens). Control: without min_tokens the same stop string ends it early."""
+    sampling = {"max_new_tokens": 16, "temperature": 0.9, "seed": 3, "top_k": 5, "ignore_eos": True}
+    tok = running.client.tokenizer
+    free = running.client.submit([5, 17, 42], sampling).result()["token_ids"]
+    stop = next(t for t in (tok.decode(free[:k]) for k in range(1, 6)) if t.strip() and t[-1] != "\ufffd")[-1]
+    early = running.client.submit([5, 17, 42], {**sampling, "stop": [stop]}).result()
+    held = running.client.submit([5, 17, 42], {**sampling, "stop": [stop], "min_tokens": 12}).result()
+    assert early["finish_reason"] == "stop" and len(early["token_ids"]) <= 5  # control
+    assert len(held["token_ids"]) >= 12 and held["token_ids"][:12] == free[:12]
+
+
 def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(running: Running) -> None:
     body = {"prompt": [5, 17, 42], "max_tokens": 8, "ignore_eos": True, "stream": True, "return_token_ids": True}
     with running.http() as http:

@@ -130,7 +130,7 @@ class Scheduler:
             await self.start()
         req = self.table.submit(prompt_ids, sampling, self._limits(), request_id, priority)
         if req.sampling.stop:  # stop strings are matched here, on the text, as tokens arrive
-            req.text_stream = require_tokenizer(self.config.model).text_stream(req.sampling.stop)
+            req.text_stream = require_tokenizer(self.config.model).text_stream(req.sampling.stop, req.sampling.min_tokens)
         self.fleet.notify()
         return req.request_id
 

@@ -95,7 +95,7 @@ class Dispatcher:
                 waiting = deque(r for r in waiting if r.request_id not in held)
         best_elsewhere = self.fleet.best_room_except(w) if waiting else -1.0
         peers = (waiting and self.config.scheduler.preemption) or self.config.roles is not None  # roles: who is left
-        others = tuple(o.view for o in self.fleet.others(w)) if peers else ()
+        others = tuple(o.view for o in self.fleet.others(w) if not o.draining) if peers else ()
         reserve = self.config.scheduler.admission == "reserve"
         decision = plan_for_role(w.view, waiting, retracted, self.config.scheduler,
                                  best_elsewhere, reserve, others, placement)

@@ -67,8 +67,16 @@ class Fleet:
         return slot
 
     def note_room(self, w: WorkerSlot) -> None:
-        """`w`'s pools changed (a reply arrived, or it was retired)."""
-        self._rooms[w.index] = w.view.room() if w.alive else -1.0
+        """`w`'s pools changed (a reply arrived), or whether it takes work did (it was retired,
+        or drained): a worker that takes nothing counts as -1.0, so it never looks roomiest."""
+        self._rooms[w.index] = w.view.room() if w.alive and not w.draining else -1.0
+
+    def set_draining(self, w: WorkerSlot, draining: bool) -> None:
+        """Stop (or restart) admissions and resumes to `w`; wake the loops when it takes work again."""
+        w.draining = draining
+        self.note_room(w)
+        if not draining:
+            self.notify()
 
     def best_room_except(self, w: WorkerSlot) -> float:
         """The most room any other live worker has (-1.0 if there is none): one pass over a list

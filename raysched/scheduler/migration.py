@@ -134,6 +134,7 @@ class Migrator:
             raise Abandoned("the destination has no room")
         dst.view.free_tokens -= room  # until its next step reply reports the reservation
         dst.view.free_slots -= 1
+        self.fleet.note_room(dst)
         sent = 0
         try:
             while not snapshot:
@@ -202,6 +203,7 @@ class Migrator:
             w.view.free_tokens += w.view.held(req)  # freed by this call (no step reply reports it)
             w.view.free_slots += 1
             w.view.allocated.pop(req.request_id, None)
+            self.fleet.note_room(w)
             final.stopped_s = time.monotonic()
             final.sent.set_result(tuple(w.handle.migrate_out.options(num_returns=2).remote(
                 req.request_id, final.kv_from, self.cfg.block_tokens, True, final.fault)))
@@ -272,7 +274,7 @@ class Migrator:
         again, on `dst` (every other live worker is held back from resuming it meanwhile)."""
         held = [w for w in self.fleet.others(dst) if not w.draining]
         for w in held:
-            w.draining = True
+            self.fleet.set_draining(w, True)
         t0 = time.monotonic()
         try:
             if await self.retract_by_snapshot(req, recompute=True) == "ended":
@@ -282,8 +284,7 @@ class Migrator:
                 await asyncio.sleep(DRAIN_POLL_S / 4)
         finally:
             for w in held:
-                w.draining = False
-            self.fleet.notify()
+                self.fleet.set_draining(w, False)
         out.update(mode="recompute", downtime_s=time.monotonic() - t0)
         return out
 
@@ -318,7 +319,7 @@ class Migrator:
         w = self.worker(index)
         if not self.fleet.others(w) or all(o.draining for o in self.fleet.others(w)):
             raise RequestError(f"worker {index} is the last one taking work: nothing to drain it to")
-        w.draining = True
+        self.fleet.set_draining(w, True)
         t0, moved, fallbacks = time.monotonic(), 0, 0
         while w.alive and any(r.state is State.RUNNING for r in w.view.running):
             reqs = [r for r in w.view.running if r.state is State.RUNNING and r.request_id not in self.moving]
@@ -330,8 +331,7 @@ class Migrator:
 
     def undrain(self, index: int) -> None:
         """Let a drained (still live) worker take work again."""
-        self.worker(index).draining = False
-        self.fleet.notify()
+        self.fleet.set_draining(self.worker(index), False)
 
     async def _move_off(self, req: Request) -> str:
         """Move one request off its (draining) worker: live, else by a full snapshot (a request

@@ -142,6 +142,7 @@ class Recovery:
     def retire(self, w: WorkerSlot) -> None:
         """End a drained worker's actor (its loop stops; its slot stays, never reused)."""
         w.alive = False
+        self.fleet.note_room(w)
         w.event.set()
         self.actors.kill(w.handle)
 
