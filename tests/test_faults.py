@@ -329,8 +329,11 @@ def _waiting_snapshots_by_producer(client: raysched.Client) -> dict[int, int]:
 # ---------------------------------------------------------------------------- small object store
 
 
-def test_small_object_store_with_many_large_snapshots_loses_nothing():
-    """A local Ray with an 80 MiB store; prompts of several hundred tokens, retracted every call."""
+def test_a_snapshot_every_call_through_a_small_store_loses_nothing():
+    """A local Ray with an 80 MiB store; prompts of several hundred tokens, retracted every call:
+    every snapshot is put, fetched across workers and freed, and nothing is lost. (The `tiny`
+    snapshots never fill this store; spilling under real pressure is `tests/test_store_pressure.py`,
+    marker `slow`.)"""
     specs = synthetic(19, requests=16, prompt_len=(200, 500), max_new_tokens=(16, 32))
     raw = config({"force_retract_every": 1}, pool={"kv_tokens": 2048, "state_slots": 6},
                  object_store_memory=80 << 20)

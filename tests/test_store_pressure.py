@@ -11,7 +11,7 @@ snapshots waiting. The object store gets Ray's minimum (75 MiB).
   recompute (`store_pressure_fallbacks`) and nothing is spilled.
 Slow (minutes on a 2-core machine: ~1,200 requests of a 37M-parameter model, plus the reference),
 so excluded from the default run (pyproject: addopts -m 'not soak and not slow'). The default
-suite's cheap variant is `test_small_object_store_with_many_large_snapshots_loses_nothing` in
+suite's cheap variant is `test_a_snapshot_every_call_through_a_small_store_loses_nothing` in
 tests/test_faults.py (tiny preset, never spills).
 """
 
