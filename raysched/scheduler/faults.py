@@ -40,6 +40,11 @@ class FaultInjector:
         self.fired: list[dict] = []
         self._done: set[int] = set()
 
+    @property
+    def armed(self) -> bool:
+        """Is any fault left to fire?"""
+        return len(self._done) < len(self.faults)
+
     def due_between_calls(self, worker: int, call: int, scheduler_calls: int, holding: bool = True) -> list[FaultSpec]:
         """Faults the scheduler carries out now, before `worker`'s call number `call`
         (`scheduler_calls`: the calls made to all workers so far, which a fault without a
@@ -118,6 +123,8 @@ class FaultSeam:
     def before_call(self, w: Any, fleet: Any, holding: bool = True) -> None:
         """Carry out the faults due before worker `w`'s next call (`w.view.calls`); `holding`:
         whether that call leaves a request's state on `w` (see `due_between_calls`)."""
+        if not self.injector.armed:
+            return  # the common case: no faults configured, or all fired (no pass over the fleet)
         scheduler_calls = sum(x.view.calls for x in fleet.slots)
         for fault in self.injector.due_between_calls(w.index, w.view.calls, scheduler_calls, holding):
             log.warning("fault injection: %s on worker %d after %d calls", fault.kind, w.index, w.view.calls)
@@ -135,6 +142,8 @@ class FaultSeam:
     def step_point(self, w: Any, call: int, decode_steps: int, resume_cross_node: bool | None,
                    pipelined: bool = False) -> FaultPoint | None:
         """The fault point step call number `call` of `w` carries, if one is due (logged)."""
+        if not self.injector.armed:
+            return None
         point = self.injector.in_step(w.index, call, decode_steps, resume_cross_node, pipelined,
                                       tuple(r.request_id for r in w.view.running))
         if point is not None:
