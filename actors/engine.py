@@ -273,7 +273,7 @@ class Engine:
             s.token_ids.append(tok)
             s.num_computed = s.num_cached
             out.new_tokens.setdefault(s.request_id, []).append(tok)
-            reason = self._finish_reason(s, tok)
+            reason = s.sampling.finish_reason(tok, s.num_generated)
             if reason:
                 s.finish_reason = reason
                 out.finished[s.request_id] = reason
@@ -281,14 +281,6 @@ class Engine:
                     self.held[s.request_id] = self.running.pop(s.request_id)
                 else:
                     self.release(s.request_id)
-
-    @staticmethod
-    def _finish_reason(s: Sequence, token: int) -> str | None:
-        if token in s.sampling.stop_token_ids and s.num_generated > s.sampling.min_tokens:
-            return "stop"  # (the sampler never draws one earlier)
-        if s.num_generated >= s.sampling.max_new_tokens:
-            return "length"
-        return None
 
     # ------------------------------------------------------------------ retract / resume
     def release(self, request_id: str) -> Sequence:

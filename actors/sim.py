@@ -156,8 +156,7 @@ class SimEngine:
         seq.state = advance(seq.state, token)
         seq.token_ids.append(token)
         out.new_tokens.setdefault(seq.request_id, []).append(token)
-        reason = "stop" if token in seq.sampling.stop_token_ids else (
-            "length" if seq.num_generated >= seq.sampling.max_new_tokens else None)
+        reason = seq.sampling.finish_reason(token, seq.num_generated)
         if reason is not None:
             out.finished[seq.request_id] = reason
             self.release(seq.request_id)

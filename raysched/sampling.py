@@ -138,6 +138,16 @@ class SamplingParams:
                 values[name] = float(values[name])
         return cls(**values)
 
+    def finish_reason(self, token: int, num_generated: int) -> str | None:
+        """Why a request ends with `token`, its `num_generated`-th token (the one just drawn):
+        "stop" (a stop token, once more than `min_tokens` were drawn: the sampler keeps them out
+        before), "length" (`max_new_tokens` reached), or None. One rule for every engine."""
+        if token in self.stop_token_ids and num_generated > self.min_tokens:
+            return "stop"
+        if num_generated >= self.max_new_tokens:
+            return "length"
+        return None
+
 
 SAMPLING_KEYS = tuple(f.name for f in fields(SamplingParams))
 MAX_STOP_STRINGS = 16
