@@ -67,9 +67,9 @@ class PrefixCache:
         self.counters = counters
         self.slack = slack
         self._match_of: dict[str, Match] = {}  # admitted id -> its match, until its call returns
-        self._producers: dict[str, tuple[Request, int, set[tuple[int, ...]]]] = {}  # id -> (request,
-        #   worker, whole-block prefixes it will park)
-        self._inflight: dict[tuple[int, ...], int] = {}  # block-aligned prefix -> producers
+        self._producers: dict[str, tuple[Request, int, set[int]]] = {}  # id -> (request, worker,
+        #   keys of the whole-block prefixes it will park: `_block_keys`)
+        self._inflight: dict[int, int] = {}  # key of a block-aligned prefix -> producers
 
     def park_min_tokens(self) -> int:
         """What a step plan asks the worker to park (0: nothing)."""
@@ -115,11 +115,21 @@ class PrefixCache:
         return hits, back
 
     # ------------------------------------------------------------------ producers
-    def _block_prefixes(self, prompt: tuple[int, ...], after: int) -> set[tuple[int, ...]]:
-        b = self.index.block_tokens
-        if not b or len(prompt) < self.index.min_tokens:
+    def _block_keys(self, prompt: tuple[int, ...]) -> list[int]:
+        """One key per whole block of `prompt`: key k stands for prompt[:(k + 1) * B], a hash
+        chained over the blocks (O(prompt) for all of them, not a slice and a hash per prefix).
+        A collision only makes a request wait for a producer it does not share blocks with."""
+        b, keys, h = self.index.block_tokens, [], 0
+        for start in range(0, len(prompt) - b + 1, b) if b else ():
+            h = hash((h, prompt[start:start + b]))
+            keys.append(h)
+        return keys
+
+    def _block_prefixes(self, prompt: tuple[int, ...], after: int) -> set[int]:
+        """The keys of the whole blocks of `prompt` past its first `after` tokens."""
+        if not self.index.block_tokens or len(prompt) < self.index.min_tokens:
             return set()
-        return {prompt[:k * b] for k in range(after // b + 1, len(prompt) // b + 1)}
+        return set(self._block_keys(prompt)[after // self.index.block_tokens:])
 
     def _add_producer(self, r: Request, worker: int, restored: int) -> None:
         keys = self._block_prefixes(r.prompt_ids, restored)
@@ -140,12 +150,13 @@ class PrefixCache:
         b = self.index.block_tokens
         if not b or not self._inflight:
             return None
+        chain = self._block_keys(r.prompt_ids)
         for k in range(len(r.prompt_ids) // b, parked // b, -1):
-            if k * b >= len(r.prompt_ids) or not self._inflight.get(r.prompt_ids[:k * b]):
+            if k * b >= len(r.prompt_ids) or not self._inflight.get(chain[k - 1]):
                 continue
             self._sweep_producers()
             for p, worker, keys in self._producers.values():
-                if r.prompt_ids[:k * b] in keys and p is not r:
+                if chain[k - 1] in keys and p is not r:
                     return worker
         return None
 
