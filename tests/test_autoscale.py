@@ -12,6 +12,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from raysched.config import AutoscaleConfig, ConfigError, load_serve_config
@@ -182,19 +184,33 @@ def test_autoscale_is_off_by_default_starts_at_min_workers_and_round_trips():
 # ---------------------------------------------------------------------------- on a local Ray instance
 
 
+INLINE_LIMIT = 1024  # results above 1 KiB go to the object store: parked states are not held inline
+
+
 @pytest.fixture(scope="module")
 def local_ray():
-    """One node, 3 CPUs: the scheduler takes none, each worker one (room for two, and a spare)."""
+    """One node, 3 CPUs: the scheduler takes none, each worker one (room for two, and a spare).
+    Ray returns results over `INLINE_LIMIT` through the object store (the processes it starts
+    read the variable), so parked turn states live there, as a real model's do, not in the
+    scheduler's memory."""
+    import os
+
     import ray
 
     if ray.is_initialized():
         ray.shutdown()
-    ray.init(address="local", num_cpus=3, object_store_memory=100 << 20, include_dashboard=False,
-             logging_level="WARNING")
+    before = os.environ.get("RAY_max_direct_call_object_size")
+    os.environ["RAY_max_direct_call_object_size"] = str(INLINE_LIMIT)
     try:
+        ray.init(address="local", num_cpus=3, object_store_memory=100 << 20, include_dashboard=False,
+                 logging_level="WARNING")
         yield
     finally:
         ray.shutdown()
+        if before is None:
+            os.environ.pop("RAY_max_direct_call_object_size", None)
+        else:
+            os.environ["RAY_max_direct_call_object_size"] = before
 
 
 def serving(**autoscale):
@@ -212,9 +228,11 @@ class TestOnRay:
         from tests.conftest import wait_until
         from tests.exactness import assert_exactly_once, assert_idle, synthetic
 
-        specs = synthetic(seed=5, requests=12, max_new_tokens=(40, 60))
+        specs = synthetic(seed=5, requests=32, max_new_tokens=(70, 110))  # ~25 s on one worker: outlasts a start
         with serving(scale_up_waiting=2, scale_up_after_s=0.3, scale_down_idle_s=1.0) as client:
+            t0 = time.monotonic()
             report = run_workload(client, specs, progress=False)
+            served_s = time.monotonic() - t0
             stats = client.stats()
             assert stats["autoscale_grows"] == 1 and len(stats["workers"]) == 2, stats["workers"]
             wait_until(lambda: client.stats()["workers_alive"] == 1, 60, "the idle set to shrink to one worker")
@@ -222,7 +240,9 @@ class TestOnRay:
             assert after["autoscale_shrinks"] == 1 and after["autoscale_grows"] == 1, after
             assert_idle(client.check_idle())
         assert_exactly_once(report, specs)
-        print(f"\nworkers used per request: {sorted({tuple(r['workers']) for r in report['requests']})}")
+        on_added = [r["request_id"] for r in report["requests"] if 1 in r["workers"]]
+        assert on_added, "the added worker served no request"
+        print(f"\nserved in {served_s:.1f} s; {len(on_added)} of {len(specs)} requests ran on the added worker")
 
     def test_a_turn_parked_by_a_removed_worker_is_restored_after_it_went(self):
         """Turn 1 runs on worker 1 (worker 0 drained meanwhile); worker 1 idles and the policy
@@ -249,3 +269,6 @@ class TestOnRay:
         assert [r1["token_ids"], r2["token_ids"]] == [want["t1"], want["t2"]]
         assert r2["cache_kind"] == "finished" and r2["cache_source"] == "same_node", r2
         assert r2["cached_tokens"] == len(p1) + len(r1["token_ids"]) - 1
+        assert stats["state_cache_bytes"] > 0 and stats["state_cache_inline_bytes"] == 0, stats  # in the store
+        print(f"\nturn 2 restored {r2['cached_tokens']} tokens parked by the removed worker; parked "
+              f"{stats['state_cache_bytes']} B, {stats['state_cache_inline_bytes']} B of it inline")
