@@ -1,4 +1,5 @@
-"""Every use of Ray's private APIs, in one place, each with a stated fallback (torch-free).
+"""Every use of Ray's private APIs, in one place, each with a stated fallback (torch-free); also
+public Ray calls that a local cluster may refuse (`request_resources`: no autoscaler there).
 
 `ray._private` and `ray.autoscaler._private` change between releases without notice; raysched
 is tested with Ray 2.60 (see pyproject). Each function tries the private route first and, when it

@@ -272,3 +272,89 @@ class TestOnRay:
         assert stats["state_cache_bytes"] > 0 and stats["state_cache_inline_bytes"] == 0, stats  # in the store
         print(f"\nturn 2 restored {r2['cached_tokens']} tokens parked by the removed worker; parked "
               f"{stats['state_cache_bytes']} B, {stats['state_cache_inline_bytes']} B of it inline")
+
+
+# ---------------------------------------------------------------------------- the loop's steps (no Ray)
+
+
+def test_a_refused_resource_request_is_logged_and_not_raised(monkeypatch, caplog):
+    import ray.autoscaler.sdk
+
+    from raysched import ray_compat
+
+    def refuse(**_):
+        raise ConnectionError("no autoscaler here")
+
+    monkeypatch.setattr(ray.autoscaler.sdk, "request_resources", refuse)
+    with caplog.at_level("INFO", logger="raysched.ray_compat"):
+        assert ray_compat.request_resources([{"CPU": 1}]) is False
+    assert "no autoscaler here" in caplog.text
+    asked = []
+    monkeypatch.setattr(ray.autoscaler.sdk, "request_resources", lambda **kw: asked.append(kw))
+    assert ray_compat.request_resources([{"CPU": 1}]) is True and asked == [{"bundles": [{"CPU": 1}]}]
+
+
+def test_a_grow_asks_for_the_whole_new_set_before_starting_the_worker_and_counts_it(monkeypatch):
+    import asyncio
+
+    from raysched.scheduler import actor
+    from tests.exactness import bare_scheduler
+
+    sched, _ = bare_scheduler()  # two live (fake) workers
+    calls = []
+    monkeypatch.setattr(actor, "worker_bundle", lambda cfg: {"CPU": 1, "GPU": 1})
+    monkeypatch.setattr(actor, "request_resources", lambda bundles: calls.append(("ask", bundles)))
+
+    async def add_worker():
+        calls.append(("add", None))
+        return {"worker": 2}
+
+    sched.add_worker = add_worker
+    sched._growing = 1  # as the loop counts it when it decides
+    asyncio.run(sched._grow())
+    assert calls == [("ask", [{"CPU": 1, "GPU": 1}] * 3), ("add", None)]
+    assert sched.counters.autoscale_grows == 1 and sched._growing == 0
+
+
+def test_a_grow_that_finds_no_room_is_not_counted(monkeypatch):
+    import asyncio
+
+    from raysched.scheduler import actor
+    from tests.exactness import bare_scheduler
+
+    sched, _ = bare_scheduler()
+    monkeypatch.setattr(actor, "worker_bundle", lambda cfg: {})  # (simulated workers: nothing asked)
+
+    async def no_room():
+        raise RuntimeError("could not start a worker: the cluster has no room for one")
+
+    sched.add_worker = no_room
+    sched._growing = 1
+    asyncio.run(sched._grow())
+    assert sched.counters.autoscale_grows == 0 and sched._growing == 0
+
+
+def test_the_load_the_loop_sees_counts_waiting_and_retracted_requests_and_each_live_worker():
+    import asyncio
+
+    from tests.exactness import bare_scheduler
+
+    sched, w0 = bare_scheduler()
+
+    async def submit_three():
+        return [await sched.submit([1, 2, 3 + i], {"max_new_tokens": 8}) for i in range(3)]
+
+    ids = asyncio.run(submit_three())
+    retracted = sched.table.requests[ids[0]]
+    sched.table.waiting.remove(retracted)
+    sched.table.retracted.append(retracted)
+    admitted = sched.table.requests[ids[1]]
+    sched.table.waiting.remove(admitted)
+    w0.view.running.append(admitted)  # (as if admitted: it holds worker 0)
+    sched.fleet.slots[1].draining = True
+    sched._growing, sched._shrinking = 1, 1
+    load = sched._load()
+    assert load.waiting == 2 and (load.growing, load.shrinking) == (1, 1)  # one new, one retracted
+    assert load.workers == (WorkerLoad(0, 1, False), WorkerLoad(1, 0, True))
+    sched.fleet.slots[1].alive = False  # a removed worker is not in the load
+    assert [w.index for w in sched._load().workers] == [0]
