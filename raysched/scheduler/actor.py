@@ -24,6 +24,8 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Coroutine
+from typing import Any
 
 import ray
 
@@ -112,7 +114,7 @@ class Scheduler:
         if self.config.autoscale is not None:
             self._in_background(self._autoscale_loop(self.config.autoscale))
 
-    def _in_background(self, coro) -> None:
+    def _in_background(self, coro: Coroutine[Any, Any, None]) -> None:
         """Run `coro` as a task this actor keeps a reference to until it ends."""
         task = asyncio.get_running_loop().create_task(coro)
         self._background.add(task)
