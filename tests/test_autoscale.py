@@ -173,11 +173,16 @@ def test_a_bad_autoscale_value_is_one_line_naming_its_key(raw, message):
     assert str(info.value) == message
 
 
-def test_autoscale_is_off_by_default_starts_at_min_workers_and_round_trips():
-    assert load_serve_config({}).autoscale is None
+def test_autoscale_is_off_by_default_starts_at_min_workers_and_round_trips(tmp_path):
+    import yaml
+
+    assert load_serve_config({}).autoscale is None and load_serve_config({"autoscale": None}).autoscale is None
     cfg = load_serve_config({"autoscale": {"min_workers": 2, "max_workers": 4, "scale_down_idle_s": 5}})
     assert cfg.workers == 2 and cfg.autoscale == AutoscaleConfig(max_workers=4, min_workers=2, scale_down_idle_s=5.0)
     assert load_serve_config(cfg.to_dict()) == cfg
+    (tmp_path / "serve.yaml").write_text(yaml.safe_dump(cfg.to_dict()))
+    assert load_serve_config(tmp_path / "serve.yaml") == cfg
+    assert load_serve_config(load_serve_config({}).to_dict()).autoscale is None
     assert load_serve_config({"workers": 3, "autoscale": {"max_workers": 4}}).workers == 3  # given: kept
 
 
