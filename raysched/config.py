@@ -669,6 +669,54 @@ class RolesConfig:
         return {"prefill": self.prefill, "decode": self.decode}
 
 
+@dataclass(frozen=True)
+class AutoscaleConfig:
+    """The elastic worker set on its own (`raysched.scheduler.autoscale`): grow by one worker when
+    at least `scale_up_waiting` requests per live worker have waited for `scale_up_after_s`
+    (asking Ray for its resources first, so an autoscaling cluster adds a node); drain and remove a
+    worker that has held nothing, with nothing waiting, for `scale_down_idle_s`. Absent (the
+    default): the set stays as `workers` says."""
+
+    max_workers: int
+    min_workers: int = 1
+    scale_up_waiting: int = 4  # waiting requests per live worker that count as pressure
+    scale_up_after_s: float = 2.0  # pressure must last this long before a grow
+    scale_down_idle_s: float = 30.0  # a worker idle this long (nothing running, nothing waiting) goes
+    interval_s: float = 0.5  # how often the load is looked at
+
+    CHECKS: ClassVar[dict[str, Check]] = {
+        "max_workers": check_positive_int,
+        "min_workers": check_positive_int,
+        "scale_up_waiting": check_positive_int,
+        "scale_up_after_s": check_non_negative_number,
+        "scale_down_idle_s": check_non_negative_number,
+        "interval_s": check_finite_number,
+    }
+    REQUIRED: ClassVar[tuple[str, ...]] = ("max_workers",)
+
+    def __post_init__(self) -> None:
+        key = _ROOT.child("autoscale")
+        check_fields(self, key)
+        if self.max_workers < self.min_workers:
+            raise key.child("max_workers").error(
+                f"must be >= autoscale.min_workers ({self.min_workers}), got {self.max_workers}")
+        if self.interval_s <= 0:
+            raise key.child("interval_s").error(f"must be > 0, got {self.interval_s}")
+
+    @classmethod
+    def from_dict(cls, raw: Any, key: KeyPath = _ROOT.child("autoscale")) -> AutoscaleConfig | None:
+        if raw is None:
+            return None
+        values = parse_fields(cls, raw, key)
+        missing = [name for name in cls.REQUIRED if name not in values]
+        if missing:
+            raise key.error(f"is missing required key(s): {', '.join(missing)}")
+        return cls(**values)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in self.CHECKS}
+
+
 def _check_instance(cls: type) -> Check:
     def check(value: Any, key: KeyPath) -> Any:
         if not isinstance(value, cls):
@@ -712,6 +760,7 @@ class ServeConfig:
     migration: MigrationConfig = MigrationConfig()
     faults: FaultConfig = ()
     roles: RolesConfig | None = None  # prefill / decode workers; None: every worker does both
+    autoscale: AutoscaleConfig | None = None  # grow / shrink the worker set; None: fixed at `workers`
     object_store_memory: int | None = None  # bytes, for the embedded Ray cluster
     invariant_tile: int = 16  # rows per matrix-kernel call in batch-invariant decode
     fixed_shape_decode: bool | None = None  # decode at bucket shapes, CUDA graphs (null: on CUDA)
@@ -730,6 +779,7 @@ class ServeConfig:
         "migration": _check_instance(MigrationConfig),
         "faults": _check_faults,
         "roles": check_optional(_check_instance(RolesConfig)),
+        "autoscale": check_optional(_check_instance(AutoscaleConfig)),
         "object_store_memory": check_optional(check_positive_int),
         "invariant_tile": check_positive_int,
         "fixed_shape_decode": check_optional(check_bool),
@@ -744,6 +794,7 @@ class ServeConfig:
         "faults": _parse_faults,
         "sim": SimConfig.from_dict,
         "roles": RolesConfig.from_dict,
+        "autoscale": AutoscaleConfig.from_dict,
     }
 
     def __post_init__(self) -> None:
@@ -757,6 +808,8 @@ class ServeConfig:
                     f"must be < workers ({self.workers}), got {fault.worker}")
         if self.data_plane != "sim" and self.sim != SimConfig():
             raise _ROOT.child("sim").error(f"applies only to data_plane: sim, not {self.data_plane}")
+        if self.autoscale is not None:
+            _check_autoscale_fits(self.autoscale, self.workers, self.roles)
 
     @classmethod
     def from_dict(cls, raw: Any) -> ServeConfig:
@@ -765,6 +818,8 @@ class ServeConfig:
                   for name, value in mapping.items()}
         if values.get("roles") is not None and "workers" not in values:  # workers follow the roles
             values["workers"] = values["roles"].workers
+        if values.get("autoscale") is not None and "workers" not in values:  # start at the floor
+            values["workers"] = values["autoscale"].min_workers
         return cls(**values)
 
     def to_dict(self) -> dict[str, Any]:
@@ -777,7 +832,20 @@ class ServeConfig:
         out["faults"] = [fault.to_dict() for fault in self.faults]
         out["sim"] = self.sim.to_dict()
         out["roles"] = self.roles.to_dict() if self.roles is not None else None
+        out["autoscale"] = self.autoscale.to_dict() if self.autoscale is not None else None
         return out
+
+
+def _check_autoscale_fits(autoscale: AutoscaleConfig, workers: int, roles: RolesConfig | None) -> None:
+    """The starting set lies within the autoscale bounds; roles and autoscale do not mix (an
+    added worker would do both)."""
+    key = _ROOT.child("autoscale")
+    if roles is not None:
+        raise key.error("cannot be combined with roles (an added worker would both prefill and decode)")
+    if not autoscale.min_workers <= workers <= autoscale.max_workers:
+        raise _ROOT.child("workers").error(
+            f"must lie within autoscale.min_workers..max_workers ({autoscale.min_workers}.."
+            f"{autoscale.max_workers}), got {workers}")
 
 
 def load_serve_config(path_or_dict: PathOrDict) -> ServeConfig:

@@ -1,4 +1,5 @@
-"""Every use of Ray's private APIs, in one place, each with a stated fallback (torch-free).
+"""Every use of Ray's private APIs, in one place, each with a stated fallback (torch-free); also
+public Ray calls that a local cluster may refuse (`request_resources`: no autoscaler there).
 
 `ray._private` and `ray.autoscaler._private` change between releases without notice; raysched
 is tested with Ray 2.60 (see pyproject). Each function tries the private route first and, when it
@@ -14,6 +15,7 @@ made-up number.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import re
 from collections.abc import Callable, Iterator
@@ -23,6 +25,7 @@ from typing import Any
 import ray
 
 INLINE_RETURN_DEFAULT_BYTES = 100 * 1024  # Ray's default `max_direct_call_object_size`
+log = logging.getLogger("raysched.ray_compat")
 
 
 def inline_return_bytes() -> int:
@@ -210,3 +213,22 @@ def driver_signal_hooks(restore: Callable[[], None]) -> Iterator[None]:
             ray_utils.set_sigterm_handler = keep_handler
         if hook_disconnect:
             del state.disconnect  # the class's method again
+
+
+def request_resources(bundles: list[dict[str, float]]) -> bool:
+    """Ask the cluster's autoscaler for room for `bundles` in all (each call replaces the last
+    request; Ray counts what already runs against it), so a `ray up cluster.yaml` cluster adds
+    nodes for workers about to start, and may release them once the request shrinks.
+
+    Public: `ray.autoscaler.sdk.request_resources`, but a cluster without an autoscaler (a local
+    `ray.init`, a plain `ray start`) may refuse it. Fallback: the failure is logged and False
+    returned; the caller starts its worker anyway (it waits for room, or fails to start).
+    """
+    try:
+        from ray.autoscaler.sdk import request_resources as ray_request_resources
+
+        ray_request_resources(bundles=bundles)
+        return True
+    except Exception as err:
+        log.info("no autoscaler took the resource request (%r); going on without", err)
+        return False

@@ -69,6 +69,8 @@ class Counters:
     migration_precopy_bytes: int = 0
     migration_final_bytes: int = 0
     rebalance_moves: int = 0  # migrations the rebalancer started
+    autoscale_grows: int = 0  # workers the autoscale policy added
+    autoscale_shrinks: int = 0  # idle workers it drained and removed
     downtimes_s: deque = field(default_factory=lambda: deque(maxlen=4096))  # stop-and-copy durations
     busy_s: float = 0.0
     started_s: float = field(default_factory=time.monotonic)

@@ -99,6 +99,15 @@ def worker_options(config: ServeConfig) -> dict:
             "max_restarts": 0, "max_task_retries": 0, "enable_task_events": False}
 
 
+def worker_bundle(config: ServeConfig) -> dict[str, float]:
+    """The resources one worker actor asks Ray for (what an autoscaler must find room for);
+    empty for simulated workers (they share host actors)."""
+    if config.data_plane == "sim":
+        return {}
+    opts = worker_options(config)
+    return {k: v for k, v in (("CPU", opts["num_cpus"]), ("GPU", opts["num_gpus"])) if v}
+
+
 def spawn_worker(config: ServeConfig, index: int) -> Any:
     """Start worker `index`; returns its actor handle (the caller owns the actor)."""
     if config.data_plane == "sim":

@@ -11,6 +11,7 @@
     planner.py     pure decisions: victims, resumes, admissions, decode steps
     roles.py       worker roles (prefill / decode / both): the one place the idea lives
     policy.py      pure policy: victim order, retract-mode cost model
+    autoscale.py   pure policy: when to grow or shrink the worker set (`autoscale:` config)
     faults.py      fault injection, the one seam
     heap.py        keeps a long-lived process's heap from hoarding freed memory
 

@@ -8,6 +8,7 @@ hands each call to the one that owns it:
 - `retraction.RetractionLedger`: retract modes, the snapshot budget, bytes in flight;
 - `recovery.Recovery`: starting workers, worker failure, replacement, restart;
 - `migration.Migrator`: live migration, drain, the elastic worker set;
+- `autoscale.AutoscalePolicy`: when to grow or shrink that set (the loop here applies it);
 - `prefix_cache.PrefixCache`: prefix reuse around each call (`state_cache`: the index);
 - `faults.FaultSeam`: fault injection, the one seam;
 - `planner` / `policy`: pure decisions.
@@ -19,14 +20,19 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import os
 import sys
+import time
+from collections.abc import Coroutine
+from typing import Any
 
 import ray
 
-from raysched.config import ServeConfig
-from raysched.ray_compat import inline_return_bytes, object_store_stats
-from raysched.sampling import SamplingParams
+from raysched.config import AutoscaleConfig, ServeConfig
+from raysched.ray_compat import inline_return_bytes, object_store_stats, request_resources
+from raysched.sampling import RequestError, SamplingParams
+from raysched.scheduler.autoscale import AutoscalePolicy, Load, WorkerLoad
 from raysched.scheduler.dispatch import Dispatcher
 from raysched.scheduler.faults import FaultSeam
 from raysched.scheduler.fleet import Fleet, WorkerSlot
@@ -39,7 +45,9 @@ from raysched.scheduler.state_cache import StateCache
 from raysched.scheduler.table import Limits, RequestTable, validate_generated
 from raysched.stats import Counters
 from raysched.tokenizer import require_tokenizer
-from raysched.workers import kill_worker, release_workers
+from raysched.workers import kill_worker, release_workers, worker_bundle
+
+log = logging.getLogger("raysched.scheduler")
 
 
 class Scheduler:
@@ -62,6 +70,9 @@ class Scheduler:
         self.migrator = Migrator(config.migration, self.table, self.fleet, self.counters, self.recovery, self.faults)
         self.dispatch.before_decide = self.migrator.send_finals
         self._start_task: asyncio.Task | None = None
+        self._growing = 0  # autoscale grows in flight
+        self._shrinking = 0  # autoscale shrinks in flight
+        self._background: set[asyncio.Task] = set()  # the loops and scaling steps started here
 
     # the tables other code reads (tests, introspection)
     @property
@@ -99,8 +110,15 @@ class Scheduler:
             self.ledger.budget_bytes = store // 2
         rb = self.config.scheduler.rebalance
         if rb.enabled:
-            self._rebalance = asyncio.get_running_loop().create_task(
-                self.migrator.rebalance_loop(rb.threshold, rb.interval_s, rb.max_moves))
+            self._in_background(self.migrator.rebalance_loop(rb.threshold, rb.interval_s, rb.max_moves))
+        if self.config.autoscale is not None:
+            self._in_background(self._autoscale_loop(self.config.autoscale))
+
+    def _in_background(self, coro: Coroutine[Any, Any, None]) -> None:
+        """Run `coro` as a task this actor keeps a reference to until it ends."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     def _start_loop(self, w: WorkerSlot) -> None:
         self.dispatch.start_loop(w)
@@ -196,6 +214,58 @@ class Scheduler:
             raise RuntimeError("could not start a worker: the cluster has no room for one")
         self.fleet.notify()
         return slot.line()
+
+    # ================================================================== autoscale
+    async def _autoscale_loop(self, cfg: AutoscaleConfig) -> None:
+        """Every `interval_s`: one decision of the pure policy, applied in the background (a grow
+        or a shrink in flight is part of the next snapshot, so decisions never pile up)."""
+        policy = AutoscalePolicy(cfg)
+        while not self.recovery.closing:
+            await asyncio.sleep(cfg.interval_s)
+            decision = policy.decide(self._load())
+            if decision.grow:
+                self._growing += 1
+                self._in_background(self._grow())
+            elif decision.shrink is not None:
+                self._shrinking += 1
+                self._in_background(self._shrink(decision.shrink))
+
+    def _load(self) -> Load:
+        """What the policy sees now."""
+        workers = tuple(WorkerLoad(w.index, len(w.view.running), w.draining) for w in self.fleet.alive())
+        return Load(time.monotonic(), len(self.table.waiting) + len(self.table.retracted), workers,
+                    self._growing + self.recovery.pending_replacements, self._shrinking)
+
+    async def _grow(self) -> None:
+        """Ask the cluster for room for one more worker, then start it (counted once it runs)."""
+        try:
+            await self._request_room(len(self.fleet.alive()) + 1)
+            line = await self.add_worker()
+            self.counters.autoscale_grows += 1
+            log.info("autoscale: added worker %d (%d waiting)", line["worker"], len(self.table.waiting))
+        except RuntimeError as err:
+            log.warning("autoscale: %s", err)
+        finally:
+            self._growing -= 1
+
+    async def _shrink(self, index: int) -> None:
+        """Drain worker `index`, remove it, and lower the cluster request to the smaller set."""
+        try:
+            out = await self.remove_worker(index)
+            self.counters.autoscale_shrinks += 1
+            log.info("autoscale: removed idle worker %d (moved %d)", index, out["moved"])
+            await self._request_room(len(self.fleet.alive()))
+        except RequestError as err:  # it died, or became the last undrained one, meanwhile
+            log.info("autoscale: worker %d stays: %s", index, err)
+        finally:
+            self._shrinking -= 1
+
+    async def _request_room(self, workers: int) -> None:
+        """The cluster request for `workers` workers (`ray_compat.request_resources`, off this
+        loop: it talks to the GCS)."""
+        bundle = await asyncio.to_thread(worker_bundle, self.config)
+        if bundle:
+            await asyncio.to_thread(request_resources, [bundle] * workers)
 
     def _limits(self) -> Limits:
         info = self.fleet.slots[0].info
