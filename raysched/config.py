@@ -193,6 +193,30 @@ def parse_fields(cls: type, raw: Any, key: KeyPath) -> dict[str, Any]:
     return {name: cls.CHECKS[name](value, key.child(name)) for name, value in mapping.items()}
 
 
+class Section:
+    """A config section: a frozen dataclass whose fields `CHECKS` checks, found under `KEY`
+    (checked again on construction, so one built in code is held to the same rules)."""
+
+    KEY: ClassVar[KeyPath]
+    CHECKS: ClassVar[dict[str, Check]]
+    REQUIRED: ClassVar[tuple[str, ...]] = ()  # fields without a default
+
+    def __post_init__(self) -> None:
+        check_fields(self, self.KEY)
+
+    @classmethod
+    def from_dict(cls, raw: Any, key: KeyPath | None = None) -> Any:
+        key = cls.KEY if key is None else key
+        values = parse_fields(cls, raw, key)
+        missing = [name for name in cls.REQUIRED if name not in values]
+        if missing:
+            raise key.error(f"is missing required key(s): {', '.join(missing)}")
+        return cls(**values)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in self.CHECKS}
+
+
 # ---------------------------------------------------------------------------- YAML
 
 
@@ -350,7 +374,7 @@ class PoolConfig:
 
 
 @dataclass(frozen=True)
-class RebalanceConfig:
+class RebalanceConfig(Section):
     """Load balancing by live migration (`raysched.scheduler.rebalance`): every `interval_s`,
     when the virtual usage of the most and the least loaded worker differs by more than
     `threshold`, one running request moves from the first to the second."""
@@ -360,6 +384,7 @@ class RebalanceConfig:
     interval_s: float = 0.25  # how often the loads are compared
     max_moves: int = 1  # migrations in flight at once
 
+    KEY: ClassVar[KeyPath] = _ROOT.child("scheduler").child("rebalance")
     CHECKS: ClassVar[dict[str, Check]] = {
         "enabled": check_bool,
         "threshold": check_fraction,
@@ -368,17 +393,13 @@ class RebalanceConfig:
     }
 
     def __post_init__(self) -> None:
-        check_fields(self, _ROOT.child("scheduler").child("rebalance"))
+        super().__post_init__()
         if self.interval_s <= 0:
-            raise _ROOT.child("scheduler").child("rebalance").child("interval_s").error(
-                f"must be > 0, got {self.interval_s}")
+            raise self.KEY.child("interval_s").error(f"must be > 0, got {self.interval_s}")
 
     @classmethod
     def parse(cls, raw: Any, key: KeyPath) -> RebalanceConfig:
-        return raw if isinstance(raw, cls) else cls(**parse_fields(cls, raw, key))
-
-    def to_dict(self) -> dict[str, Any]:
-        return {name: getattr(self, name) for name in self.CHECKS}
+        return raw if isinstance(raw, cls) else cls.from_dict(raw, key)
 
 
 @dataclass(frozen=True)
@@ -440,7 +461,7 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
-class StateCacheConfig:
+class StateCacheConfig(Section):
     """Prefix reuse (`raysched.state_cache`, `raysched.prefix_cache`): states at every prefill
     chunk boundary, prompt end and finished turn parked in the object store (K/V in blocks, once),
     restored by a later request whose prompt starts with their tokens."""
@@ -454,6 +475,7 @@ class StateCacheConfig:
     placement_slack: float = 0.25  # a request goes to the worker holding its matched state when
     #   that worker's free fraction is within this of the roomiest worker's
 
+    KEY: ClassVar[KeyPath] = _ROOT.child("state_cache")
     CHECKS: ClassVar[dict[str, Check]] = {
         "enabled": check_bool,
         "budget_bytes": check_optional(check_non_negative_int),
@@ -461,16 +483,6 @@ class StateCacheConfig:
         "inline_budget_bytes": check_non_negative_int,
         "placement_slack": check_fraction,
     }
-
-    def __post_init__(self) -> None:
-        check_fields(self, _ROOT.child("state_cache"))
-
-    @classmethod
-    def from_dict(cls, raw: Any, key: KeyPath = _ROOT.child("state_cache")) -> StateCacheConfig:
-        return cls(**parse_fields(cls, raw, key))
-
-    def to_dict(self) -> dict[str, Any]:
-        return {name: getattr(self, name) for name in self.CHECKS}
 
 
 def check_non_negative_number(value: Any, key: KeyPath) -> float:
@@ -480,7 +492,7 @@ def check_non_negative_number(value: Any, key: KeyPath) -> float:
 
 
 @dataclass(frozen=True)
-class SimConfig:
+class SimConfig(Section):
     """The simulated data plane (`data_plane: sim`, see `actors.sim`): workers that keep the pool
     accounting and the worker interface but run no model. A step call sleeps
 
@@ -497,6 +509,7 @@ class SimConfig:
     vocab_size: int = 32000
     max_context: int = 32768
 
+    KEY: ClassVar[KeyPath] = _ROOT.child("sim")
     CHECKS: ClassVar[dict[str, Check]] = {
         "decode_ms": check_non_negative_number,
         "decode_ms_per_row": check_non_negative_number,
@@ -508,23 +521,13 @@ class SimConfig:
         "max_context": check_positive_int,
     }
 
-    def __post_init__(self) -> None:
-        check_fields(self, _ROOT.child("sim"))
-
-    @classmethod
-    def from_dict(cls, raw: Any, key: KeyPath = _ROOT.child("sim")) -> SimConfig:
-        return cls(**parse_fields(cls, raw, key))
-
-    def to_dict(self) -> dict[str, Any]:
-        return {name: getattr(self, name) for name in self.CHECKS}
-
     def step_ms(self, prefill_tokens: int, decode_steps: int, rows: int) -> float:
         """The modeled time of one step call."""
         return self.prefill_ms_per_token * prefill_tokens + decode_steps * (self.decode_ms + self.decode_ms_per_row * rows)
 
 
 @dataclass(frozen=True)
-class MigrationConfig:
+class MigrationConfig(Section):
     """Live migration (`raysched.scheduler.migration`): K/V copied in pre-copy stages while the
     request decodes on, then one stop-and-copy (Llumnix's defaults: 16 blocks of 16 tokens,
     at most 3 stages)."""
@@ -534,21 +537,12 @@ class MigrationConfig:
     #   remain (0: never; every migration falls back to snapshot mode after `max_stages`)
     max_stages: int = 3  # pre-copy stages before falling back to a blocking snapshot copy
 
+    KEY: ClassVar[KeyPath] = _ROOT.child("migration")
     CHECKS: ClassVar[dict[str, Check]] = {
         "block_tokens": check_positive_int,
         "last_stage_tokens": check_non_negative_int,
         "max_stages": check_positive_int,
     }
-
-    def __post_init__(self) -> None:
-        check_fields(self, _ROOT.child("migration"))
-
-    @classmethod
-    def from_dict(cls, raw: Any, key: KeyPath = _ROOT.child("migration")) -> MigrationConfig:
-        return cls(**parse_fields(cls, raw, key))
-
-    def to_dict(self) -> dict[str, Any]:
-        return {name: getattr(self, name) for name in self.CHECKS}
 
 
 @dataclass(frozen=True)
@@ -637,7 +631,7 @@ FaultConfig: TypeAlias = tuple[FaultSpec, ...]  # the `faults:` list of a serve 
 
 
 @dataclass(frozen=True)
-class RolesConfig:
+class RolesConfig(Section):
     """Disaggregated serving (`raysched.scheduler.roles`): `prefill` workers take new prompts
     and hand each request, once its prompt is prefilled and its first token sampled, to one of
     the `decode` workers. Absent (the default): every worker does both."""
@@ -645,32 +639,21 @@ class RolesConfig:
     prefill: int
     decode: int
 
+    KEY: ClassVar[KeyPath] = _ROOT.child("roles")
     CHECKS: ClassVar[dict[str, Check]] = {"prefill": check_positive_int, "decode": check_positive_int}
     REQUIRED: ClassVar[tuple[str, ...]] = ("prefill", "decode")
-
-    def __post_init__(self) -> None:
-        check_fields(self, _ROOT.child("roles"))
 
     @property
     def workers(self) -> int:
         return self.prefill + self.decode
 
     @classmethod
-    def from_dict(cls, raw: Any, key: KeyPath = _ROOT.child("roles")) -> RolesConfig | None:
-        if raw is None:
-            return None
-        values = parse_fields(cls, raw, key)
-        missing = [name for name in cls.REQUIRED if name not in values]
-        if missing:
-            raise key.error(f"is missing required key(s): {', '.join(missing)}")
-        return cls(**values)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"prefill": self.prefill, "decode": self.decode}
+    def from_dict(cls, raw: Any, key: KeyPath | None = None) -> RolesConfig | None:
+        return None if raw is None else super().from_dict(raw, key)  # absent: every worker does both
 
 
 @dataclass(frozen=True)
-class AutoscaleConfig:
+class AutoscaleConfig(Section):
     """The elastic worker set on its own (`raysched.scheduler.autoscale`): grow by one worker when
     at least `scale_up_waiting` requests per live worker have waited for `scale_up_after_s`
     (asking Ray for its resources first, so an autoscaling cluster adds a node); drain and remove a
@@ -684,6 +667,7 @@ class AutoscaleConfig:
     scale_down_idle_s: float = 30.0  # a worker idle this long (nothing running, nothing waiting) goes
     interval_s: float = 0.5  # how often the load is looked at
 
+    KEY: ClassVar[KeyPath] = _ROOT.child("autoscale")
     CHECKS: ClassVar[dict[str, Check]] = {
         "max_workers": check_positive_int,
         "min_workers": check_positive_int,
@@ -695,8 +679,8 @@ class AutoscaleConfig:
     REQUIRED: ClassVar[tuple[str, ...]] = ("max_workers",)
 
     def __post_init__(self) -> None:
-        key = _ROOT.child("autoscale")
-        check_fields(self, key)
+        super().__post_init__()
+        key = self.KEY
         if self.max_workers < self.min_workers:
             raise key.child("max_workers").error(
                 f"must be >= autoscale.min_workers ({self.min_workers}), got {self.max_workers}")
@@ -704,17 +688,8 @@ class AutoscaleConfig:
             raise key.child("interval_s").error(f"must be > 0, got {self.interval_s}")
 
     @classmethod
-    def from_dict(cls, raw: Any, key: KeyPath = _ROOT.child("autoscale")) -> AutoscaleConfig | None:
-        if raw is None:
-            return None
-        values = parse_fields(cls, raw, key)
-        missing = [name for name in cls.REQUIRED if name not in values]
-        if missing:
-            raise key.error(f"is missing required key(s): {', '.join(missing)}")
-        return cls(**values)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {name: getattr(self, name) for name in self.CHECKS}
+    def from_dict(cls, raw: Any, key: KeyPath | None = None) -> AutoscaleConfig | None:
+        return None if raw is None else super().from_dict(raw, key)  # absent: a fixed set
 
 
 def _check_instance(cls: type) -> Check:
