@@ -67,7 +67,8 @@ class Scheduler:
         self.recovery = Recovery(config, self.table, self.fleet, self.counters, on_added=self._start_loop)
         self.dispatch = Dispatcher(config, self.table, self.fleet, self.counters, self.ledger, self.prefix_cache,
                                    self.recovery, self.faults)
-        self.migrator = Migrator(config.migration, self.table, self.fleet, self.counters, self.recovery, self.faults)
+        self.migrator = Migrator(config.migration, self.table, self.fleet, self.counters, self.recovery, self.faults,
+                                 self.ledger)
         self.dispatch.before_decide = self.migrator.send_finals
         self._start_task: asyncio.Task | None = None
         self._growing = 0  # autoscale grows in flight

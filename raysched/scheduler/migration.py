@@ -40,6 +40,7 @@ from raysched.request import Request, State, enqueue
 from raysched.sampling import RequestError
 from raysched.scheduler.fleet import Fleet, WorkerSlot
 from raysched.scheduler.recovery import Recovery
+from raysched.scheduler.retraction import RetractionLedger, estimate_bytes
 from raysched.scheduler.faults import FaultSeam
 from raysched.scheduler.rebalance import pick_move
 from raysched.scheduler.table import RequestTable
@@ -68,8 +69,9 @@ class Final:
 
 class Migrator:
     def __init__(self, cfg: MigrationConfig, table: RequestTable, fleet: Fleet, counters: Counters,
-                 recovery: Recovery, faults: FaultSeam) -> None:
+                 recovery: Recovery, faults: FaultSeam, ledger: RetractionLedger) -> None:
         self.cfg = cfg
+        self.ledger = ledger  # the snapshot budget a drain's snapshots count against too
         self.table = table
         self.fleet = fleet
         self.counters = counters
@@ -347,8 +349,10 @@ class Migrator:
 
     async def retract_by_snapshot(self, req: Request, recompute: bool = False) -> str:
         """Stop `req` and queue it with a full snapshot (resumed wherever there is room), or,
-        with `recompute`, without one (its history is prefilled again)."""
+        with `recompute` or when the snapshot budget is full, without one (its history is
+        prefilled again)."""
         src = self.fleet.slots[req.worker]
+        recompute = recompute or not self.ledger.fits(estimate_bytes(src, req))
         self.moving.add(req.request_id)
         final = Final(req, 0, None, asyncio.get_running_loop().create_future())
         try:

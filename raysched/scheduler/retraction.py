@@ -95,8 +95,7 @@ class RetractionLedger:
         if mode == "auto":
             mode = choose_retract_mode(r.num_cached + 1, nbytes, info.copy_bytes_per_s, info.prefill_tokens_per_s,
                                        cross_node=self.fleet.multi_node())
-        if mode == "snapshot" and self.held_bytes() + nbytes > self.budget_bytes:
-            self.counters.store_pressure_fallbacks += 1
+        if mode == "snapshot" and not self.fits(nbytes):
             return "recompute"
         self.inflight_bytes += nbytes if mode == "snapshot" else 0
         return mode
@@ -149,6 +148,14 @@ class RetractionLedger:
             here = w.info.node_id
             via = (r.snapshot_node != home) + (here != home)
             self.counters.on_resume_bytes(nbytes * (r.snapshot_node != here), nbytes * via)
+
+    def fits(self, nbytes: int) -> bool:
+        """Does a snapshot of `nbytes` fit in the budget now? If not, it is counted as a store
+        pressure fallback (the caller retracts by recompute instead)."""
+        if self.held_bytes() + nbytes <= self.budget_bytes:
+            return True
+        self.counters.store_pressure_fallbacks += 1
+        return False
 
     def held_bytes(self) -> int:
         """Bytes of snapshots waiting to be resumed, plus those still in flight."""
