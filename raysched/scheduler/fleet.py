@@ -67,8 +67,15 @@ class Fleet:
         return slot
 
     def note_room(self, w: WorkerSlot) -> None:
-        """`w`'s pools changed (a reply arrived, or it was retired)."""
-        self._rooms[w.index] = w.view.room() if w.alive else -1.0
+        """`w`'s pools changed (a reply arrived, it was retired, or it started or stopped
+        draining): a draining worker takes nothing new, so its room does not count."""
+        self._rooms[w.index] = w.view.room() if w.alive and not w.draining else -1.0
+
+    def set_draining(self, w: WorkerSlot, draining: bool) -> None:
+        """Start or stop draining `w`. While it drains, its free room is nobody's: without this
+        the others would hold new requests back for a roomier worker that admits none."""
+        w.draining = draining
+        self.note_room(w)
 
     def best_room_except(self, w: WorkerSlot) -> float:
         """The most room any other live worker has (-1.0 if there is none): one pass over a list

@@ -272,7 +272,7 @@ class Migrator:
         again, on `dst` (every other live worker is held back from resuming it meanwhile)."""
         held = [w for w in self.fleet.others(dst) if not w.draining]
         for w in held:
-            w.draining = True
+            self.fleet.set_draining(w, True)
         t0 = time.monotonic()
         try:
             if await self.retract_by_snapshot(req, recompute=True) == "ended":
@@ -282,7 +282,7 @@ class Migrator:
                 await asyncio.sleep(DRAIN_POLL_S / 4)
         finally:
             for w in held:
-                w.draining = False
+                self.fleet.set_draining(w, False)
             self.fleet.notify()
         out.update(mode="recompute", downtime_s=time.monotonic() - t0)
         return out
@@ -318,7 +318,7 @@ class Migrator:
         w = self.worker(index)
         if not self.fleet.others(w) or all(o.draining for o in self.fleet.others(w)):
             raise RequestError(f"worker {index} is the last one taking work: nothing to drain it to")
-        w.draining = True
+        self.fleet.set_draining(w, True)
         t0, moved, fallbacks = time.monotonic(), 0, 0
         while w.alive and any(r.state is State.RUNNING for r in w.view.running):
             reqs = [r for r in w.view.running if r.state is State.RUNNING and r.request_id not in self.moving]
@@ -330,7 +330,7 @@ class Migrator:
 
     def undrain(self, index: int) -> None:
         """Let a drained (still live) worker take work again."""
-        self.worker(index).draining = False
+        self.fleet.set_draining(self.worker(index), False)
         self.fleet.notify()
 
     async def _move_off(self, req: Request) -> str:
