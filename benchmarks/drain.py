@@ -78,7 +78,7 @@ def main(out_dir: Path = Path("bench-out"), quick: bool = False) -> dict:
     return report(out_dir, "drain", result, _print, _figure)
 
 
-def _warm(client: Any) -> None:
+def warm_with_a_migration(client: Any) -> None:
     """A short request per worker, and one live migration (its first call pays lazy set-up)."""
     warm_up(client)
     rec = Recorder(client, [3] * 32, {"max_new_tokens": 48})
@@ -89,7 +89,7 @@ def _warm(client: Any) -> None:
 
 def run_mode(setup: Setup, mode: str, prompts: list[list[int]]) -> dict:
     with measured_client(serve_config(setup)) as (client, _costs):
-        _warm(client)
+        warm_with_a_migration(client)
         recs = [Recorder(client, p, {"max_new_tokens": setup.new_tokens}) for p in prompts]
         wait_for_tokens(recs, setup.start_after)
         t_call = time.perf_counter()
