@@ -156,6 +156,8 @@ def _print(result: dict) -> None:
             Column("worker CPU s", "worker_cpu_s", ".1f"), Column("mismatches", "mismatches", "d")]
     print_table("", cols, result["modes"])
     print_targets(result["targets"])
+    print(f"load average (1 min): {result.get('load_avg_1m_start')} at the start, {result.get('load_avg_1m_end')} "
+          f"at the end; {result['machine']['cpus']} CPUs")
 
 
 def _figure(result: dict, plt: Any) -> Any:
