@@ -103,15 +103,16 @@ def run_mode(setup: Setup, mode: str, prompts: list[list[int]]) -> dict:
 
 
 # ---------------------------------------------------------------------------- analysis
-def gap_steps(rec: Recorder, t_call: float, t_back: float) -> tuple[float, float]:
-    """(largest gap around the drain in decode steps, median gap before it in seconds)."""
+def gap_steps(rec: Recorder, t_call: float, t_back: float) -> tuple[float, float, float | None]:
+    """(largest gap around the drain in decode steps, median gap before it in seconds, median
+    gap after the window: one decode step of the batch the request ended up in)."""
     gaps = [b - a for a, b in zip(rec.arrivals, rec.arrivals[1:])]
     first_after = next((i for i, t in enumerate(rec.arrivals) if t > t_call), len(rec.arrivals))
     last = next((i for i, t in enumerate(rec.arrivals) if t > t_back), len(rec.arrivals)) + AFTER
     before = [g for g in gaps[1:max(2, first_after - 1)] if g > 0]
-    around = gaps[max(0, first_after - 1):last]
+    around, after = gaps[max(0, first_after - 1):last], [g for g in gaps[last:] if g > 0]
     step = statistics.median(before) if before else float("nan")
-    return (max(around) / step if around else 0.0), step
+    return (max(around) / step if around else 0.0), step, (statistics.median(after) if after else None)
 
 
 def _row(mode: str, run: dict, reference: list[list[int]] | None) -> dict:
@@ -120,9 +121,10 @@ def _row(mode: str, run: dict, reference: list[list[int]] | None) -> dict:
     ends = [r.ended for r in recs if r.ended is not None]
     return {"mode": mode, "requests": len(recs), "errors": sum(r.error is not None for r in recs),
             "error_messages": [r.error for r in recs if r.error],
-            "gap_steps_max": max(g for g, _ in measured),
-            "gap_steps_per_request": [round(g, 2) for g, _ in measured],
-            "step_s_median": statistics.median(s for _, s in measured),
+            "gap_steps_max": max(g for g, _, _ in measured),
+            "gap_steps_per_request": [round(g, 2) for g, _, _ in measured],
+            "step_s_median": statistics.median(s for _, s, _ in measured),
+            "step_s_after_median": statistics.median([a for _, _, a in measured if a is not None] or [float("nan")]),
             "drain_s": run["drained"]["seconds"], "moved": run["drained"]["moved"],
             "fallbacks": run["drained"]["fallbacks"],
             "finish_s": max(ends) - run["t_call"] if ends else None,
@@ -162,7 +164,8 @@ def _print(result: dict) -> None:
     print(f"drain: model {result['model']}, 2 workers; {s['requests']} requests, prompts {s['prompt']} tokens, "
           f"{s['new_tokens']} new each; worker {DRAINED} drained after {s['start_after']} tokens")
     cols = [Column("mode", "mode"), Column("errors", "errors", "d"), Column("largest gap (steps)", "gap_steps_max", ".2f"),
-            Column("step ms", "step_s_median", ".1f", 1e3), Column("drain s", "drain_s", ".2f"),
+            Column("step ms", "step_s_median", ".1f", 1e3), Column("step ms after", "step_s_after_median", ".1f", 1e3),
+            Column("drain s", "drain_s", ".2f"),
             Column("moved", "moved", "d"), Column("fallbacks", "fallbacks", "d"),
             Column("finish s", "finish_s", ".2f"), Column("live migrations", "live_migrations", "d"),
             Column("mismatches", "mismatches", "d")]
