@@ -55,13 +55,20 @@ QUICK = Setup("tiny", requests=4, prompt=(128, 384), new_tokens=64, start_after=
 
 
 def prompt_lengths(setup: Setup) -> list[int]:
+    """Evenly spread, in submission order: every other length first, then the rest, so the
+    first half (one worker's) and the second half (the other's) both span the range."""
     lo, hi = setup.prompt
     n = setup.requests
-    return [lo + (hi - lo) * i // max(1, n - 1) for i in range(n)]
+    spread = [lo + (hi - lo) * i // max(1, n - 1) for i in range(n)]
+    return spread[0::2] + spread[1::2]
 
 
 def serve_config(setup: Setup) -> ServeConfig:
-    sched = SchedulerConfig(decode_steps_per_call=1, prefill_chunk_tokens=0, prefill_budget_tokens=0)
+    """`max_batch_size` = half the requests: each worker admits half of them, whichever plans
+    first (without it, the first to plan admits every queued request and the other drains
+    nothing). It caps admissions only: after the drain worker 0 decodes all of them."""
+    sched = SchedulerConfig(decode_steps_per_call=1, prefill_chunk_tokens=0, prefill_budget_tokens=0,
+                            max_batch_size=setup.requests // 2)
     return ServeConfig(model=setup.model, workers=2, device="cpu", scheduler=sched,
                        pool=PoolConfig(kv_tokens=setup.kv_tokens, state_slots=setup.state_slots),
                        state_cache=StateCacheConfig(enabled=False), migration=MigrationConfig())
