@@ -48,9 +48,9 @@ class Setup:
     vocab: int
 
 
-FULL = Setup("small", requests=16, prompt=(1024, 8192), new_tokens=160, start_after=16,
-             kv_tokens=16 * 4608 + 16 * 160 + 2048, state_slots=16, vocab=8192)
-QUICK = Setup("tiny", requests=4, prompt=(128, 384), new_tokens=64, start_after=8,
+FULL = Setup("small", requests=16, prompt=(1024, 8192), new_tokens=480, start_after=16,
+             kv_tokens=16 * 4608 + 16 * 480 + 2048, state_slots=16, vocab=8192)
+QUICK = Setup("tiny", requests=4, prompt=(128, 384), new_tokens=128, start_after=8,
               kv_tokens=2048, state_slots=8, vocab=512)
 
 
@@ -124,10 +124,11 @@ def gap_steps(rec: Recorder, t_call: float, t_back: float) -> tuple[float, float
 
 def _row(mode: str, run: dict, reference: list[list[int]] | None) -> dict:
     recs = run["recs"]
-    measured = [gap_steps(r, run["t_call"], run["t_back"]) for r in recs]
+    decoding = [r for r in recs if r.arrivals and r.arrivals[-1] > run["t_call"]]  # not ended by the call
+    measured = [gap_steps(r, run["t_call"], run["t_back"]) for r in decoding] or [(0.0, float("nan"), None)]
     ends = [r.ended for r in recs if r.ended is not None]
     return {"mode": mode, "requests": len(recs), "errors": sum(r.error is not None for r in recs),
-            "error_messages": [r.error for r in recs if r.error],
+            "decoding_at_drain": len(decoding), "error_messages": [r.error for r in recs if r.error],
             "gap_steps_max": max(g for g, _, _ in measured),
             "gap_steps_per_request": [round(g, 2) for g, _, _ in measured],
             "step_s_median": statistics.median(s for _, s, _ in measured),
@@ -150,6 +151,8 @@ def _targets(rows: dict) -> dict:
             "value": p["gap_steps_max"], "target": "(noise floor)", "met": None},
         "client errors": {"value": d["errors"] + p["errors"], "target": "0", "met": d["errors"] + p["errors"] == 0},
         "requests moved by the drain": {"value": d["moved"], "target": "> 0", "met": d["moved"] > 0},
+        "requests still decoding at the drain call": {
+            "value": d["decoding_at_drain"], "target": f"all {d['requests']}", "met": d["decoding_at_drain"] == d["requests"]},
         "finish time drained / in place": {"value": finish, "target": "(informational)", "met": None},
         "same tokens drained and in place": {"value": d["mismatches"], "target": "0 mismatched requests",
                                              "met": d["mismatches"] == 0},
@@ -170,7 +173,8 @@ def _print(result: dict) -> None:
     s = result["setup"]
     print(f"drain: model {result['model']}, 2 workers; {s['requests']} requests, prompts {s['prompt']} tokens, "
           f"{s['new_tokens']} new each; worker {DRAINED} drained after {s['start_after']} tokens")
-    cols = [Column("mode", "mode"), Column("errors", "errors", "d"), Column("largest gap (steps)", "gap_steps_max", ".2f"),
+    cols = [Column("mode", "mode"), Column("errors", "errors", "d"), Column("decoding", "decoding_at_drain", "d"),
+            Column("largest gap (steps)", "gap_steps_max", ".2f"),
             Column("step ms", "step_s_median", ".1f", 1e3), Column("step ms after", "step_s_after_median", ".1f", 1e3),
             Column("drain s", "drain_s", ".2f"),
             Column("moved", "moved", "d"), Column("fallbacks", "fallbacks", "d"),
