@@ -279,3 +279,54 @@ def warm_up(client: Any, workers: int = 2) -> None:
     handles = [client.submit([1 + i] * 8, {"max_new_tokens": 2}) for i in range(workers)]
     for h in handles:
         h.result(timeout=120)
+
+
+# ---------------------------------------------------------------------------- streams
+class Recorder:
+    """One request streamed on its own thread: its tokens, when each arrived at the client
+    (`time.perf_counter`), when it was submitted and ended, and any error it raised."""
+
+    def __init__(self, client: Any, prompt: list[int], sampling: dict) -> None:
+        import threading
+
+        self.tokens: list[int] = []
+        self.arrivals: list[float] = []
+        self.error: str | None = None
+        self.submitted = time.perf_counter()
+        self.ended: float | None = None
+        self.record: dict = {}
+        self._handle = client.submit(prompt, sampling)
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        try:
+            for tok in self._handle.stream():
+                self.tokens.append(tok)
+                self.arrivals.append(time.perf_counter())
+            self.ended = time.perf_counter()
+            self.record = self._handle.result(timeout=600)
+        except Exception as err:  # noqa: BLE001 - a client error is a measured outcome here
+            self.error = f"{type(err).__name__}: {err}"
+
+    @property
+    def request_id(self) -> str:
+        return self._handle.request_id
+
+    def join(self, timeout: float = 900.0) -> None:
+        self._thread.join(timeout)
+        if self._thread.is_alive() and self.error is None:
+            self.error = f"still streaming after {timeout} s"
+
+    def latency_s(self) -> float | None:
+        return None if self.ended is None else self.ended - self.submitted
+
+
+def wait_for_tokens(recorders: Sequence[Recorder], count: int, timeout_s: float = 900.0) -> None:
+    """Block until every recorder has at least `count` tokens (or ended, or failed)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if all(len(r.tokens) >= count or r.ended or r.error for r in recorders):
+            return
+        time.sleep(0.005)  # polling token counts the reader threads append to
+    raise TimeoutError(f"not every request reached {count} tokens in {timeout_s} s")

@@ -14,7 +14,7 @@ from typing import Any
 from raysched import interrupts
 
 BENCHES = ("snapshot", "resume", "e2e", "overhead", "engine", "sessions", "prefix", "priority", "serve",
-           "scale", "pd", "migrate")
+           "scale", "pd", "migrate", "drain", "balance")
 
 
 def _ids(text: str) -> list[int]:

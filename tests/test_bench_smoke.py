@@ -56,6 +56,14 @@ EXPECTED = {
     "pd": ({"model", "setup", "modes", "targets", "stream_gaps"},
            {"mode", "tokens_per_s", "gap_p99_s", "long_ttft_p50_s", "handovers", "handover_bytes", "mismatches"},
            "modes", {"pd.json"}),
+    "drain": ({"model", "setup", "prompt_lengths", "modes", "targets", "mismatches", "arrivals"},
+              {"mode", "errors", "gap_steps_max", "step_s_median", "drain_s", "moved", "fallbacks", "finish_s",
+               "live_migrations", "mismatches"},
+              "modes", {"drain.json", "drain.png"}),
+    "balance": ({"model", "setup", "modes", "targets", "mismatches", "latencies"},
+                {"mode", "errors", "latency_p50_s", "latency_p99_s", "rebalance_moves", "live_migrations",
+                 "retractions", "mismatches"},
+                "modes", {"balance.json", "balance.png"}),
 }
 SLOW = {"serve": pytest.mark.serve_slow, "pd": pytest.mark.slow}
 
@@ -134,6 +142,22 @@ def _pd_correct(result: dict) -> None:
     assert rows["colocated"]["handovers"] == 0 and rows["roles"]["handovers"] > 0, rows
 
 
+def _drain_correct(result: dict) -> None:
+    """No client errors; the drain moved something, the in-place run nothing; same tokens."""
+    rows = {m["mode"]: m for m in result["modes"]}
+    assert all(r["errors"] == 0 for r in rows.values()), rows
+    assert rows["drain"]["moved"] > 0 and rows["in_place"]["moved"] == 0, rows
+    assert result["mismatches"] == 0, rows
+
+
+def _balance_correct(result: dict) -> None:
+    """No client errors; only the rebalancing run rebalances; same tokens in both modes."""
+    rows = {m["mode"]: m for m in result["modes"]}
+    assert all(r["errors"] == 0 for r in rows.values()), rows
+    assert rows["rebalance_off"]["rebalance_moves"] == 0 and rows["rebalance_on"]["rebalance_moves"] > 0, rows
+    assert result["mismatches"] == 0, rows
+
+
 CORRECTNESS = {
     "snapshot": lambda r: None,
     "resume": lambda r: r["all_same_next_token"] or pytest.fail("snapshot and recompute disagree"),
@@ -146,6 +170,8 @@ CORRECTNESS = {
     "serve": lambda r: r["mismatched_requests"] == [] or pytest.fail(f"{r['mismatched_requests']}"),
     "scale": _scale_keeps_up,
     "pd": _pd_correct,
+    "drain": _drain_correct,
+    "balance": _balance_correct,
     "migrate": lambda r: all(row[f"{m}_same"] for row in r["rows"] for m in ("live", "snapshot", "recompute"))
     or pytest.fail("a moved request's tokens differ from an unmoved run's"),
 }

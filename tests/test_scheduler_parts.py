@@ -264,6 +264,26 @@ def test_a_draining_or_retired_worker_never_looks_roomiest() -> None:
 # ---------------------------------------------------------------------------- dispatcher
 
 
+def test_a_draining_workers_room_does_not_hold_new_requests_back_elsewhere() -> None:
+    """While worker 1 drains (empty, so the roomiest), a busy worker 0 still admits new
+    requests: the draining worker takes none, so its room is nobody's (issue 18: they used to
+    wait until worker 0 was empty too)."""
+    async def scenario() -> None:
+        p = parts(ServeConfig(workers=2), [FakeWorker(0), FakeWorker(1)])
+        w0, w1 = p["fleet"].slots
+        p["fleet"].set_draining(w1, True)
+        first = p["table"].submit([1, 2, 3], {"max_new_tokens": 50}, LIMITS)
+        await p["dispatch"].execute(w0, p["dispatch"].decide(w0))
+        assert w0.view.room() < w1.view.room()
+        second = p["table"].submit([4, 5, 6], {"max_new_tokens": 4}, LIMITS)
+        assert p["dispatch"].decide(w1).admit == []
+        assert p["dispatch"].decide(w0).admit == [second] and first.state.name == "RUNNING"
+        p["fleet"].set_draining(w1, False)
+        assert p["fleet"].best_room_except(w0) == w1.view.room()
+
+    asyncio.run(scenario())
+
+
 def test_dispatcher_runs_requests_to_the_end_with_the_right_tokens() -> None:
     async def scenario() -> None:
         config = ServeConfig(workers=2, scheduler=SchedulerConfig(decode_steps_per_call=4))
