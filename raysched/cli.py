@@ -156,27 +156,31 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = load_serve_config(args.config)
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     name = args.name or DEFAULT_NAME
+    # A signal before Serve starts ends the start-up at start_server's next checkpoint (one line,
+    # 128 + signal); one held through Serve's own start-up, when the app may already answer, is a
+    # normal stop: a clean shutdown, exit status 0.
     with interrupts.holding():
         server = start_server(config, args.host, args.port, args.address, api_key, name)
     try:
-        interrupts.raise_if_signalled()  # one that came while starting: undo it all, one line, 128 + signal
+        stop = _stop_on_signals()
         print(f"raysched serve: {server.url}/v1 (model {served_model_name(config.model)!r}, "
               f"scheduler {name!r}, API key {'required' if api_key else 'off'})", flush=True)
-        _serve_until_signalled()
+        if not interrupts.signalled():
+            stop.wait()  # until SIGTERM or Ctrl-C
     finally:
         print("raysched serve: shutting down", flush=True)
         server.stop()
     return 0
 
 
-def _serve_until_signalled() -> None:
-    """Serve until SIGTERM or Ctrl-C (then the server shuts down cleanly, exit status 0)."""
+def _stop_on_signals() -> Any:
+    """From now on SIGTERM and Ctrl-C set the returned `threading.Event` (a clean shutdown)."""
     import threading
 
     stop = threading.Event()
     for sig in interrupts.SIGNALS:
         signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
+    return stop
 
 
 def cmd_status(args: argparse.Namespace) -> int:
