@@ -28,8 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import (Column, Recorder, label_axes, load_average, local_ray, machine, measured_client,
-                               percentile, plain_setup, print_table, print_targets, random_prompt, ratio, report,
-                               wait_for_tokens)
+                               percentile, plain_setup, print_load, print_table, print_targets, random_prompt, ratio,
+                               report, wait_for_tokens)
 from benchmarks.drain import warm_with_a_migration
 from raysched.config import PoolConfig, RebalanceConfig, SchedulerConfig, ServeConfig, StateCacheConfig
 
@@ -156,8 +156,7 @@ def _print(result: dict) -> None:
             Column("worker CPU s", "worker_cpu_s", ".1f"), Column("mismatches", "mismatches", "d")]
     print_table("", cols, result["modes"])
     print_targets(result["targets"])
-    print(f"load average (1 min): {result.get('load_avg_1m_start')} at the start, {result.get('load_avg_1m_end')} "
-          f"at the end; {result['machine']['cpus']} CPUs")
+    print_load(result)
 
 
 def _figure(result: dict, plt: Any) -> Any:

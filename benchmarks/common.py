@@ -153,6 +153,13 @@ def label_axes(ax: Any, xlabel: str, ylabel: str, title: str, which: str = "majo
     ax.grid(True, which=which, alpha=0.3)
 
 
+def print_load(result: dict) -> None:
+    """The 1-minute load average at the start and end of a run, and the CPU count (what makes a
+    run on a shared machine readable)."""
+    print(f"load average (1 min): {result.get('load_avg_1m_start')} at the start, {result.get('load_avg_1m_end')} "
+          f"at the end; {result['machine']['cpus']} CPUs")
+
+
 def print_table(title: str, columns: Sequence[Column], rows: Sequence[dict]) -> None:
     """A plain fixed-width table; missing values print as '-'."""
     cells = [[_cell(row.get(c.key), c) for c in columns] for row in rows]

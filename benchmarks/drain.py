@@ -26,8 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import (Column, Recorder, label_axes, load_average, local_ray, machine, measured_client,
-                               plain_setup, print_table, print_targets, random_prompt, report, wait_for_tokens,
-                               warm_up)
+                               plain_setup, print_load, print_table, print_targets, random_prompt, report,
+                               wait_for_tokens, warm_up)
 from raysched.config import MigrationConfig, PoolConfig, SchedulerConfig, ServeConfig, StateCacheConfig
 
 MODES = ("drain", "in_place")
@@ -185,8 +185,7 @@ def _print(result: dict) -> None:
             Column("mismatches", "mismatches", "d")]
     print_table("", cols, result["modes"])
     print_targets(result["targets"])
-    print(f"load average (1 min): {result.get('load_avg_1m_start')} at the start, {result.get('load_avg_1m_end')} "
-          f"at the end; {result['machine']['cpus']} CPUs")
+    print_load(result)
 
 
 def _figure(result: dict, plt: Any) -> Any:

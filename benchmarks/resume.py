@@ -24,8 +24,8 @@ from typing import Any
 
 import ray
 
-from benchmarks.common import (Column, label_axes, load_average, machine, pinned, print_table, random_prompt, report, timed,
-                               two_node_cluster)
+from benchmarks.common import (Column, label_axes, load_average, machine, pinned, print_table, random_prompt, report,
+                               timed, two_node_cluster)
 from raysched.config import PoolConfig, ServeConfig
 from raysched.messages import PrefillItem, StepPlan, StepResult
 from raysched.sampling import SamplingParams
