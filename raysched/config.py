@@ -200,12 +200,15 @@ class Section:
     KEY: ClassVar[KeyPath]
     CHECKS: ClassVar[dict[str, Check]]
     REQUIRED: ClassVar[tuple[str, ...]] = ()  # fields without a default
+    OPTIONAL: ClassVar[bool] = False  # True: an absent (null) section is None, the feature off
 
     def __post_init__(self) -> None:
         check_fields(self, self.KEY)
 
     @classmethod
     def from_dict(cls, raw: Any, key: KeyPath | None = None) -> Any:
+        if raw is None and cls.OPTIONAL:
+            return None
         key = cls.KEY if key is None else key
         values = parse_fields(cls, raw, key)
         missing = [name for name in cls.REQUIRED if name not in values]
@@ -642,14 +645,12 @@ class RolesConfig(Section):
     KEY: ClassVar[KeyPath] = _ROOT.child("roles")
     CHECKS: ClassVar[dict[str, Check]] = {"prefill": check_positive_int, "decode": check_positive_int}
     REQUIRED: ClassVar[tuple[str, ...]] = ("prefill", "decode")
+    OPTIONAL: ClassVar[bool] = True  # absent: every worker does both
 
     @property
     def workers(self) -> int:
         return self.prefill + self.decode
 
-    @classmethod
-    def from_dict(cls, raw: Any, key: KeyPath | None = None) -> RolesConfig | None:
-        return None if raw is None else super().from_dict(raw, key)  # absent: every worker does both
 
 
 @dataclass(frozen=True)
@@ -677,6 +678,7 @@ class AutoscaleConfig(Section):
         "interval_s": check_finite_number,
     }
     REQUIRED: ClassVar[tuple[str, ...]] = ("max_workers",)
+    OPTIONAL: ClassVar[bool] = True  # absent: a fixed set
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -687,9 +689,6 @@ class AutoscaleConfig(Section):
         if self.interval_s <= 0:
             raise key.child("interval_s").error(f"must be > 0, got {self.interval_s}")
 
-    @classmethod
-    def from_dict(cls, raw: Any, key: KeyPath | None = None) -> AutoscaleConfig | None:
-        return None if raw is None else super().from_dict(raw, key)  # absent: a fixed set
 
 
 def _check_instance(cls: type) -> Check:
