@@ -24,6 +24,7 @@ Request states:
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -212,14 +213,19 @@ class Engine:
         `stalled`; the others still advance in that step) or when nothing is left running.
         """
         out = StepOutput()
+        for step in self.decode_steps(num_steps):
+            out.merge(step)
+        return out
+
+    def decode_steps(self, num_steps: int) -> Iterator[StepOutput]:
+        """`decode`, one step at a time: each step's output as it completes."""
         for _ in range(num_steps):
             if not self.running:
-                break
+                return
             step = self._decode_step()
-            out.merge(step)
+            yield step
             if step.stalled:
-                break
-        return out
+                return
 
     def _decode_step(self) -> StepOutput:
         out = StepOutput()

@@ -40,7 +40,7 @@ class FaultHooks:
     def _decode(self, plan: StepPlan, *rest: Any) -> Any:
         fault = plan.fault
         if fault is not None and fault.kind == "kill_in_step":
-            self.engine.decode(min(fault.after_decode_steps, plan.decode_steps))  # tokens never leave
+            self.engine.decode(min(fault.after_decode_steps, plan.decode_steps))  # these tokens never leave
             self._die_at(fault, "kill_in_step")
         return super()._decode(plan, *rest)  # type: ignore[misc]
 

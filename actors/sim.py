@@ -2,7 +2,7 @@
 accounting, no model, no torch.
 
 A `SimWorker` answers the same calls as `actors.worker.Worker` (info, usage, running_ids,
-is_idle, retract, retract_pending, step, take_parked) with the same pool bookkeeping
+is_idle, retract, retract_pending, step, step_stream, take_parked) with the same pool bookkeeping
 (`actors.accounting.PoolLedger`: KV pages and one state slot per request), so it runs out of room,
 stalls, is retracted and resumed exactly as a real worker of that size would. What it does not do
 is compute:
@@ -14,7 +14,9 @@ is compute:
   an uninterrupted run would have produced, and a lost or zeroed state (`debug_drop_state`)
   produces other tokens, so the exactness checks and their negative control work unchanged;
 - a step call's time is modeled (`SimConfig.step_ms`): `SimHost` sleeps that long before the
-  reply, holding the worker's turn, so calls to one worker never overlap;
+  reply, holding the worker's turn, so calls to one worker never overlap; a streamed step call
+  (`SimHost.stream`) sends its prefills' first tokens and each decode step's tokens at their
+  modeled times;
 - snapshots are small objects that carry their *nominal* byte size (`SimConfig.kv_bytes_per_token`
   per cached token + `state_bytes`) and a checksum over what they do carry;
 - prompts are prefilled whole in one call (no chunking), and no turn-cache state is parked.
@@ -31,12 +33,13 @@ from __future__ import annotations
 import asyncio
 import struct
 import zlib
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from actors.accounting import PageLedger, PoolLedger, SlotLedger
 from raysched.config import ServeConfig
-from raysched.messages import FaultPoint, PrefillItem, StepPlan, StepResult, Usage, WorkerInfo
+from raysched.messages import FaultPoint, PrefillItem, StepPlan, StepResult, StepTokens, Usage, WorkerInfo
 from raysched.sampling import SamplingParams
 
 MASK64 = (1 << 64) - 1
@@ -199,6 +202,7 @@ class SimWorker:
         self.engine = SimEngine(config)
         self.last_step_ms = 0.0  # the modeled time of the last step call
         self.dead = False
+        self._fed = self._rows = 0  # the last step call's prompt tokens fed and decoding rows
 
     # ------------------------------------------------------------------ queries
     def info(self) -> WorkerInfo:
@@ -227,6 +231,35 @@ class SimWorker:
 
     def step(self, plan: StepPlan, *snapshots: Any) -> StepResult:
         """Drop, resume, prefill (whole prompts), decode; `last_step_ms` is the modeled time."""
+        return self._timeline(plan, *snapshots)[-1][1]
+
+    def step_stream(self, plan: StepPlan, *snapshots: Any) -> Iterator[StepTokens | StepResult]:
+        """`step`, its tokens first as `actors.worker.Worker.step_stream` sends them (in-process
+        use; `SimHost.stream` sends them at their modeled times)."""
+        for _, piece in self._timeline(plan, *snapshots):
+            yield piece
+
+    def _timeline(self, plan: StepPlan, *snapshots: Any) -> list[tuple[float, StepTokens | StepResult]]:
+        """The step call, computed at once, as the pieces `step_stream` sends, each with its
+        modeled time in ms after the one before: the prefills' first tokens, each decode step's
+        tokens, the `StepResult`; the times add up to `last_step_ms`."""
+        result = self._step(plan, *snapshots)
+        sim, fed, rows = self.config.sim, self._fed, self._rows
+        pieces: list[tuple[float, StepTokens | StepResult]] = []
+        prefilled = {item.request_id for item in plan.prefill} - set(result.not_admitted)
+        first = {rid: toks[:1] for rid, toks in result.new_tokens.items() if rid in prefilled and toks}
+        if first:
+            pieces.append((sim.step_ms(fed, 0, rows), StepTokens(first)))
+        for k in range(plan.decode_steps):
+            toks = {rid: t[k + (rid in first):][:1] for rid, t in result.new_tokens.items()}
+            toks = {rid: t for rid, t in toks.items() if t}
+            if not toks:
+                break
+            pieces.append((sim.step_ms(0 if pieces else fed, 1, rows), StepTokens(toks)))
+        pieces.append((self.last_step_ms - sum(ms for ms, _ in pieces), result))
+        return pieces
+
+    def _step(self, plan: StepPlan, *snapshots: Any) -> StepResult:
         result = StepResult()
         for rid in plan.drop:
             if rid in self.engine.running:
@@ -234,8 +267,8 @@ class SimWorker:
         for rid, snap in zip(plan.resume, snapshots[:len(plan.resume)]):
             if self._restore_one(plan, rid, snap, result) is False:
                 result.not_admitted.append(rid)
-        fed = self.engine.prefill(list(plan.prefill), result)
-        rows = len(self.engine.running)
+        fed = self._fed = self.engine.prefill(list(plan.prefill), result)
+        rows = self._rows = len(self.engine.running)
         if plan.decode_steps:
             self._decode(plan, result)
         self.last_step_ms = self.config.sim.step_ms(fed, plan.decode_steps, rows)
@@ -325,22 +358,45 @@ class SimHost:
         arguments are read first, outside the turn)."""
         if method == "step":
             args = (args[0], *[await _resolve(s) for s in args[1:]])
-        async with self._changed:
-            await self._changed.wait_for(lambda: self._turn.get(index) == seq)
+        await self._wait_turn(index, seq)
         try:
-            worker = self.workers[index]
-            if worker.dead:
-                raise SimWorkerDied(f"simulated worker {index} was killed")
+            worker = self._alive(index)
             out = getattr(worker, method)(*args)
             if method == "step" and worker.last_step_ms:
                 await asyncio.sleep(worker.last_step_ms / 1000.0)
-            if worker.dead:  # killed while the call was running: no reply
-                raise SimWorkerDied(f"simulated worker {index} was killed")
+            self._alive(index)  # killed while the call was running: no reply
             return out
         finally:
-            async with self._changed:
-                self._turn[index] = seq + 1
-                self._changed.notify_all()
+            await self._end_turn(index, seq)
+
+    async def stream(self, index: int, seq: int, plan: StepPlan, *snapshots: Any) -> AsyncIterator[Any]:
+        """Worker `index`'s `step_stream` as call number `seq` (a Ray streaming generator):
+        each piece of `SimWorker._timeline` at its modeled time."""
+        snapshots = tuple([await _resolve(s) for s in snapshots])
+        await self._wait_turn(index, seq)
+        try:
+            for ms, piece in self._alive(index)._timeline(plan, *snapshots):
+                if ms > 0:
+                    await asyncio.sleep(ms / 1000.0)
+                self._alive(index)
+                yield piece
+        finally:
+            await self._end_turn(index, seq)
+
+    async def _wait_turn(self, index: int, seq: int) -> None:
+        async with self._changed:
+            await self._changed.wait_for(lambda: self._turn.get(index) == seq)
+
+    async def _end_turn(self, index: int, seq: int) -> None:
+        async with self._changed:
+            self._turn[index] = seq + 1
+            self._changed.notify_all()
+
+    def _alive(self, index: int) -> SimWorker:
+        worker = self.workers[index]
+        if worker.dead:
+            raise SimWorkerDied(f"simulated worker {index} was killed")
+        return worker
 
     def kill(self, index: int) -> None:
         self.workers[index].dead = True

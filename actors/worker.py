@@ -17,6 +17,7 @@ in the worker's own process.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 
 import ray
 import torch
@@ -24,8 +25,8 @@ import torch
 from actors.engine import Engine, Sequence, StepOutput, build_engine
 from actors.snapshot import KVBlock, Snapshot, SnapshotError
 from raysched.config import ServeConfig
-from raysched.messages import (SNAPSHOT_LOST, FaultPoint, ParkedPoint, PrefillItem, StepPlan, StepResult, Usage,
-                               WorkerInfo)
+from raysched.messages import (SNAPSHOT_LOST, FaultPoint, ParkedPoint, PrefillItem, StepPlan, StepResult, StepTokens,
+                               Usage, WorkerInfo)
 from raysched.sampling import SamplingParams
 
 
@@ -91,6 +92,13 @@ class Worker:
     def step(self, plan: StepPlan, *snapshots: Snapshot | list) -> StepResult:
         """Execute one plan: drop, resume, prefill, then `decode_steps` decode steps. The
         snapshots: one per `plan.resume`, then one per `plan.prefix` (parked prompt prefixes)."""
+        *_, result = self.step_stream(plan, *snapshots)
+        return result
+
+    def step_stream(self, plan: StepPlan, *snapshots: Snapshot | list) -> Iterator[StepTokens | StepResult]:
+        """`step`, sending tokens as they come (a Ray streaming generator): a `StepTokens` with
+        the first token of each prefill that completed, one per decode step, then the call's
+        `StepResult` (which lists every token again)."""
         t0 = time.perf_counter()
         result = StepResult()
         for rid in plan.drop:
@@ -103,10 +111,15 @@ class Worker:
         prefilled = self._prefill(plan, snapshots[n:], result)
         self._park_prompts(prefilled, plan, result)
         out.merge(prefilled)
+        if prefilled.new_tokens:
+            yield StepTokens(prefilled.new_tokens)
         if plan.decode_steps:
-            out.merge(self._decode(plan))
+            for decoded in self._decode(plan):
+                out.merge(decoded)
+                if decoded.new_tokens:
+                    yield StepTokens(decoded.new_tokens)
         self._park_finished(plan, result)
-        return self._result(result, out, time.perf_counter() - t0)
+        yield self._result(result, out, time.perf_counter() - t0)
 
     def take_parked(self, keys: list[tuple[str, str, int]]) -> Snapshot | KVBlock | tuple:
         """Hand over copies listed in `StepResult.parked` (points and the blocks they offer, by
@@ -252,9 +265,10 @@ class Worker:
             self._parked[point.block_key(first + i)] = blk
         result.parked.append(point)
 
-    def _decode(self, plan: StepPlan) -> StepOutput:
-        """The plan's decode steps (a hook: `actors.faults` dies part-way)."""
-        return self.engine.decode(plan.decode_steps)
+    def _decode(self, plan: StepPlan) -> Iterator[StepOutput]:
+        """The plan's decode steps, each step's output as it completes (a hook: `actors.faults`
+        dies part-way)."""
+        return self.engine.decode_steps(plan.decode_steps)
 
     def _resume(self, plan: StepPlan, snapshots: tuple, result: StepResult, out: StepOutput) -> None:
         if len(plan.resume) != len(snapshots):

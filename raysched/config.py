@@ -414,6 +414,8 @@ class SchedulerConfig:
     #   overflow | reserve: no-overcommit baseline, every request keeps room for its whole budget
     victim_order: str = "fewest_generated"  # which running request is retracted first
     decode_steps_per_call: int = 4  # decode steps a worker runs per scheduler call
+    stream_each_step: bool = True  # each decode step's tokens reach the clients as that step
+    #   completes (a worker call streams them); False: once per call, all at its end
     force_retract_every: int = 0  # testing: 0 = off; else retract one request per worker at the
     #   first decision at or after every k-th call (pipelining stays on)
     max_retractions: int = 8  # a request retracted this many times is never retracted again
@@ -436,6 +438,7 @@ class SchedulerConfig:
         "admission": check_one_of(ADMISSION_MODES),
         "victim_order": check_one_of(VICTIM_ORDERS),
         "decode_steps_per_call": check_positive_int,
+        "stream_each_step": check_bool,
         "force_retract_every": check_non_negative_int,
         "max_retractions": check_non_negative_int,
         "debug_drop_state": check_bool,

@@ -82,6 +82,15 @@ class Usage:
     page_size: int
 
 
+@dataclass(frozen=True)
+class StepTokens:
+    """A step call's tokens so far, sent ahead of its `StepResult` (`Worker.step_stream`): the
+    first token of each prefill that completed, then each decode step's tokens, as that step
+    completes. The `StepResult` that ends the call still lists all of them."""
+
+    new_tokens: dict[str, list[int]]
+
+
 @dataclass
 class StepResult:
     new_tokens: dict[str, list[int]] = field(default_factory=dict)

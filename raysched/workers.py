@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import importlib
 import itertools
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import ray
 
 from raysched.config import ServeConfig
-from raysched.messages import FaultPoint, StepPlan, StepResult, Usage, WorkerInfo
+from raysched.messages import FaultPoint, StepPlan, StepResult, StepTokens, Usage, WorkerInfo
 
 DATA_PLANE_WORKER = "actors.worker"  # the module that defines the real Worker (torch, the model)
 
@@ -60,6 +61,9 @@ class Worker:
 
     def step(self, plan: StepPlan, *snapshots: Any) -> StepResult:
         return self._impl.step(plan, *snapshots)
+
+    def step_stream(self, plan: StepPlan, *snapshots: Any) -> Iterator[StepTokens | StepResult]:
+        yield from self._impl.step_stream(plan, *snapshots)
 
     def take_parked(self, keys: list[tuple[str, str, int]]) -> Any:
         return self._impl.take_parked(keys)
@@ -147,6 +151,10 @@ class SimHost:
     async def call(self, index: int, seq: int, method: str, *args: Any) -> Any:
         return await self._impl.call(index, seq, method, *args)
 
+    async def stream(self, index: int, seq: int, *args: Any) -> AsyncIterator[Any]:
+        async for piece in self._impl.stream(index, seq, *args):
+            yield piece
+
     def kill(self, index: int) -> None:
         self._impl.kill(index)
 
@@ -157,11 +165,13 @@ class _SimMethod:
     def __init__(self, handle: SimWorkerHandle, name: str, num_returns: int = 1) -> None:
         self.handle, self.name, self.num_returns = handle, name, num_returns
 
-    def options(self, num_returns: int = 1) -> _SimMethod:
+    def options(self, num_returns: int | str = 1) -> _SimMethod:
         return _SimMethod(self.handle, self.name, num_returns)
 
     def remote(self, *args: Any) -> Any:
         h = self.handle
+        if self.name == "step_stream":  # a streaming generator, as the worker actor's
+            return h.host.stream.options(num_returns="streaming").remote(h.index, next(h.calls), *args)
         call = h.host.call.options(num_returns=self.num_returns) if self.num_returns != 1 else h.host.call
         return call.remote(h.index, next(h.calls), self.name, *args)
 
@@ -169,8 +179,8 @@ class _SimMethod:
 class SimWorkerHandle:
     """A simulated worker: host actor + index; its methods are those of the worker actor."""
 
-    METHODS = ("info", "usage", "running_ids", "is_idle", "retract", "retract_pending", "step", "take_parked",
-               "discard_parked", "migrate_out", "reserve", "migrate_in", "commit", "unreserve")
+    METHODS = ("info", "usage", "running_ids", "is_idle", "retract", "retract_pending", "step", "step_stream",
+               "take_parked", "discard_parked", "migrate_out", "reserve", "migrate_in", "commit", "unreserve")
 
     def __init__(self, host: Any, index: int) -> None:
         self.host, self.index = host, index

@@ -47,7 +47,7 @@ EXPECTED = {
                "rows", {"engine.json"}),
     "migrate": ({"model", "rows", "targets", "migration_downtime_s", "live_migrations"},
                 {"tokens", "step_s", "live_gap_s", "live_gap_steps", "snapshot_gap_s", "recompute_gap_s",
-                 "live_same", "snapshot_same", "recompute_same"}, "rows", {"migrate.json", "migrate.png"}),
+                 "live_same", "snapshot_same", "recompute_same", "precopy_slowdown"}, "rows", {"migrate.json", "migrate.png"}),
     "serve": ({"model", "rows", "ttft", "itl", "ratio", "target", "mismatched_requests"},
               {"side", "tokens", "duration_s", "tokens_per_s"}, "rows", {"serve.json"}),
     "scale": ({"setup", "rows", "targets", "load_avg_1m"},

@@ -344,3 +344,21 @@ def test_worker_starts_new_prompts_before_continuing_long_ones():
                                   prefill_budget_tokens=16))
     assert list(result.new_tokens) == ["short"]  # its whole prompt first; the budget is spent
     assert worker.engine.prefilling["long"].num_computed == 16
+
+
+# ---------------------------------------------------------------------------- worker: a streamed call
+def test_a_streamed_call_sends_the_prefills_token_then_each_decode_step_then_the_same_result():
+    """`Worker.step_stream` (what the scheduler calls): the first tokens right after the prefill,
+    one piece per decode step, then the `StepResult` listing them all; the same tokens as one
+    plain `step` of the same plan on another worker (the reference)."""
+    from raysched.messages import StepPlan, StepResult, StepTokens
+
+    params = SamplingParams(max_new_tokens=12)
+    items = (_item("a", _prompt(9, 512, seed=30), params), _item("b", _prompt(5, 512, seed=31), params))
+    plan = StepPlan(prefill=items, decode_steps=4, prefill_chunk_tokens=16)
+    *pieces, result = _worker(16).step_stream(plan)
+    assert isinstance(result, StepResult) and all(isinstance(p, StepTokens) for p in pieces)
+    assert [sorted(map(len, p.new_tokens.values())) for p in pieces] == [[1, 1]] * 5  # prefill + 4 steps
+    for rid in ("a", "b"):
+        assert [t for p in pieces for t in p.new_tokens[rid]] == result.new_tokens[rid]
+    assert result.new_tokens == _worker(16).step(plan).new_tokens

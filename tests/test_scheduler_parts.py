@@ -14,13 +14,14 @@ from typing import Any
 
 import pytest
 
-from raysched.config import FaultSpec, SchedulerConfig, ServeConfig
-from raysched.messages import SNAPSHOT_LOST, FaultPoint, StepPlan, StepResult, Usage, WorkerInfo
+from raysched.config import FaultSpec, MigrationConfig, SchedulerConfig, ServeConfig
+from raysched.messages import SNAPSHOT_LOST, FaultPoint, StepPlan, StepResult, StepTokens, Usage, WorkerInfo
 from raysched.request import Request, State
 from raysched.sampling import RequestError, SamplingParams
 from raysched.scheduler.dispatch import Dispatcher
 from raysched.scheduler.faults import FaultSeam
 from raysched.scheduler.fleet import Fleet
+from raysched.scheduler.migration import Migrator
 from raysched.scheduler.planner import Decision
 from raysched.scheduler.recovery import Recovery
 from raysched.scheduler.retraction import RetractionLedger
@@ -46,10 +47,12 @@ class Call:
     def __init__(self, fn: Any, num_returns: int = 1) -> None:
         self.fn, self.num_returns = fn, num_returns
 
-    def options(self, num_returns: int = 1) -> Call:
+    def options(self, num_returns: int | str = 1) -> Call:
         return Call(self.fn, num_returns)
 
     def remote(self, *args: Any) -> Any:
+        if self.num_returns == "streaming":
+            return _stream(self.fn(*args))
         try:
             out = self.fn(*args)
         except BaseException as err:  # the call fails: each return raises
@@ -57,6 +60,15 @@ class Call:
         if self.num_returns > 1:
             return [_ready(o) for o in out]
         return _ready(out)
+
+
+async def _stream(pieces: Any) -> Any:
+    """A fake streaming generator: a ready future per piece; a failure is the last one."""
+    try:
+        for piece in pieces:
+            yield _ready(piece)
+    except Exception as err:
+        yield _ready(err)
 
 
 def _ready(value: Any) -> asyncio.Future:
@@ -78,10 +90,11 @@ class FakeWorker:
         self.snapshots: dict[str, list] = {}
         self.calls: list[StepPlan] = []
         self.dead = False
+        self.die_after_pieces: int | None = None  # a streamed call fails after this many pieces
 
     def handle(self) -> Any:
         return type("Handle", (), {name: Call(getattr(self, name)) for name in
-                                   ("info", "step", "retract_pending", "take_parked", "is_idle")})()
+                                   ("info", "step", "step_stream", "retract_pending", "take_parked", "is_idle")})()
 
     def usage(self) -> Usage:
         used = sum(len(h[0]) - 1 for h in self.held.values())
@@ -102,7 +115,28 @@ class FakeWorker:
     def take_parked(self, keys: list) -> Any:
         return tuple(keys) if len(keys) > 1 else keys[0]
 
+    def step_stream(self, plan: StepPlan, *snapshots: Any) -> Any:
+        """`step`, its tokens sent one position at a time ahead of its result (with
+        `die_after_pieces`, the call fails after sending that many)."""
+        result = self.run(plan, *snapshots)
+        for k in range(max(map(len, result.new_tokens.values()), default=0)):
+            if k == self.die_after_pieces:
+                self.dead = True
+                raise RuntimeError("worker died mid-call")
+            yield StepTokens({rid: toks[k:k + 1] for rid, toks in result.new_tokens.items() if len(toks) > k})
+        if self.die_after_pieces is not None:
+            self.dead = True
+            raise RuntimeError("worker died at the end of its call")
+        yield result
+
     def step(self, plan: StepPlan, *snapshots: Any) -> StepResult:
+        result = self.run(plan, *snapshots)
+        if self.die_after_pieces is not None:  # one reply per call: nothing was sent
+            self.dead = True
+            raise RuntimeError("worker died mid-call")
+        return result
+
+    def run(self, plan: StepPlan, *snapshots: Any) -> StepResult:
         if self.dead:
             raise RuntimeError("worker died")
         self.calls.append(plan)
@@ -115,7 +149,7 @@ class FakeWorker:
                 result.resume_failed[rid] = f"{SNAPSHOT_LOST}: {fut.exception()!r}"
                 continue
             _, _, tokens, max_new, prompt_len, _ = fut.result()
-            self.held[rid] = [tokens, max_new, prompt_len]
+            self.held[rid] = [list(tokens), max_new, prompt_len]  # the snapshot stays as it was
         for item in plan.prefill:
             max_new = SamplingParams.from_dict(item.sampling).max_new_tokens
             tokens = list(item.token_ids)
@@ -330,6 +364,99 @@ def test_a_failed_call_hands_its_requests_to_recovery_and_they_finish_elsewhere(
     asyncio.run(scenario())
 
 
+@pytest.mark.parametrize("stream_each_step", [True, False], ids=["streamed", "control-one-reply-per-call"])
+def test_each_decode_steps_tokens_reach_the_client_as_that_step_completes(stream_each_step: bool) -> None:
+    """With `stream_each_step` a call of 4 decode steps delivers its tokens one step at a time
+    (what a streaming client sees: one token per chunk, the first right after its prefill); the
+    control, one reply per call, delivers a call's 5 tokens (prefill + 4 steps) at once."""
+    async def scenario() -> list[int]:
+        config = ServeConfig(scheduler=SchedulerConfig(decode_steps_per_call=4, stream_each_step=stream_each_step))
+        p = parts(config, [FakeWorker(0)])
+        req = p["table"].submit([1, 2, 3], {"max_new_tokens": 9}, LIMITS)
+        seen, notify = [], p["table"].notify
+        p["table"].notify = lambda rid: (seen.append(len(req.output_ids)), notify(rid))
+        await run_until_done(p, [req.request_id])
+        assert req.output_ids == expected(req.request_id, 9)
+        return [b - a for a, b in zip([0] + seen, seen) if b > a]
+
+    arrivals = asyncio.run(scenario())
+    assert arrivals == ([1] * 9 if stream_each_step else [5, 4])
+
+
+@pytest.mark.parametrize("stream_each_step", [True, False], ids=["streamed", "control-one-reply-per-call"])
+def test_a_call_that_dies_after_streaming_tokens_repeats_none_of_them(stream_each_step: bool) -> None:
+    """A request resumed from a snapshot streams 2 tokens, then its worker dies: the snapshot
+    is older than the tokens the client has, so the request is recomputed from its history
+    (resuming from the snapshot would send those 2 tokens again). The control: a call that
+    dies before sending any token keeps the snapshot and resumes from it."""
+    async def scenario() -> None:
+        sched = SchedulerConfig(decode_steps_per_call=4, replace_failed_workers=False, stream_each_step=stream_each_step)
+        workers = [FakeWorker(0), FakeWorker(1)]
+        p = parts(ServeConfig(workers=2, scheduler=sched), workers)
+        w0, w1 = p["fleet"].slots
+        req = p["table"].submit([1, 2, 3], {"max_new_tokens": 12}, LIMITS)
+        await p["dispatch"].execute(w0, p["dispatch"].decide(w0))  # prefill + 4 steps: 5 tokens
+        snap, _ = workers[0].retract_pending(req.request_id)  # retracted with a snapshot
+        w0.view.running.remove(req)
+        req.state, req.snapshot_ref, req.recompute = State.RETRACTED, _ready(snap), False
+        p["table"].retracted.append(req)
+        workers[1].die_after_pieces = 2
+        await p["dispatch"].execute(w1, p["dispatch"].decide(w1))  # resumes it, dies mid-call
+        assert not w1.alive and req.state is State.RETRACTED
+        assert len(req.output_ids) == (7 if stream_each_step else 5)
+        assert req.recompute is stream_each_step and (req.snapshot_ref is None) is stream_each_step
+        await run_until_done(p, [req.request_id])
+        assert req.output_ids == expected(req.request_id, 12)
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("targeted", [True, False], ids=["targeted", "control-no-target"])
+def test_a_recompute_migration_waits_for_its_destination_and_the_fleet_goes_on_admitting(targeted: bool) -> None:
+    """`migrate(mode="recompute")` to worker 2 queues the request for worker 2 alone
+    (`Request.target_worker`): worker 1 admits new work meanwhile but does not take it, and no
+    worker is marked draining (the recompute baseline once marked every other worker draining,
+    which held back admissions fleet-wide and ended a real drain when it finished). The control:
+    a request queued without a target is taken by the first worker that decides."""
+    async def scenario() -> None:
+        workers = [FakeWorker(i) for i in range(3)]
+        p = parts(ServeConfig(workers=3), workers)
+        w0, w1, w2 = p["fleet"].slots
+        req = p["table"].submit([1, 2, 3], {"max_new_tokens": 12}, LIMITS)
+        await p["dispatch"].execute(w0, p["dispatch"].decide(w0))
+        mig = Migrator(MigrationConfig(), p["table"], p["fleet"], p["counters"], p["recovery"], p["faults"], p["ledger"])
+
+        async def stop(r: Request, recompute: bool = False) -> str:  # what the source's loop does
+            w0.view.running.remove(r)
+            workers[0].held.pop(r.request_id)
+            r.state, r.recompute, r.snapshot_ref = State.RETRACTED, True, None
+            p["table"].retracted.append(r)
+            return "snapshot"
+
+        mig.retract_by_snapshot = stop
+        if targeted:
+            moving = asyncio.create_task(mig.migrate(req.request_id, worker=2, mode="recompute"))
+        else:
+            await stop(req)
+        while req.state is not State.RETRACTED:
+            await asyncio.sleep(0)
+        other = p["table"].submit([4, 5, 6], {"max_new_tokens": 4}, LIMITS)
+        d1 = p["dispatch"].decide(w1)
+        assert not any(w.draining for w in p["fleet"].slots) and d1.admit == [other]
+        assert d1.resume == ([] if targeted else [req])
+        if targeted:
+            d2 = p["dispatch"].decide(w2)
+            assert d2.resume == [req] and list(p["table"].retracted) == []
+            await p["dispatch"].execute(w2, d2)
+            out = await moving
+            assert out["mode"] == "recompute" and req.workers[-1] == 2 and req.target_worker is None
+        await p["dispatch"].execute(w1, d1)
+        await run_until_done(p, [req.request_id, other.request_id])
+        assert req.output_ids == expected(req.request_id, 12)
+
+    asyncio.run(scenario())
+
+
 # ---------------------------------------------------------------------------- retraction ledger
 
 
@@ -391,6 +518,30 @@ class FakeActors:
 
     def is_death(self, err: BaseException) -> bool:
         return False
+
+
+def test_workers_started_at_once_never_share_a_spawn_index() -> None:
+    """Two workers started at once (a replacement and `add_worker`, or two scale-ups) once got
+    the same provisional index, which on a simulated host is the key of the worker it runs: the
+    second replaced the first. Each spawn now gets an index never used before."""
+    async def scenario() -> list[int]:
+        config = ServeConfig(workers=2)
+        p = parts(config, [FakeWorker(0), FakeWorker(1)])
+        spawned: list[int] = []
+
+        class Recording(FakeActors):
+            def spawn(self, config: ServeConfig, index: int) -> Any:
+                spawned.append(index)
+                return FakeWorker(index).handle()
+
+        recovery = Recovery(config, p["table"], p["fleet"], p["counters"], on_added=lambda s: None,
+                            actors=Recording(None))
+        slots = await asyncio.gather(recovery.start_worker(), recovery.start_worker(), recovery.start_worker())
+        assert sorted(s.index for s in slots) == [2, 3, 4]  # the fleet's own slot numbers
+        return spawned
+
+    spawned = asyncio.run(scenario())
+    assert len(set(spawned)) == 3 and min(spawned) >= 2  # none shared, none of the first workers'
 
 
 def test_recovery_requeues_what_a_failed_worker_held_and_replaces_it() -> None:

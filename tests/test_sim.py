@@ -144,3 +144,19 @@ def test_simulated_worker_offers_every_public_method_of_the_real_one() -> None:
                 for name, fn in vars(cls).items() if callable(fn) and not name.startswith("_")}
 
     assert public(SimWorker) == public(Worker)
+
+
+def test_a_streamed_step_sends_each_decode_step_at_its_modeled_time() -> None:
+    """`SimHost.stream` sends the pieces of `SimWorker._timeline`: the prefill's tokens after
+    the prefill's modeled time, then one piece per decode step after a step's, and the result;
+    the tokens are those of a plain `step` (a fresh worker, the reference), the times add up
+    to its modeled time."""
+    sim = {**SIM, "decode_ms": 10.0, "decode_ms_per_row": 1.0, "prefill_ms_per_token": 0.5}
+    plan = StepPlan(prefill=(item("a", [1, 2, 3, 4], 9), item("b", [5, 6], 9)), decode_steps=3)
+    w = SimWorker(sim_config(sim=sim), 0)
+    *pieces, (_, result) = w._timeline(plan)
+    assert [ms for ms, _ in pieces] == [3.0, 12.0, 12.0, 12.0]  # 6 prompt tokens; 10 + 2 rows
+    assert [p.new_tokens for _, p in pieces[1:]] == [{"a": [result.new_tokens["a"][k]], "b": [result.new_tokens["b"][k]]}
+                                                     for k in (1, 2, 3)]
+    assert result.new_tokens == SimWorker(sim_config(sim=sim), 0).step(plan).new_tokens
+    assert sum(ms for ms, _ in pieces) == w.last_step_ms

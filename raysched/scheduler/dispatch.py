@@ -5,11 +5,14 @@
 so a slow worker never blocks the others, and client calls get through between awaits. A
 pure-decode call whose successor needs no decision is followed at once by that successor (the
 call is *pipelined*: the worker never waits for the scheduler); forced retraction (a testing
-switch) does not turn this off. Applying a result adds tokens to the requests, ends those that
-finished, puts back those that did not fit, and hands over to the prefix-reuse glue; a failed
-call goes to recovery.
+switch) does not turn this off. A step call streams its tokens (`scheduler.stream_each_step`):
+each decode step's tokens go to the clients as the worker sends them, while the call runs on.
+Applying the call's result adds any tokens not sent yet, ends the requests that finished, puts
+back those that did not fit, and hands over to the prefix-reuse glue; a failed call goes to
+recovery.
 
-No Ray import: worker handles are opaque (`handle.step.remote(...)` returns an awaitable).
+No Ray import: worker handles are opaque (`handle.step.remote(...)` returns an awaitable,
+`handle.step_stream.options(num_returns="streaming").remote(...)` an async iterator of them).
 """
 
 from __future__ import annotations
@@ -83,12 +86,16 @@ class Dispatcher:
         """The planner's decision for `w`'s next call (takes requests off the queues). The other
         workers are looked at only when something waits for admission (where it goes, and
         whether it could fit elsewhere before preempting). Nothing new starts on a worker being
-        drained. With prefix reuse, requests waiting for blocks another request is prefilling
-        are held back, and the others prefer the worker where their matched state lies."""
+        drained, and a retracted request targeted at another live worker (a hand-over, a
+        recompute migration) waits for it. With prefix reuse, requests waiting for blocks another
+        request is prefilling are held back, and the others prefer the worker where their
+        matched state lies."""
         waiting, retracted, placement = self.table.waiting, self.table.retracted, None
         if w.draining:  # nothing new starts on a worker being drained
             waiting, retracted = deque(), deque()
-        elif waiting and self.cache.index is not None:
+        elif any(self.fleet.targeted_elsewhere(r, w) for r in retracted):
+            retracted = deque(r for r in retracted if not self.fleet.targeted_elsewhere(r, w))
+        if waiting and not w.draining and self.cache.index is not None:
             rooms = {o.index: o.view.room() for o in (w, *self.fleet.others(w))}
             held, placement = self.cache.survey(waiting, rooms)
             if held:
@@ -102,6 +109,9 @@ class Dispatcher:
         if waiting is not self.table.waiting and not w.draining:
             for r in decision.admit:
                 self.table.waiting.remove(r)
+        if retracted is not self.table.retracted and not w.draining:
+            for r in decision.resume:
+                self.table.retracted.remove(r)
         self.counters.preemptions += decision.preempted
         if decision.forced_round:
             w.view.forced_round = decision.forced_round
@@ -119,21 +129,50 @@ class Dispatcher:
         self.faults.before_call(w, self.fleet, holding=bool(w.view.running or snap_victims))
         step = self.step_plan(w, decision, drop, resume_snap, [r for r, _ in prefixes], cross_node)
         retract_calls = [self.ledger.send(w, r) for r in snap_victims]  # queued: others may resume them
-        step_refs = [w.handle.step.remote(step, *[[r.snapshot_ref] for r in resume_snap],
-                                          *[e.refs for _, e in prefixes])]
+        calls = [self.send_step(w, step, *[[r.snapshot_ref] for r in resume_snap], *[e.refs for _, e in prefixes])]
         self.ledger.count_resume_bytes(w, resume_snap)
         if self.can_pipeline(w, decision):  # the worker never waits for us
-            step_refs.append(w.handle.step.remote(self.successor_plan(w, decision.decode_steps)))
+            calls.append(self.send_step(w, self.successor_plan(w, decision.decode_steps)))
             self.counters.pipelined_calls += 1
-        w.view.calls += len(step_refs)
+        w.view.calls += len(calls)
         if t0 is not None:
             self.counters.decision_s.append(time.perf_counter() - t0)
-        self.apply(w, decision, await settled(step_refs[0]), resume_snap)  # its tokens go out now,
-        if len(step_refs) == 2:  # while the pipelined call runs
-            self.apply(w, Decision(decode_steps=decision.decode_steps), await settled(step_refs[1]), [])
+        result, streamed = await self.receive(calls[0])
+        self.apply(w, decision, result, resume_snap, streamed)  # its last tokens go out now,
+        if len(calls) == 2:  # while the pipelined call runs
+            result, streamed = await self.receive(calls[1])
+            self.apply(w, Decision(decode_steps=decision.decode_steps), result, [], streamed)
         sizes = await asyncio.gather(*[call[1] for call in retract_calls], return_exceptions=True)
         self.ledger.on_sizes(w, snap_victims, retract_calls, sizes)
         self.fleet.notify()
+
+    def send_step(self, w: WorkerSlot, plan: StepPlan, *args: Any) -> Any:
+        """Start a step call: streamed (`Worker.step_stream`, a Ray streaming generator) with
+        `scheduler.stream_each_step`, else one reply (`Worker.step`)."""
+        if self.config.scheduler.stream_each_step:
+            return w.handle.step_stream.options(num_returns="streaming").remote(plan, *args)
+        return w.handle.step.remote(plan, *args)
+
+    async def receive(self, call: Any) -> tuple[Any, dict[str, int]]:
+        """A step call's `StepResult` (or the exception it raised), and how many of its tokens
+        per request went out ahead of it: a streamed call's `StepTokens` are applied as they
+        come, so each decode step's tokens reach the clients as that step completes."""
+        streamed: dict[str, int] = {}
+        if not self.config.scheduler.stream_each_step:
+            return await settled(call), streamed
+        result: Any = RuntimeError("a step stream ended without its result")
+        try:
+            async for ref in call:  # to its end, so the stream's own references are released
+                piece = await ref
+                if isinstance(piece, StepResult):
+                    result = piece
+                    continue
+                self.add_tokens(piece.new_tokens, time.monotonic())
+                for rid, toks in piece.new_tokens.items():
+                    streamed[rid] = streamed.get(rid, 0) + len(toks)
+        except Exception as err:  # (after its result: the worker's next call finds out)
+            return (result if isinstance(result, StepResult) else err), streamed
+        return result, streamed
 
     def prefix_hits(self, w: WorkerSlot, decision: Decision) -> list:
         """(request, match) for each admitted request whose prompt starts with a parked point;
@@ -180,14 +219,21 @@ class Dispatcher:
             if r.state is State.RETRACTED:
                 self.counters.on_resume(r.recompute, migrated=bool(r.workers) and r.workers[-1] != w.index,
                                         cross_node=self.fleet.cross_node(r, w))
-            r.state, r.worker = State.RUNNING, w.index
+            r.state, r.worker, r.target_worker = State.RUNNING, w.index, None
             r.workers.append(w.index)
             w.view.running.append(r)
 
     # ------------------------------------------------------------------ apply
-    def apply(self, w: WorkerSlot, decision: Decision, result: Any, resumed: list[Request]) -> None:
-        """Apply one step call's reply (a `StepResult`, or the exception the call raised)."""
+    def apply(self, w: WorkerSlot, decision: Decision, result: Any, resumed: list[Request],
+              streamed: dict[str, int] | None = None) -> None:
+        """Apply one step call's reply (a `StepResult`, or the exception the call raised);
+        `streamed`: its tokens per request that went out already (see `receive`)."""
+        streamed = streamed or {}
         if isinstance(result, BaseException):
+            for rid in streamed:  # a snapshot older than tokens sent: recompute from the history
+                req = self.table.requests.get(rid)
+                if req is not None:
+                    req.snapshot_ref = None
             self.recovery.on_worker_failure(w, result)
             for r in resumed:  # their snapshots were not consumed: resume from them elsewhere
                 r.recompute = r.snapshot_ref is None
@@ -197,9 +243,9 @@ class Dispatcher:
         assert isinstance(result, StepResult)
         update_view(w, result)
         self.fleet.note_room(w)
-        self.count_prefill(w, decision, result)
+        self.count_prefill(w, decision, result, streamed)
         note_prefilled(w.view, result.new_tokens, result.finished)
-        self.add_tokens(w, result, now)
+        self.add_tokens(result.new_tokens, now, skip=streamed)
         self.cache.on_result(w, decision, result)
         for r in resumed:
             if r.request_id not in result.not_admitted and r.request_id not in result.resume_failed:
@@ -214,17 +260,21 @@ class Dispatcher:
                 self.finish(req, State.FINISHED, reason)
         self.counters.on_step(w.index, result, now)
 
-    def count_prefill(self, w: WorkerSlot, decision: Decision, result: StepResult) -> None:
-        """Prompt tokens this call's new prefills feed, by the worker's role (before the new
-        tokens join the history; turn-cache hits count only the suffix they prefill)."""
+    def count_prefill(self, w: WorkerSlot, decision: Decision, result: StepResult, streamed: dict[str, int]) -> None:
+        """Prompt tokens this call's new prefills feed, by the worker's role (the history before
+        this call's tokens joined it; turn-cache hits count only the suffix they prefill)."""
         for r in decision.admit + [r for r in decision.resume if r.recompute]:
             if r.request_id not in result.not_admitted:
-                self.counters.on_prefill(w.view.role.value, len(r.token_ids) - result.cached.get(r.request_id, 0))
+                fed = len(r.token_ids) - streamed.get(r.request_id, 0) - result.cached.get(r.request_id, 0)
+                self.counters.on_prefill(w.view.role.value, fed)
 
-    def add_tokens(self, w: WorkerSlot, result: StepResult, now: float) -> None:
-        for rid, toks in result.new_tokens.items():
+    def add_tokens(self, new_tokens: dict[str, list[int]], now: float, skip: dict[str, int] | None = None) -> None:
+        """Give each running request its new tokens, but the first `skip[id]` (sent already)."""
+        for rid, toks in new_tokens.items():
             req = self.table.requests.get(rid)
-            if req is not None and req.state is State.RUNNING:
+            if skip:
+                toks = toks[skip.get(rid, 0):]
+            if req is not None and req.state is State.RUNNING and toks:
                 toks = cut_at_stop_string(req, toks)
                 req.add_tokens(toks, now)
                 self.counters.tokens += len(toks)

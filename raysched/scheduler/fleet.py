@@ -94,6 +94,13 @@ class Fleet:
         """The live workers other than `w`."""
         return [o for o in self.slots if o is not w and o.alive]
 
+    def targeted_elsewhere(self, r: Request, w: WorkerSlot) -> bool:
+        """Does retracted `r` wait for another worker (its `target_worker`, live, not draining)?"""
+        t = r.target_worker
+        if t is None or t == w.index or not 0 <= t < len(self.slots):
+            return False
+        return self.slots[t].alive and not self.slots[t].draining
+
     def notify(self) -> None:
         """Wake every sleeping dispatch loop (new work, or room freed somewhere); the others decide
         again as soon as their call returns anyway."""

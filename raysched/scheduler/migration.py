@@ -273,20 +273,16 @@ class Migrator:
 
     async def _recompute_on(self, req: Request, src: WorkerSlot, dst: WorkerSlot, out: dict) -> dict:
         """The recompute baseline: stop `req` on `src` and let the planner prefill its history
-        again, on `dst` (every other live worker is held back from resuming it meanwhile)."""
-        held = [w for w in self.fleet.others(dst) if not w.draining]
-        for w in held:
-            self.fleet.set_draining(w, True)
+        again, on `dst` (`Request.target_worker`: no other live worker resumes it; the fleet
+        goes on admitting and draining as before)."""
+        req.target_worker = dst.index
         t0 = time.monotonic()
-        try:
-            if await self.retract_by_snapshot(req, recompute=True) == "ended":
-                out["mode"] = "ended"
-                return out
-            while req.state is State.RETRACTED:
-                await asyncio.sleep(DRAIN_POLL_S / 4)
-        finally:
-            for w in held:
-                self.fleet.set_draining(w, False)
+        if await self.retract_by_snapshot(req, recompute=True) == "ended":
+            req.target_worker = None
+            out["mode"] = "ended"
+            return out
+        while req.state is State.RETRACTED:
+            await asyncio.sleep(DRAIN_POLL_S / 4)
         out.update(mode="recompute", downtime_s=time.monotonic() - t0)
         return out
 

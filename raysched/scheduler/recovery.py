@@ -1,8 +1,10 @@
 """Recovery: starting the workers, retiring a failed one, replacing it, and a restarted scheduler.
 
 A failed call retires its worker and recovers every request it held: those holding a snapshot
-resume from it, the others are recomputed from the token history the scheduler keeps (tokens of
-the failed call never arrived, so nothing is emitted twice). A replacement worker is started
+resume from it, the others are recomputed from the token history the scheduler keeps. That
+history holds every token a client was sent, those the failed call streamed before it failed
+included (a request that got any drops its older snapshot first, `Dispatcher.apply`), so nothing
+is emitted twice and nothing is skipped. A replacement worker is started
 when the cluster has room for one. When no worker is left and none can be started, the request
 table fails every reader.
 
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import logging
 import re
 import warnings
@@ -63,6 +66,8 @@ class Recovery:
         self._on_added = on_added  # the dispatcher starts the new worker's loop
         self.pending_replacements = 0
         self.closing = False
+        self._spawn_index = itertools.count(config.workers)  # a later spawn's index, never reused
+        #   (a simulated host keys its workers by it: two spawns at once must not share one)
 
     async def start_workers(self) -> None:
         """Start `config.workers` workers; a worker that raised in its constructor kills them all
@@ -124,8 +129,7 @@ class Recovery:
     async def start_worker(self, timeout_s: float = REPLACEMENT_TIMEOUT_S, role: Role = Role.BOTH) -> WorkerSlot | None:
         """Start one more worker and its loop (a replacement, or `add_worker`); None (logged) if
         the cluster has no room for it or it failed to start."""
-        index = len(self.fleet.slots) + max(self.pending_replacements - 1, 0)
-        handle = self.actors.spawn(self.config, index)
+        handle = self.actors.spawn(self.config, next(self._spawn_index))
         try:
             info = await asyncio.wait_for(handle.info.remote(), timeout_s)
         except Exception as err:  # no room in the cluster, or it failed to start
