@@ -2,17 +2,21 @@
 
 The same requests, on the `small` preset, run
 - through the scheduler with 1 worker actor (embedded Ray, 1 CPU for the worker), and
-- in this process with `Engine.generate` (continuous batching, no Ray),
+- in this process with `Engine.generate` (continuous batching, no Ray), and
+- through the scheduler again, each request submitted with `stream=True` and read as it comes
+  (`handle.stream()`, one thread each): every worker call then streams its decode steps
+  (`scheduler.stream_each_step`), a message per step instead of per call,
 alternately, twice each; the best run of each side counts. Both use the same pool sizes and
 admission rule (`admission: reserve`, which is what `Engine.generate` does: a request is admitted
 when its whole budget fits), so both batch alike and neither retracts. A Ray actor with
 num_cpus=1 runs torch with 1 thread (Ray sets OMP_NUM_THREADS=1), so the bare run calls
 torch.set_num_threads(1) too. Throughput is generated tokens over wall time from the first
-submit to the last result; greedy outputs must agree between the two.
+submit to the last result; greedy outputs must agree on all three sides.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -56,7 +60,7 @@ def main(out_dir: Path = Path("bench-out"), quick: bool = False) -> dict:
     engine = build_engine(setup.model, device="cpu", kv_tokens=setup.kv_tokens,
                           state_slots=setup.state_slots)
     specs = build_requests(setup.workload, engine.config.vocab_size)
-    bare_runs, sched_runs = [], []
+    bare_runs, sched_runs, streamed_runs = [], [], []
     with local_ray(num_cpus=1):
         import raysched
 
@@ -65,10 +69,11 @@ def main(out_dir: Path = Path("bench-out"), quick: bool = False) -> dict:
             for k in range(setup.repeats):
                 bare_runs.append(run_bare(engine, specs))
                 sched_runs.append(run_scheduler(client, specs, run=k))
+                streamed_runs.append(run_streamed(client, specs, run=k))
         finally:
             client.shutdown()
         actor_threads = _actor_threads()
-    result = _result(setup, specs, bare_runs, sched_runs, actor_threads)
+    result = _result(setup, specs, bare_runs, sched_runs, streamed_runs, actor_threads)
     result["load_avg_1m_start"] = load_start
     return report(out_dir, "overhead", result, _print)
 
@@ -102,6 +107,23 @@ def run_scheduler(client, specs: list[RequestSpec], run: int) -> dict:
             "outputs": {spec.request_id: by_id.get(rid) for rid, spec in zip(ids, specs)}}
 
 
+def run_streamed(client, specs: list[RequestSpec], run: int) -> dict:
+    """The workload through the scheduler, every request read as it comes (`stream=True`)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    busy_before = client.stats()["busy_s"]
+    t0 = time.perf_counter()
+    handles = [client.submit(list(s.prompt_ids), s.sampling, f"{s.request_id}-stream{run}", stream=True)
+               for s in specs]
+    with ThreadPoolExecutor(max_workers=len(handles)) as pool:
+        outputs = list(pool.map(lambda h: list(h.stream()), handles))
+    seconds = time.perf_counter() - t0
+    tokens = sum(map(len, outputs))
+    return {"duration_s": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds,
+            "worker_busy_s": client.stats()["busy_s"] - busy_before, "finished": len(outputs),
+            "outputs": {s.request_id: o for s, o in zip(specs, outputs)}}
+
+
 def _actor_threads() -> int:
     import ray
 
@@ -115,10 +137,12 @@ def _actor_threads() -> int:
 
 
 def _result(setup: Setup, specs: list[RequestSpec], bare_runs: list[dict], sched_runs: list[dict],
-            actor_threads: int) -> dict:
+            streamed_runs: list[dict], actor_threads: int) -> dict:
     bare = max(bare_runs, key=lambda r: r["tokens_per_s"])
     sched = max(sched_runs, key=lambda r: r["tokens_per_s"])
-    mismatched = sorted(rid for rid, toks in bare["outputs"].items() if sched["outputs"].get(rid) != toks)
+    streamed = max(streamed_runs, key=lambda r: r["tokens_per_s"])
+    mismatched = sorted(rid for rid, toks in bare["outputs"].items()
+                        if sched["outputs"].get(rid) != toks or streamed["outputs"].get(rid) != toks)
     ratio = sched["tokens_per_s"] / bare["tokens_per_s"]
     strip = lambda r: {k: v for k, v in r.items() if k != "outputs"}  # noqa: E731
     return {
@@ -126,10 +150,13 @@ def _result(setup: Setup, specs: list[RequestSpec], bare_runs: list[dict], sched
         "requests": len(specs), "prompt_tokens": sum(len(s.prompt_ids) for s in specs),
         "bare_threads": 1, "actor_threads": actor_threads, "machine": machine(),
         "rows": [{"side": "bare engine (Engine.generate)", **strip(bare)},
-                 {"side": "scheduler + 1 worker actor", **strip(sched)}],
+                 {"side": "scheduler + 1 worker actor", **strip(sched)},
+                 {"side": "scheduler, read as it comes (streamed calls)", **strip(streamed)}],
         "bare_runs": [strip(r) for r in bare_runs], "scheduler_runs": [strip(r) for r in sched_runs],
+        "streamed_runs": [strip(r) for r in streamed_runs],
         "worker_busy_fraction": sched["worker_busy_s"] / sched["duration_s"],
         "ratio": ratio, "target": {"min_ratio": TARGET_RATIO, "met": ratio >= TARGET_RATIO},
+        "streamed_ratio": streamed["tokens_per_s"] / bare["tokens_per_s"],
         "mismatched_requests": mismatched,
     }
 
@@ -143,6 +170,7 @@ def _print(result: dict) -> None:
     print(f"scheduler / bare throughput: {result['ratio']:.3f} (target >= {t['min_ratio']}: "
           f"{'met' if t['met'] else 'MISSED'}); worker busy {result['worker_busy_fraction']:.0%} "
           f"of the scheduled run; mismatched outputs: {len(result['mismatched_requests'])}")
+    print(f"scheduler with streamed reads / bare: {result['streamed_ratio']:.3f}")
 
 
 if __name__ == "__main__":

@@ -147,11 +147,13 @@ class Client:
         self._scheduler = handle
 
     def submit(self, prompt: str | Sequence[int], sampling: SamplingParams | Mapping[str, Any] | None = None,
-               request_id: str | None = None, priority: int = 0) -> "RequestHandle":
+               request_id: str | None = None, priority: int = 0, stream: bool = False) -> "RequestHandle":
         """Queue a request: a text prompt (encoded with the model's tokenizer; it also stops at the
         eos token) or token ids. Invalid input raises `RequestError` here, before anything is allocated.
         `priority`: lower is more urgent (default 0); a more urgent request that finds no room
-        preempts the least urgent running ones (see `scheduler.preemption`).
+        preempts the least urgent running ones (see `scheduler.preemption`). `stream`: you will
+        read it with `handle.stream()`, so each decode step's tokens come as the step completes
+        from its first worker call on (without it, from the first `stream()` read on).
 
         >>> h = client.submit([1, 2, 3], {"max_new_tokens": 4, "temperature": 0.7, "seed": 1})
         >>> h = client.submit("Once upon a time", {"max_new_tokens": 16, "stop": ["\n"]})
@@ -161,7 +163,7 @@ class Client:
         prompt_ids = list(prompt)
         if isinstance(prompt, str):  # text in: stop at the tokenizer's eos token too
             prompt_ids, params = self.encode(prompt), with_eos_stop(params, self.tokenizer)
-        rid = self._call("submit", prompt_ids, params, request_id, priority)
+        rid = self._call("submit", prompt_ids, params, request_id, priority, stream)
         return RequestHandle(self, rid, prompt_ids, params, priority=priority)
 
     @property

@@ -414,8 +414,8 @@ class SchedulerConfig:
     #   overflow | reserve: no-overcommit baseline, every request keeps room for its whole budget
     victim_order: str = "fewest_generated"  # which running request is retracted first
     decode_steps_per_call: int = 4  # decode steps a worker runs per scheduler call
-    stream_each_step: bool = True  # each decode step's tokens reach the clients as that step
-    #   completes (a worker call streams them); False: once per call, all at its end
+    stream_each_step: bool = True  # a request whose client streams it gets each decode step's
+    #   tokens as that step completes (its worker's calls stream); False: once per call
     force_retract_every: int = 0  # testing: 0 = off; else retract one request per worker at the
     #   first decision at or after every k-th call (pipelining stays on)
     max_retractions: int = 8  # a request retracted this many times is never retracted again

@@ -48,7 +48,10 @@ class Request:
     snapshot_bytes: int = 0  # its payload size, once the retraction reported it
     snapshot_node: str | None = None  # the node whose object store holds the snapshot
     recompute: bool = False  # resume by re-prefilling prompt + outputs instead of a snapshot
-    target_worker: int | None = None  # a hand-over's decode worker (see `scheduler.roles`)
+    target_worker: int | None = None  # a hand-over's decode worker (see `scheduler.roles`), or a
+    #   recompute migration's destination: no other live worker resumes it
+    streaming: bool = False  # a client reads its tokens as they come (`next_tokens`): its
+    #   worker's calls send each decode step's tokens as the step completes
     handover_s: float | None = None  # when its hand-over was sent, until it is restored
     first_token_s: float | None = None
     finish_s: float | None = None

@@ -174,7 +174,8 @@ class OpenAIServer:
         owned = True  # this handler must abort the request unless it ends or a stream takes it over
         try:
             try:
-                await self._call(self.scheduler.submit.remote(req.prompt_ids, req.sampling, rid), req=req)
+                await self._call(self.scheduler.submit.remote(req.prompt_ids, req.sampling, rid, stream=req.stream),
+                                 req=req)
             except APIError:
                 owned = False  # refused: nothing to abort
                 raise

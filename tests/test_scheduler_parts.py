@@ -212,6 +212,20 @@ def expected(rid: str, max_new: int) -> list[int]:
 # ---------------------------------------------------------------------------- table
 
 
+def test_reading_a_request_as_it_comes_marks_it_streamed() -> None:
+    """`next_tokens` (a streaming reader) marks its request, so its worker's next calls stream
+    each decode step's tokens. Control: a request nobody reads that way stays unmarked."""
+    async def scenario() -> None:
+        table = RequestTable(Counters())
+        a, b = (table.submit([1, 2], {"max_new_tokens": 4}, LIMITS) for _ in range(2))
+        a.output_ids, b.output_ids = [5], [5]
+        assert not a.streaming and not b.streaming
+        assert await table.next_tokens(a.request_id, 0) == ([5], False)
+        assert a.streaming and not b.streaming
+
+    asyncio.run(scenario())
+
+
 def test_table_validates_and_queues_in_priority_order() -> None:
     table = RequestTable(Counters())
     a = table.submit([1, 2], {"max_new_tokens": 4}, LIMITS)
@@ -364,15 +378,19 @@ def test_a_failed_call_hands_its_requests_to_recovery_and_they_finish_elsewhere(
     asyncio.run(scenario())
 
 
-@pytest.mark.parametrize("stream_each_step", [True, False], ids=["streamed", "control-one-reply-per-call"])
-def test_each_decode_steps_tokens_reach_the_client_as_that_step_completes(stream_each_step: bool) -> None:
-    """With `stream_each_step` a call of 4 decode steps delivers its tokens one step at a time
-    (what a streaming client sees: one token per chunk, the first right after its prefill); the
-    control, one reply per call, delivers a call's 5 tokens (prefill + 4 steps) at once."""
+@pytest.mark.parametrize("stream_each_step, reader", [(True, True), (False, True), (True, False)],
+                         ids=["streamed", "control-one-reply-per-call", "control-nobody-streams-it"])
+def test_each_decode_steps_tokens_reach_the_client_as_that_step_completes(stream_each_step: bool, reader: bool) -> None:
+    """With `stream_each_step`, a streamed request's call of 4 decode steps delivers its tokens
+    one step at a time (what a streaming client sees: one token per chunk, the first right after
+    its prefill). The controls deliver a call's 5 tokens (prefill + 4 steps) at once: one reply
+    per call, and a request nobody streams (a message per step would cost the scheduler for
+    nothing)."""
     async def scenario() -> list[int]:
         config = ServeConfig(scheduler=SchedulerConfig(decode_steps_per_call=4, stream_each_step=stream_each_step))
         p = parts(config, [FakeWorker(0)])
         req = p["table"].submit([1, 2, 3], {"max_new_tokens": 9}, LIMITS)
+        req.streaming = reader  # (`Scheduler.submit(stream=True)`, or a first `next_tokens`)
         seen, notify = [], p["table"].notify
         p["table"].notify = lambda rid: (seen.append(len(req.output_ids)), notify(rid))
         await run_until_done(p, [req.request_id])
@@ -380,7 +398,7 @@ def test_each_decode_steps_tokens_reach_the_client_as_that_step_completes(stream
         return [b - a for a, b in zip([0] + seen, seen) if b > a]
 
     arrivals = asyncio.run(scenario())
-    assert arrivals == ([1] * 9 if stream_each_step else [5, 4])
+    assert arrivals == ([1] * 9 if stream_each_step and reader else [5, 4])
 
 
 @pytest.mark.parametrize("stream_each_step", [True, False], ids=["streamed", "control-one-reply-per-call"])
@@ -395,6 +413,7 @@ def test_a_call_that_dies_after_streaming_tokens_repeats_none_of_them(stream_eac
         p = parts(ServeConfig(workers=2, scheduler=sched), workers)
         w0, w1 = p["fleet"].slots
         req = p["table"].submit([1, 2, 3], {"max_new_tokens": 12}, LIMITS)
+        req.streaming = True  # a client reads it as it comes
         await p["dispatch"].execute(w0, p["dispatch"].decide(w0))  # prefill + 4 steps: 5 tokens
         snap, _ = workers[0].retract_pending(req.request_id)  # retracted with a snapshot
         w0.view.running.remove(req)

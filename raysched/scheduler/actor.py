@@ -141,13 +141,16 @@ class Scheduler:
 
     # ================================================================== client API
     async def submit(self, prompt_ids: list[int], sampling: dict | None = None,
-                     request_id: str | None = None, priority: int = 0) -> str:
+                     request_id: str | None = None, priority: int = 0, stream: bool = False) -> str:
         """Validate and queue a request; returns its id. Bad input raises RequestError at once.
-        `priority`: lower is more urgent; the waiting queue is kept in priority order."""
+        `priority`: lower is more urgent; the waiting queue is kept in priority order. `stream`:
+        its tokens will be read as they come (`next_tokens`), so its first call streams too
+        (`scheduler.stream_each_step`; a first `next_tokens` marks it as well)."""
         self.table.raise_if_fatal()
         if self.restarted:
             await self.start()
         req = self.table.submit(prompt_ids, sampling, self._limits(), request_id, priority)
+        req.streaming = bool(stream)
         if req.sampling.stop:  # stop strings are matched here, on the text, as tokens arrive
             req.text_stream = require_tokenizer(self.config.model).text_stream(req.sampling.stop, req.sampling.min_tokens)
         self.fleet.notify()

@@ -146,19 +146,22 @@ class Dispatcher:
         self.ledger.on_sizes(w, snap_victims, retract_calls, sizes)
         self.fleet.notify()
 
-    def send_step(self, w: WorkerSlot, plan: StepPlan, *args: Any) -> Any:
-        """Start a step call: streamed (`Worker.step_stream`, a Ray streaming generator) with
-        `scheduler.stream_each_step`, else one reply (`Worker.step`)."""
-        if self.config.scheduler.stream_each_step:
-            return w.handle.step_stream.options(num_returns="streaming").remote(plan, *args)
-        return w.handle.step.remote(plan, *args)
+    def send_step(self, w: WorkerSlot, plan: StepPlan, *args: Any) -> tuple[Any, bool]:
+        """Start a step call: (the call, whether it streams). It streams (`Worker.step_stream`, a
+        Ray streaming generator) when a request on `w` is read as it comes
+        (`Request.streaming`) and `scheduler.stream_each_step` is on; else one reply
+        (`Worker.step`): a message per decode step costs the scheduler, so only a reader gets it."""
+        if self.config.scheduler.stream_each_step and any(r.streaming for r in w.view.running):
+            return w.handle.step_stream.options(num_returns="streaming").remote(plan, *args), True
+        return w.handle.step.remote(plan, *args), False
 
-    async def receive(self, call: Any) -> tuple[Any, dict[str, int]]:
+    async def receive(self, sent: tuple[Any, bool]) -> tuple[Any, dict[str, int]]:
         """A step call's `StepResult` (or the exception it raised), and how many of its tokens
         per request went out ahead of it: a streamed call's `StepTokens` are applied as they
         come, so each decode step's tokens reach the clients as that step completes."""
+        call, streams = sent
         streamed: dict[str, int] = {}
-        if not self.config.scheduler.stream_each_step:
+        if not streams:
             return await settled(call), streamed
         result: Any = RuntimeError("a step stream ended without its result")
         try:

@@ -128,6 +128,7 @@ class RequestTable:
         """Tokens generated after `cursor` (waits for at least one unless the request ended).
         The call that reports the end forgets the request, like `wait`."""
         req = self.get(request_id)
+        req.streaming = True  # from its worker's next call on, each decode step's tokens come as they are made
         progress = self._progress.get(request_id)
         while len(req.output_ids) <= cursor and not req.state.is_done:
             self.raise_if_fatal()
