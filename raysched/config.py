@@ -382,7 +382,7 @@ class RebalanceConfig(Section):
     when the virtual usage of the most and the least loaded worker differs by more than
     `threshold`, one running request moves from the first to the second."""
 
-    enabled: bool = False  # off by default (see the README: it changes where requests run)
+    enabled: bool = True  # off: requests move only when retracted, drained or migrated by hand
     threshold: float = 0.25  # virtual usage gap (a fraction of a pool) that starts a move
     interval_s: float = 0.25  # how often the loads are compared
     max_moves: int = 1  # migrations in flight at once

@@ -320,6 +320,7 @@ def test_pick_move_takes_the_request_with_most_to_come_from_heavy_to_light():
     move = pick_move([heavy, light], threshold=0.25)
     assert (move.request.request_id, move.src, move.dst) == ("w0-1", 0, 1)
     assert pick_move([heavy, light], threshold=0.25, busy={"w0-1"}).request.request_id == "w0-0"
+    assert pick_move([heavy, light], threshold=0.25, queued=True) is None  # admission balances first
 
 
 def test_pick_move_leaves_balanced_workers_and_lone_requests_alone():
@@ -327,3 +328,24 @@ def test_pick_move_leaves_balanced_workers_and_lone_requests_alone():
     assert pick_move([_view(0, [(300, 5, 600)]), _view(1, [])], 0.1) is None  # moving it only swaps
     assert pick_move([_view(0, [(100, 5, 400)] * 2), _view(1, [], free=50)], 0.1) is None  # no room there
     assert pick_move([_view(0, [(100, 5, 400)] * 2)], 0.1) is None
+
+
+def test_pick_move_never_sends_a_decoding_request_to_a_prefill_worker():
+    from raysched.scheduler.roles import Role
+
+    heavy = _view(0, [(200, 5, 200), (100, 5, 400), (50, 5, 60)], free=400)
+    light = _view(1, [], free=900)
+    assert pick_move([heavy, light], threshold=0.25).dst == 1  # control: both decode, it moves
+    heavy.role, light.role = Role.DECODE, Role.PREFILL
+    assert pick_move([heavy, light], threshold=0.25) is None
+    third = _view(2, [], free=900)
+    third.role = Role.DECODE
+    assert pick_move([heavy, light, third], threshold=0.25).dst == 2  # the decode peer takes it
+
+
+def test_the_rebalancer_is_on_by_default():
+    from raysched.config import ServeConfig
+
+    assert ServeConfig.from_dict({"model": "tiny"}).scheduler.rebalance.enabled
+    assert not ServeConfig.from_dict({"model": "tiny", "scheduler": {"rebalance": {"enabled": False}}}
+                                     ).scheduler.rebalance.enabled

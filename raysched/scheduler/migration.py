@@ -289,14 +289,15 @@ class Migrator:
     # ------------------------------------------------------------------ rebalance
     async def rebalance_loop(self, threshold: float, interval_s: float, max_moves: int) -> None:
         """Every `interval_s`: move one running request from the most to the least loaded worker
-        when their virtual usage differs by more than `threshold` (`rebalance.pick_move`)."""
+        when their virtual usage differs by more than `threshold` and nothing waits
+        (`rebalance.pick_move`)."""
         in_flight: set[asyncio.Task] = set()
         while not self.recovery.closing:
             await asyncio.sleep(interval_s)
             if len(in_flight) >= max_moves:
                 continue
             views = [w.view for w in self.fleet.alive() if not w.draining]
-            move = pick_move(views, threshold, self.moving)
+            move = pick_move(views, threshold, self.moving, bool(self.table.waiting or self.table.retracted))
             if move is None:
                 continue
             self.counters.rebalance_moves += 1

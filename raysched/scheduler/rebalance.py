@@ -5,9 +5,12 @@ what they hold: for each, the K/V of its whole budget (tokens so far + tokens st
 over the pool; or, when state slots are the scarcer pool, the share of slots taken. When the
 most and the least loaded live, undrained workers differ by more than the threshold, the
 request on the first with the most tokens still to come moves to the second, provided the
-second has room for what it holds now and the move does not just swap the imbalance.
+second has room for what it holds now and the move does not just swap the imbalance. Only
+workers that decode take part: a prefill worker (`roles`) hands its requests over itself. While
+requests wait (new or retracted), nothing moves: admission puts them where the room is, which
+balances at no cost, and a moved request would only take the room a waiting one gets next.
 
-    move = pick_move(views, threshold=0.25, busy={"req-3"})   # -> Move(request, src, dst) | None
+    move = pick_move(views, threshold=0.25, busy={"req-3"}, queued=False)  # -> Move(request, src, dst) | None
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from dataclasses import dataclass
 
 from raysched.request import Request, State
 from raysched.scheduler.planner import WorkerView
+from raysched.scheduler.roles import Role, effective_role
 
 
 @dataclass(frozen=True)
@@ -32,9 +36,13 @@ def virtual_usage(view: WorkerView) -> float:
     return max(tokens / view.total_tokens, len(live) / view.total_slots)
 
 
-def pick_move(views: list[WorkerView], threshold: float, busy: set[str] = frozenset()) -> Move | None:
+def pick_move(views: list[WorkerView], threshold: float, busy: set[str] = frozenset(),
+              queued: bool = False) -> Move | None:
     """One move from the most to the least loaded of `views` (live, undrained workers), or None.
-    `busy`: requests already being moved."""
+    `busy`: requests already being moved; `queued`: requests are waiting for room."""
+    if queued:
+        return None
+    views = [v for v in views if effective_role(v, [o for o in views if o is not v]) is not Role.PREFILL]
     if len(views) < 2:
         return None
     loads = {v.index: virtual_usage(v) for v in views}
