@@ -10,7 +10,7 @@ The `in_place` mode, on its own deployment in the same Ray instance, runs the sa
 drains nothing. Both are warmed up first (a short request per worker and one live migration).
 
 Measured at the client: the largest inter-token gap of any request from the drain call to
-`AFTER` tokens after the drain returned, in units of that request's median gap before the call
+`AFTER` tokens after the drain returned, in units of the median of that request's last `RECENT` gaps before the call
 (one decode step as its client sees it); the same window in the in-place run says how noisy the
 machine was. Also the drain's `seconds`, `moved`, `fallbacks`, the time from the drain call
 (or the same moment in place) until the last request ends, client errors, and requests whose
@@ -33,6 +33,7 @@ from raysched.config import MigrationConfig, PoolConfig, SchedulerConfig, ServeC
 MODES = ("drain", "in_place")
 DRAINED = 1  # the worker drained
 AFTER = 8  # tokens after the drain returned that still count as "around the drain"
+RECENT = 8  # gaps just before the drain call whose median is "one decode step" of the request
 TARGET_GAP_STEPS = 3.0
 
 
@@ -112,12 +113,14 @@ def run_mode(setup: Setup, mode: str, prompts: list[list[int]]) -> dict:
 
 # ---------------------------------------------------------------------------- analysis
 def gap_steps(rec: Recorder, t_call: float, t_back: float) -> tuple[float, float, float | None]:
-    """(largest gap around the drain in decode steps, median gap before it in seconds, median
-    gap after the window: one decode step of the batch the request ended up in)."""
+    """(largest gap around the drain in decode steps, median of the `RECENT` gaps before it in
+    seconds: one decode step of the batch the request is in when the drain comes (a median over
+    its whole life before would count steps of the smaller batches it started in), median gap
+    after the window: one decode step of the batch the request ended up in)."""
     gaps = [b - a for a, b in zip(rec.arrivals, rec.arrivals[1:])]
     first_after = next((i for i, t in enumerate(rec.arrivals) if t > t_call), len(rec.arrivals))
     last = next((i for i, t in enumerate(rec.arrivals) if t > t_back), len(rec.arrivals)) + AFTER
-    before = [g for g in gaps[1:max(2, first_after - 1)] if g > 0]
+    before = [g for g in gaps[1:max(2, first_after - 1)] if g > 0][-RECENT:]
     around, after = gaps[max(0, first_after - 1):last], [g for g in gaps[last:] if g > 0]
     step = statistics.median(before) if before else float("nan")
     return (max(around) / step if around else 0.0), step, (statistics.median(after) if after else None)

@@ -413,7 +413,9 @@ class SchedulerConfig:
     admission: str = "overcommit"  # overcommit: admit while the next steps fit, retract on
     #   overflow | reserve: no-overcommit baseline, every request keeps room for its whole budget
     victim_order: str = "fewest_generated"  # which running request is retracted first
-    decode_steps_per_call: int = 4  # decode steps a worker runs per scheduler call
+    decode_steps_per_call: int = 4  # decode steps a worker runs per scheduler decision
+    fold_successor: bool = True  # a call whose successor needs no decision runs the successor's
+    #   steps too (one Ray call instead of two); False: the successor is a second, pipelined call
     stream_each_step: bool = True  # a request whose client streams it gets each decode step's
     #   tokens as that step completes (its worker's calls stream); False: once per call
     force_retract_every: int = 0  # testing: 0 = off; else retract one request per worker at the
@@ -438,6 +440,7 @@ class SchedulerConfig:
         "admission": check_one_of(ADMISSION_MODES),
         "victim_order": check_one_of(VICTIM_ORDERS),
         "decode_steps_per_call": check_positive_int,
+        "fold_successor": check_bool,
         "stream_each_step": check_bool,
         "force_retract_every": check_non_negative_int,
         "max_retractions": check_non_negative_int,
@@ -565,7 +568,8 @@ class FaultSpec:
 
     Inside a call (the worker's process exits there, told by a `FaultPoint` in the call):
     kill_in_step: in the worker's next call with decode steps, after `after_decode_steps` of them
-    (with `pipelined`, in its next pipelined call: one sent before the call ahead of it returned).
+    (with `pipelined`, in its next pipelined call: one sent before the call ahead of it returned;
+    with `folded`, in its next folded call: one that runs its successor's steps too).
     kill_in_retract: in its next retract call, after the
     gather, before the return. kill_in_restore: in its next call that restores a snapshot (with
     `cross_node`, one taken on another node), right after the restore.
@@ -577,6 +581,7 @@ class FaultSpec:
     after_decode_steps: int = 0  # kill_in_step only
     cross_node: bool = False  # kill_in_restore only
     pipelined: bool = False  # kill_in_step only
+    folded: bool = False  # kill_in_step only
     stage: int = 1  # kill_migration_* only: the pre-copy stage (1 = the first)
     final: bool = False  # kill_migration_* only: in the stop-and-copy instead of a pre-copy stage
 
@@ -587,6 +592,7 @@ class FaultSpec:
         "after_decode_steps": check_non_negative_int,
         "cross_node": check_bool,
         "pipelined": check_bool,
+        "folded": check_bool,
         "stage": check_positive_int,
         "final": check_bool,
     }
@@ -594,6 +600,7 @@ class FaultSpec:
     WORKER_OPTIONAL: ClassVar[tuple[str, ...]] = ("kill_scheduler",)  # kinds that need no `worker`
     ONLY_FOR: ClassVar[dict[str, tuple[str, object]]] = {  # option -> (the kind it applies to, default)
         "after_decode_steps": ("kill_in_step", 0), "pipelined": ("kill_in_step", False),
+        "folded": ("kill_in_step", False),
         "cross_node": ("kill_in_restore", False), "stage": (MIGRATION_KILLS, 1), "final": (MIGRATION_KILLS, False)}
 
     def __post_init__(self) -> None:
@@ -783,6 +790,12 @@ class ServeConfig:
             if fault.worker is not None and fault.worker >= self.workers:
                 raise _ROOT.child("faults").item(i).child("worker").error(
                     f"must be < workers ({self.workers}), got {fault.worker}")
+            if fault.pipelined and self.scheduler.fold_successor:
+                raise _ROOT.child("faults").item(i).child("pipelined").error(
+                    "needs scheduler.fold_successor: false (folded successors are never a second call)")
+            if fault.folded and not self.scheduler.fold_successor:
+                raise _ROOT.child("faults").item(i).child("folded").error(
+                    "needs scheduler.fold_successor: true (no call is folded without it)")
         if self.data_plane != "sim" and self.sim != SimConfig():
             raise _ROOT.child("sim").error(f"applies only to data_plane: sim, not {self.data_plane}")
         if self.autoscale is not None:

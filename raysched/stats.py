@@ -27,7 +27,8 @@ class Counters:
     failed: int = 0
     tokens: int = 0
     calls: int = 0
-    pipelined_calls: int = 0
+    pipelined_calls: int = 0  # successors sent as a second call before the first returned
+    folded_calls: int = 0  # calls that ran their successor's decode steps too (`fold_successor`)
     retractions: int = 0
     retractions_snapshot: int = 0
     retractions_recompute: int = 0

@@ -272,7 +272,9 @@ def test_fault_options_of_another_kind_are_rejected_not_ignored() -> None:
         FaultSpec("kill_worker", 0, 1, cross_node=True)
     ok = [{"kind": "kill_in_step", "worker": 1, "after_steps": 3, "after_decode_steps": 2, "pipelined": True},
           {"kind": "kill_in_restore", "worker": 0, "after_steps": 0, "cross_node": True}]
-    cfg = load_serve_config({"faults": ok})
+    with pytest.raises(ConfigError, match=r"faults\[0\].pipelined needs scheduler.fold_successor: false"):
+        load_serve_config({"faults": ok})  # folded successors are never a second call: it could not fire
+    cfg = load_serve_config({"faults": ok, "scheduler": {"fold_successor": False}})
     assert cfg.faults == (FaultSpec("kill_in_step", 1, 3, after_decode_steps=2, pipelined=True),
                           FaultSpec("kill_in_restore", 0, 0, cross_node=True))
     assert [f.to_dict() for f in cfg.faults] == ok  # round trip, options of other kinds left out

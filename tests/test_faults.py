@@ -77,7 +77,8 @@ class Scenario(NamedTuple):
     requests: int = 20
 
 
-ROOMY = {"kv_tokens": 2048, "state_slots": 8}  # nothing waits: pure-decode calls are pipelined
+ROOMY = {"kv_tokens": 2048, "state_slots": 8}  # nothing waits: pure-decode calls run their successors
+PIPELINED = {"fold_successor": False}  # a successor is a second call, sent before the first returns
 
 SCENARIOS = {
     # between calls: the scheduler kills the worker actor before the call numbered after_steps
@@ -95,11 +96,14 @@ SCENARIOS = {
     # inside calls: the worker's process exits at a point the step plan / retract call names
     "in-step-before-decode": Scenario({}, [kill(0, 0, "kill_in_step", after_decode_steps=0)], 21),  # after its prefill
     "in-step-after-2-decodes": Scenario({}, [kill(1, 3, "kill_in_step", after_decode_steps=2)], 22),
-    "in-pipelined-step": Scenario({}, [kill(0, 2, "kill_in_step", after_decode_steps=1, pipelined=True)], 23,
+    "in-pipelined-step": Scenario(PIPELINED, [kill(0, 2, "kill_in_step", after_decode_steps=1, pipelined=True)], 23,
                                   pool=ROOMY, requests=8),
     "in-pipelined-step-pressure": Scenario(  # KV pressure later: the pipelined call dies, then victims
-        {}, [kill(1, 2, "kill_in_step", after_decode_steps=3, pipelined=True)], 24,
+        PIPELINED, [kill(1, 2, "kill_in_step", after_decode_steps=3, pipelined=True)], 24,
         pool={"kv_tokens": 320, "state_slots": 8}, requests=10),
+    # a folded call runs 2 x 4 decode steps: dies after 6, past where an unfolded call ends
+    "in-folded-step": Scenario({}, [kill(1, 2, "kill_in_step", after_decode_steps=6, folded=True)], 30,
+                               pool=ROOMY, requests=8),
     "in-retract": Scenario({"force_retract_every": 2}, [kill(0, 2, "kill_in_retract")], 25),
     "in-retract-mixed-modes": Scenario({"force_retract_every": 1, "snapshot_budget_bytes": 60_000},
                                        [kill(1, 5, "kill_in_retract")], 26),
@@ -136,13 +140,17 @@ class TestOnCluster:
             assert record["call"] >= spec["after_steps"]
             if spec.get("pipelined"):
                 assert record["pipelined"] is True, record
+            if spec.get("folded"):
+                assert record["folded"] is True and record["decode_steps"] == 8, record
+            if spec["kind"] == "kill_in_step":
+                assert record["decode_steps"] >= spec.get("after_decode_steps", 0), record  # died inside it
             if spec.get("cross_node"):
                 assert record["cross_node"] is True, record
         print(f"\nfault scenario {name}: fired {[(f['kind'], f['worker'], f['call'], f['pipelined']) for f in fired]}; "
               f"{summary['finished']}/{summary['requests']} finished with reference tokens, "
               f"worker failures {summary['worker_failures']}, recovered {summary['recovered']}, retractions "
               f"{summary['retractions']}, migrations {summary['migrations']} ({summary['cross_node_migrations']} "
-              f"cross-node), pipelined calls {stats['pipelined_calls']}, replaced {stats['workers_replaced']}")
+              f"cross-node), pipelined calls {stats['pipelined_calls']}, folded {stats['folded_calls']}, replaced {stats['workers_replaced']}")
 
     def test_without_replacement_the_survivor_finishes_everything(self):
         specs = synthetic(12, requests=16)

@@ -15,7 +15,9 @@ from raysched.workload import RequestSpec
 from tests.conftest import local_cluster, wait_until
 from tests.exactness import assert_exactly_once, synthetic
 
-POOL = {"kv_tokens": 160, "state_slots": 4}
+POOL = {"kv_tokens": 640, "state_slots": 4}  # K/V for every request's whole budget: only the slots run out, so
+#   an urgent request finds no room unless it preempts (with K/V overcommitted, a low-priority request
+#   retracted for K/V could free a slot first, and the urgent ones started without preempting)
 
 
 @pytest.fixture(scope="module")

@@ -332,30 +332,61 @@ def test_a_draining_workers_room_does_not_hold_new_requests_back_elsewhere() -> 
     asyncio.run(scenario())
 
 
-def test_dispatcher_runs_requests_to_the_end_with_the_right_tokens() -> None:
+def successors(counters, fold: bool) -> int:
+    """Successor calls the dispatcher planned without a decision: folded into their call
+    (`fold_successor`) or pipelined as a second call; the other kind must be 0."""
+    made, other = ((counters.folded_calls, counters.pipelined_calls) if fold
+                   else (counters.pipelined_calls, counters.folded_calls))
+    assert other == 0, (counters.folded_calls, counters.pipelined_calls)
+    return made
+
+
+@pytest.mark.parametrize("fold", [True, False], ids=["folded", "pipelined"])
+def test_dispatcher_runs_requests_to_the_end_with_the_right_tokens(fold: bool) -> None:
     async def scenario() -> None:
-        config = ServeConfig(workers=2, scheduler=SchedulerConfig(decode_steps_per_call=4))
+        config = ServeConfig(workers=2, scheduler=SchedulerConfig(decode_steps_per_call=4, fold_successor=fold))
         p = parts(config, [FakeWorker(0), FakeWorker(1)])
         reqs = [p["table"].submit([1, 2, i + 3], {"max_new_tokens": 9}, LIMITS) for i in range(6)]
         await run_until_done(p, [r.request_id for r in reqs])
         for r in reqs:
             assert r.output_ids == expected(r.request_id, 9) and r.finish_reason == "length"
-        assert p["counters"].pipelined_calls > 0  # nothing waiting at the end: decode calls pipelined
+        assert successors(p["counters"], fold) > 0  # nothing waiting at the end: successors planned
 
     asyncio.run(scenario())
 
 
-def test_forced_retraction_keeps_pipelining_on_and_loses_no_token() -> None:
+def test_a_folded_call_runs_its_successors_steps_in_one_call() -> None:
+    """With nothing waiting and room for twice the steps, one call carries both calls' decode
+    steps (and no second call is sent); control: `fold_successor: false` sends the same steps
+    as two calls, the second before the first returned."""
+    async def scenario(fold: bool) -> list[int]:
+        config = ServeConfig(workers=1, scheduler=SchedulerConfig(decode_steps_per_call=3, fold_successor=fold))
+        worker = FakeWorker(0)
+        p = parts(config, [worker])
+        req = p["table"].submit([1, 2, 3], {"max_new_tokens": 40}, LIMITS)
+        w = p["fleet"].slots[0]
+        await p["dispatch"].execute(w, p["dispatch"].decide(w))  # the admission: no successor
+        await p["dispatch"].execute(w, p["dispatch"].decide(w))
+        assert req.output_ids == expected(req.request_id, len(req.output_ids))
+        return [plan.decode_steps for plan in worker.calls[1:]]
+
+    assert asyncio.run(scenario(True)) == [6]
+    assert asyncio.run(scenario(False)) == [3, 3]
+
+
+@pytest.mark.parametrize("fold", [True, False], ids=["folded", "pipelined"])
+def test_forced_retraction_keeps_successors_on_and_loses_no_token(fold: bool) -> None:
     """Before the split, `force_retract_every` switched pipelining off, so the fault tests that
-    force retractions never exercised a pipelined call."""
+    force retractions never exercised a pipelined call (nor, now, a folded one)."""
     async def scenario() -> None:
-        config = ServeConfig(workers=2, scheduler=SchedulerConfig(decode_steps_per_call=2, force_retract_every=1))
+        config = ServeConfig(workers=2, scheduler=SchedulerConfig(decode_steps_per_call=2, force_retract_every=1,
+                                                                  fold_successor=fold))
         p = parts(config, [FakeWorker(0), FakeWorker(1)])
         reqs = [p["table"].submit([1, 2, i + 3], {"max_new_tokens": 24}, LIMITS) for i in range(3)]
         await run_until_done(p, [r.request_id for r in reqs])
         for r in reqs:
             assert r.output_ids == expected(r.request_id, 24)
-        assert p["counters"].retractions > 0 and p["counters"].pipelined_calls > 0
+        assert p["counters"].retractions > 0 and successors(p["counters"], fold) > 0
         assert sum(r.retractions for r in reqs) == p["counters"].retractions
 
     asyncio.run(scenario())

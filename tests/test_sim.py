@@ -129,7 +129,7 @@ def test_sim_fleet_on_ray_loses_no_token_through_retractions_and_faults(tmp_path
         client.shutdown()
     for r in records:
         assert r["token_ids"] == run_alone(r["request_id"], [3, 1, int(r["prompt_ids"][-1])], 24), r
-    assert stats["worker_failures"] == 2 and stats["retractions"] > 0 and stats["pipelined_calls"] > 0
+    assert stats["worker_failures"] == 2 and stats["retractions"] > 0 and stats["folded_calls"] > 0
     assert stats["snapshots_refused"] >= 1
     assert idle["workers_idle"] and idle["tables"]["requests"] == 0
 

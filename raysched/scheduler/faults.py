@@ -14,7 +14,8 @@ included). With no faults configured every answer is empty.
     for fault in injector.due_between_calls(worker=0, call=7, scheduler_calls=12): ...
     point = injector.in_step(worker=0, call=7, decode_steps=4, resume_cross_node=None, pipelined=False)
     plan = StepPlan(..., fault=point)
-    injector.fired   # one record per fault fired: kind, worker, call, pipelined, cross_node, requests
+    injector.fired   # one record per fault fired: kind, worker, call, pipelined, folded, decode_steps,
+                     #   cross_node, requests
 """
 
 from __future__ import annotations
@@ -56,14 +57,16 @@ class FaultInjector:
         return [self._fire(i, f, call) for i, f in due]
 
     def in_step(self, worker: int, call: int, decode_steps: int, resume_cross_node: bool | None,
-                pipelined: bool, requests: tuple[str, ...] = ()) -> FaultPoint | None:
+                pipelined: bool, requests: tuple[str, ...] = (), folded: bool = False) -> FaultPoint | None:
         """The fault point of step call number `call`, if one is due there. `resume_cross_node`:
         whether the call's first snapshot resume comes from another node (None: it has none)."""
         for i, f in self._armed(worker, call):
-            if (f.kind == "kill_in_step" and decode_steps > 0 and (pipelined or not f.pipelined)) or (
+            if (f.kind == "kill_in_step" and decode_steps > 0 and (pipelined or not f.pipelined)
+                    and (folded or not f.folded)) or (
                     f.kind == "kill_in_restore" and resume_cross_node is not None
                     and (resume_cross_node or not f.cross_node)):
-                self._fire(i, f, call, pipelined=pipelined, cross_node=resume_cross_node, requests=requests)
+                self._fire(i, f, call, pipelined=pipelined, cross_node=resume_cross_node, requests=requests,
+                           folded=folded, decode_steps=decode_steps)
                 return FaultPoint(f.kind, f.after_decode_steps)
         return None
 
@@ -98,10 +101,12 @@ class FaultInjector:
                 yield i, f
 
     def _fire(self, i: int, fault: FaultSpec, call: int, pipelined: bool = False,
-              cross_node: bool | None = None, requests: tuple[str, ...] = ()) -> FaultSpec:
+              cross_node: bool | None = None, requests: tuple[str, ...] = (), folded: bool = False,
+              decode_steps: int = 0) -> FaultSpec:
         self._done.add(i)
         self.fired.append({"kind": fault.kind, "worker": fault.worker, "call": call, "pipelined": pipelined,
-                           "cross_node": cross_node, "requests": list(requests)})
+                           "folded": folded, "decode_steps": decode_steps, "cross_node": cross_node,
+                           "requests": list(requests)})
         return fault
 
 
@@ -140,15 +145,15 @@ class FaultSeam:
                 self._corrupt_next.add(w.index)
 
     def step_point(self, w: Any, call: int, decode_steps: int, resume_cross_node: bool | None,
-                   pipelined: bool = False) -> FaultPoint | None:
+                   pipelined: bool = False, folded: bool = False) -> FaultPoint | None:
         """The fault point step call number `call` of `w` carries, if one is due (logged)."""
         if not self.injector.armed:
             return None
         point = self.injector.in_step(w.index, call, decode_steps, resume_cross_node, pipelined,
-                                      tuple(r.request_id for r in w.view.running))
+                                      tuple(r.request_id for r in w.view.running), folded)
         if point is not None:
             log.warning("fault injection: %s sent to worker %d in call %d%s", point.kind, w.index, call,
-                        " (pipelined)" if pipelined else "")
+                        " (pipelined)" if pipelined else " (folded)" if folded else "")
         return point
 
     def retract_point(self, w: Any, request_id: str) -> FaultPoint | None:
