@@ -104,6 +104,9 @@ class Worker:
         for rid in plan.drop:
             if rid in self.engine.running or rid in self.engine.prefilling:
                 self.engine.release(rid)
+        for rid in (*plan.resume, *(item.request_id for item in plan.prefill)):
+            if rid in self.engine.reserved:  # the room of a live migration that was abandoned
+                self.engine.unreserve(rid)  # (its source died): this plan starts the request anew
         out = StepOutput()
         self.engine.hold_finished = plan.park_min_tokens > 0
         n = len(plan.resume)

@@ -362,3 +362,21 @@ def test_a_streamed_call_sends_the_prefills_token_then_each_decode_step_then_the
     for rid in ("a", "b"):
         assert [t for p in pieces for t in p.new_tokens[rid]] == result.new_tokens[rid]
     assert result.new_tokens == _worker(16).step(plan).new_tokens
+
+
+@pytest.mark.parametrize("reserved", [True, False], ids=["reserved", "control-nothing-reserved"])
+def test_a_plan_that_starts_a_request_here_supersedes_its_abandoned_reservation(reserved: bool):
+    """A live migration reserved room on this worker, then its source died: recovery prefills the
+    request again, and the plan that starts it here may come before the migration's `unreserve`.
+    The plan wins: the reservation is freed, and the tokens are those of a worker that never had
+    one (found with the rebalancer on: the step failed with "already holds slot", which took the
+    destination down too). Control: the same plan on a worker with no reservation."""
+    from raysched.messages import StepPlan
+
+    params = SamplingParams(max_new_tokens=6)
+    plan = StepPlan(prefill=(_item("moved", _prompt(9, 512, seed=40), params),), decode_steps=5)
+    worker = _worker(0)
+    if reserved:
+        assert worker.engine.reserve("moved", 64)
+    assert worker.step(plan).new_tokens == _worker(0).step(plan).new_tokens
+    assert not worker.engine.reserved and not worker.unreserve("moved")  # the late unreserve: a no-op

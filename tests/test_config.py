@@ -270,7 +270,8 @@ def test_fault_options_of_another_kind_are_rejected_not_ignored() -> None:
         load_serve_config({"faults": [fault]})
     with pytest.raises(ConfigError, match=r"fault.cross_node applies only to kind kill_in_restore, not kill_worker"):
         FaultSpec("kill_worker", 0, 1, cross_node=True)
-    ok = [{"kind": "kill_in_step", "worker": 1, "after_steps": 3, "after_decode_steps": 2, "pipelined": True},
+    ok = [{"kind": "kill_in_step", "worker": 1, "after_steps": 3, "after_decode_steps": 2, "pipelined": True,
+           "folded": False},
           {"kind": "kill_in_restore", "worker": 0, "after_steps": 0, "cross_node": True}]
     with pytest.raises(ConfigError, match=r"faults\[0\].pipelined needs scheduler.fold_successor: false"):
         load_serve_config({"faults": ok})  # folded successors are never a second call: it could not fire
