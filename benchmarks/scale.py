@@ -48,6 +48,7 @@ class Setup:
     out_sigma: float
     decode_steps_per_call: int = 4
     stream_each_step: bool = True  # each decode step's tokens sent as it completes (False: per call)
+    fold_successor: bool = True  # a successor needing no decision runs in the same call (False: pipelined)
 
 
 FULL = Setup(sizes=(8, 32, 128, 256), step_ms=(10.0, 30.0), slots=8, duration_s=30.0, warmup_s=10.0,
@@ -75,7 +76,7 @@ def serve_config(workers: int, step_ms: float, setup: Setup):
         "data_plane": "sim", "workers": workers, "object_store_memory": 256 << 20,
         "pool": {"kv_tokens": 16384, "state_slots": setup.slots},
         "scheduler": {"decode_steps_per_call": setup.decode_steps_per_call,
-                      "stream_each_step": setup.stream_each_step},
+                      "stream_each_step": setup.stream_each_step, "fold_successor": setup.fold_successor},
         "state_cache": {"enabled": False},
         "sim": {"decode_ms": step_ms, "workers_per_process": 16, "vocab_size": 32000, "max_context": 32768}})
 
@@ -238,16 +239,16 @@ def _figure(result: dict, plt: Any) -> Any:
 
 
 def main_points(out: Path, sizes: tuple[int, ...], step_ms: tuple[float, ...], duration_s: float, warmup_s: float,
-                stream_each_step: bool = True) -> dict:
+                stream_each_step: bool = True, fold_successor: bool = True) -> dict:
     """Part of the full curve (these sizes and steps, shorter windows): for recording a curve on a
     busy machine, one point at a time."""
     setup = Setup(**{**FULL.__dict__, "sizes": sizes, "step_ms": step_ms, "duration_s": duration_s, "warmup_s": warmup_s,
-                     "stream_each_step": stream_each_step})
+                     "stream_each_step": stream_each_step, "fold_successor": fold_successor})
     rows = [_point_or_error(n, ms, setup) for ms in setup.step_ms for n in setup.sizes]
     result = {"setup": {**setup.__dict__, "load": LOAD}, "rows": rows, "load_avg_1m": [load_average()],
               "cpus": os.cpu_count(), "targets": _targets(rows)}
     _print(result)
-    tag = "" if stream_each_step else "-per-call"
+    tag = ("" if stream_each_step else "-per-call") + ("" if fold_successor else "-unfolded")
     write_json(out, f"scale-{'-'.join(map(str, sizes))}-{'-'.join(f'{m:g}' for m in step_ms)}{tag}", result)
     return result
 
