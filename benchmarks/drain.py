@@ -28,7 +28,8 @@ from typing import Any
 from benchmarks.common import (Column, Recorder, label_axes, load_average, local_ray, machine, measured_client,
                                plain_setup, print_load, print_table, print_targets, random_prompt, report,
                                wait_for_tokens, warm_up)
-from raysched.config import MigrationConfig, PoolConfig, SchedulerConfig, ServeConfig, StateCacheConfig
+from raysched.config import (MigrationConfig, PoolConfig, RebalanceConfig, SchedulerConfig, ServeConfig,
+                             StateCacheConfig)
 
 MODES = ("drain", "in_place")
 DRAINED = 1  # the worker drained
@@ -67,9 +68,11 @@ def prompt_lengths(setup: Setup) -> list[int]:
 def serve_config(setup: Setup) -> ServeConfig:
     """`max_batch_size` = half the requests: each worker admits half of them, whichever plans
     first (without it, the first to plan admits every queued request and the other drains
-    nothing). It caps admissions only: after the drain worker 0 decodes all of them."""
+    nothing). It caps admissions only: after the drain worker 0 decodes all of them. The
+    rebalancer is off: it moved 3 requests in the in-place run, which then was not in place."""
     sched = SchedulerConfig(decode_steps_per_call=1, prefill_chunk_tokens=0, prefill_budget_tokens=0,
-                            max_batch_size=setup.requests // 2)
+                            max_batch_size=setup.requests // 2,
+                            rebalance=RebalanceConfig(enabled=False))  # in place means in place
     return ServeConfig(model=setup.model, workers=2, device="cpu", scheduler=sched,
                        pool=PoolConfig(kv_tokens=setup.kv_tokens, state_slots=setup.state_slots),
                        state_cache=StateCacheConfig(enabled=False), migration=MigrationConfig())
