@@ -210,9 +210,8 @@ class Dispatcher:
     def fold(self, w: WorkerSlot, decision: Decision) -> bool:
         """With `scheduler.fold_successor`, a call whose successor would be pipelined runs the
         successor's decode steps itself (`decision.decode_steps` doubles): the same steps between
-        two decisions, with one Ray call and one reply instead of two. Measured with 32 simulated
-        workers at 10 ms steps, this took the scheduler's CPU from 0.83 to 0.54-0.64 of a core
-        (`raysched bench scale`; benchmarks/README)."""
+        two decisions, with one Ray call and one reply instead of two (Ray's task submission was
+        half the scheduler's CPU at 32 workers: `raysched bench scale`, benchmarks/README)."""
         if not (self.config.scheduler.fold_successor and self.can_pipeline(w, decision)):
             return False
         decision.decode_steps *= 2

@@ -42,7 +42,8 @@ def pick_move(views: list[WorkerView], threshold: float, busy: set[str] = frozen
     `busy`: requests already being moved; `queued`: requests are waiting for room."""
     if queued:
         return None
-    views = [v for v in views if effective_role(v, [o for o in views if o is not v]) is not Role.PREFILL]
+    if any(v.role is not Role.BOTH for v in views):  # (a worker's own role never changes its effective one)
+        views = [v for v in views if effective_role(v, views) is not Role.PREFILL]
     if len(views) < 2:
         return None
     loads = {v.index: virtual_usage(v) for v in views}
