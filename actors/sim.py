@@ -16,7 +16,9 @@ is compute:
 - a step call's time is modeled (`SimConfig.step_ms`): `SimHost` sleeps that long before the
   reply, holding the worker's turn, so calls to one worker never overlap; a streamed step call
   (`SimHost.stream`) sends its prefills' first tokens and each decode step's tokens at their
-  modeled times;
+  modeled times. Each decode step is computed when the one before it has gone out, so an
+  interrupt (`SimHost.interrupt`, beside the call, as the worker actor's) ends the call there
+  (a call with one reply sleeps in slices of ~40 ms, and ends at the end of the slice under way);
 - snapshots are small objects that carry their *nominal* byte size (`SimConfig.kv_bytes_per_token`
   per cached token + `state_bytes`) and a checksum over what they do carry;
 - prompts are prefilled whole in one call (no chunking), and no turn-cache state is parked.
@@ -31,6 +33,7 @@ as the real worker (`actors.faults.with_faults`); a simulated worker "dies" by r
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import struct
 import zlib
 from collections.abc import AsyncIterator, Iterator
@@ -202,7 +205,7 @@ class SimWorker:
         self.engine = SimEngine(config)
         self.last_step_ms = 0.0  # the modeled time of the last step call
         self.dead = False
-        self._fed = self._rows = 0  # the last step call's prompt tokens fed and decoding rows
+        self._interrupted = 0  # the `StepPlan.call_id` whose decoding is to end early
 
     # ------------------------------------------------------------------ queries
     def info(self) -> WorkerInfo:
@@ -236,46 +239,72 @@ class SimWorker:
     def step_stream(self, plan: StepPlan, *snapshots: Any) -> Iterator[StepTokens | StepResult]:
         """`step`, its tokens first as `actors.worker.Worker.step_stream` sends them (in-process
         use; `SimHost.stream` sends them at their modeled times)."""
-        for _, piece in self._timeline(plan, *snapshots):
+        for _, piece in self._run(plan, *snapshots):
             yield piece
 
+    def interrupt(self, call_id: int) -> None:
+        """End step call `call_id`'s decoding after the step under way (`Worker.interrupt`)."""
+        self._interrupted = call_id
+
     def _timeline(self, plan: StepPlan, *snapshots: Any) -> list[tuple[float, StepTokens | StepResult]]:
-        """The step call, computed at once, as the pieces `step_stream` sends, each with its
-        modeled time in ms after the one before: the prefills' first tokens, each decode step's
-        tokens, the `StepResult`; the times add up to `last_step_ms`."""
-        result = self._step(plan, *snapshots)
-        sim, fed, rows = self.config.sim, self._fed, self._rows
-        pieces: list[tuple[float, StepTokens | StepResult]] = []
+        return list(self._run(plan, *snapshots))
+
+    def _run(self, plan: StepPlan, *snapshots: Any) -> Iterator[tuple[float, StepTokens | StepResult]]:
+        """The step call, one decode step at a time, as the pieces `step_stream` sends, each with
+        its modeled time in ms after the one before: the prefills' first tokens, each decode
+        step's tokens, the `StepResult`; the times add up to `last_step_ms`. Each step is
+        computed when the piece before it has gone, so an interrupt that came meanwhile ends
+        the decoding there (the reply covers the steps that ran), as does a finished request
+        with `plan.end_at_finish`."""
+        result = StepResult()
+        fed, rows = self._start(plan, snapshots, result)
+        sim, sent_ms, steps = self.config.sim, 0.0, plan.decode_steps
         prefilled = {item.request_id for item in plan.prefill} - set(result.not_admitted)
         first = {rid: toks[:1] for rid, toks in result.new_tokens.items() if rid in prefilled and toks}
         if first:
-            pieces.append((sim.step_ms(fed, 0, rows), StepTokens(first)))
+            sent_ms = sim.step_ms(fed, 0, rows)
+            yield sent_ms, StepTokens(first)
         for k in range(plan.decode_steps):
-            toks = {rid: t[k + (rid in first):][:1] for rid, t in result.new_tokens.items()}
-            toks = {rid: t for rid, t in toks.items() if t}
-            if not toks:
+            if plan.call_id and self._interrupted == plan.call_id:
+                steps = k
                 break
-            pieces.append((sim.step_ms(0 if pieces else fed, 1, rows), StepTokens(toks)))
-        pieces.append((self.last_step_ms - sum(ms for ms, _ in pieces), result))
-        return pieces
+            finished = len(result.finished)
+            toks = self._decode_step(plan, k, result)
+            if toks:
+                ms = sim.step_ms(0 if sent_ms else fed, 1, rows)
+                sent_ms += ms
+                yield ms, StepTokens(toks)
+            if plan.end_at_finish and len(result.finished) > finished:
+                steps = k + 1
+                break
+        if plan.fault is not None and plan.fault.after_decode_steps >= steps:
+            self._die_at(plan.fault, "kill_in_step")  # after the call's last step
+        self.last_step_ms = sim.step_ms(fed, steps, rows)
+        result.allocated = {rid: self.engine.pool.kv.num_request_tokens(rid) for rid in self.engine.running}
+        result.usage = self.usage()
+        result.busy_s = self.last_step_ms / 1000.0
+        yield self.last_step_ms - sent_ms, result
 
-    def _step(self, plan: StepPlan, *snapshots: Any) -> StepResult:
-        result = StepResult()
+    def _start(self, plan: StepPlan, snapshots: tuple, result: StepResult) -> tuple[int, int]:
+        """Drop, resume, prefill; (prompt tokens fed, rows decoding)."""
         for rid in plan.drop:
             if rid in self.engine.running:
                 self.engine.release(rid)
         for rid, snap in zip(plan.resume, snapshots[:len(plan.resume)]):
             if self._restore_one(plan, rid, snap, result) is False:
                 result.not_admitted.append(rid)
-        fed = self._fed = self.engine.prefill(list(plan.prefill), result)
-        rows = self._rows = len(self.engine.running)
-        if plan.decode_steps:
-            self._decode(plan, result)
-        self.last_step_ms = self.config.sim.step_ms(fed, plan.decode_steps, rows)
-        result.allocated = {rid: self.engine.pool.kv.num_request_tokens(rid) for rid in self.engine.running}
-        result.usage = self.usage()
-        result.busy_s = self.last_step_ms / 1000.0
-        return result
+        fed = self.engine.prefill(list(plan.prefill), result)
+        return fed, len(self.engine.running)
+
+    def _decode_step(self, plan: StepPlan, k: int, result: StepResult) -> dict[str, list[int]]:
+        """Decode step `k` of the call (a `kill_in_step` fault fires before the step it names);
+        the tokens it made."""
+        if plan.fault is not None and plan.fault.after_decode_steps == k:
+            self._die_at(plan.fault, "kill_in_step")
+        before = {rid: len(toks) for rid, toks in result.new_tokens.items()}
+        self._decode(dataclasses.replace(plan, decode_steps=1, fault=None), result)
+        return {rid: toks[before.get(rid, 0):] for rid, toks in result.new_tokens.items()
+                if len(toks) > before.get(rid, 0)}
 
     def take_parked(self, keys: list[tuple[str, str]]) -> Any:
         raise KeyError(f"a simulated worker parks no states; asked for {keys}")
@@ -332,6 +361,9 @@ def _fetch(snap: Any) -> SimSnapshot:
     return snap
 
 
+SLEEP_SLICE_MS = 40.0  # a step call with one reply sleeps its modeled time in slices this long
+
+
 class SimHost:
     """Many simulated workers in one (async actor) process. Every call names its worker and its
     sequence number (the order the scheduler sent it in); calls to one worker run one at a time,
@@ -355,33 +387,52 @@ class SimHost:
 
     async def call(self, index: int, seq: int, method: str, *args: Any) -> Any:
         """Run worker `index`'s `method` as call number `seq` (snapshot refs among a step's
-        arguments are read first, outside the turn)."""
+        arguments are read first, outside the turn); a step call takes its modeled time."""
         if method == "step":
-            args = (args[0], *[await _resolve(s) for s in args[1:]])
+            return await self._step(index, seq, *args)
         await self._wait_turn(index, seq)
         try:
-            worker = self._alive(index)
-            out = getattr(worker, method)(*args)
-            if method == "step" and worker.last_step_ms:
-                await asyncio.sleep(worker.last_step_ms / 1000.0)
-            self._alive(index)  # killed while the call was running: no reply
-            return out
+            return getattr(self._alive(index), method)(*args)
         finally:
             await self._end_turn(index, seq)
 
     async def stream(self, index: int, seq: int, plan: StepPlan, *snapshots: Any) -> AsyncIterator[Any]:
         """Worker `index`'s `step_stream` as call number `seq` (a Ray streaming generator):
-        each piece of `SimWorker._timeline` at its modeled time."""
+        each piece of `SimWorker._run` at its modeled time."""
         snapshots = tuple([await _resolve(s) for s in snapshots])
         await self._wait_turn(index, seq)
         try:
-            for ms, piece in self._alive(index)._timeline(plan, *snapshots):
+            for ms, piece in self._alive(index)._run(plan, *snapshots):
                 if ms > 0:
                     await asyncio.sleep(ms / 1000.0)
-                self._alive(index)
+                self._alive(index)  # killed while the call was running: no more pieces
                 yield piece
         finally:
             await self._end_turn(index, seq)
+
+    async def _step(self, index: int, seq: int, plan: StepPlan, *snapshots: Any) -> StepResult:
+        """A step call with one reply: `SimWorker._run`, sleeping its modeled time in slices of
+        about `SLEEP_SLICE_MS` (a wake-up per decode step per worker cost a fleet of 256 more
+        CPU than everything else); an interrupt ends it at the end of the slice under way."""
+        snapshots = tuple([await _resolve(s) for s in snapshots])
+        await self._wait_turn(index, seq)
+        try:
+            pending_ms, out = 0.0, None
+            for ms, out in self._alive(index)._run(plan, *snapshots):
+                pending_ms += ms
+                if pending_ms >= SLEEP_SLICE_MS or isinstance(out, StepResult):
+                    await asyncio.sleep(pending_ms / 1000.0)
+                    pending_ms = 0.0
+                    self._alive(index)  # killed while the call was running: no reply
+            return out
+        finally:
+            await self._end_turn(index, seq)
+
+    def interrupt(self, index: int, call_id: int) -> None:
+        """`SimWorker.interrupt`, at once (not in the worker's order of calls)."""
+        worker = self.workers.get(index)
+        if worker is not None:  # (not added yet: it has no call to end)
+            worker.interrupt(call_id)
 
     async def _wait_turn(self, index: int, seq: int) -> None:
         async with self._changed:

@@ -41,6 +41,7 @@ class Worker:
         self._speeds: tuple[float, float] | None = None
         self._parked: dict[tuple[str, str, int], Snapshot | KVBlock] = {}  # ParkedPoint keys ->
         #   copies, until taken or discarded
+        self._interrupted = 0  # the `StepPlan.call_id` whose decoding is to end early
 
     # ------------------------------------------------------------------ queries
     def info(self) -> WorkerInfo:
@@ -121,8 +122,16 @@ class Worker:
                 out.merge(decoded)
                 if decoded.new_tokens:
                     yield StepTokens(decoded.new_tokens)
+                if (plan.call_id and self._interrupted == plan.call_id) or (plan.end_at_finish and decoded.finished):
+                    break  # the scheduler needs a decision: the steps that ran are the reply
         self._park_finished(plan, result)
         yield self._result(result, out, time.perf_counter() - t0)
+
+    def interrupt(self, call_id: int) -> None:
+        """End the decoding of step call `call_id` (its `StepPlan.call_id`) after the step under
+        way; nothing if that call is over. The actor runs this call beside the step call (its own
+        concurrency group, `raysched.workers`): it only sets a number the step loop reads."""
+        self._interrupted = call_id
 
     def take_parked(self, keys: list[tuple[str, str, int]]) -> Snapshot | KVBlock | tuple:
         """Hand over copies listed in `StepResult.parked` (points and the blocks they offer, by

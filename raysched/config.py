@@ -130,6 +130,10 @@ def check_non_negative_int(value: Any, key: KeyPath) -> int:
     return _int_at_least(value, key, 0, "a non-negative integer")
 
 
+def check_fold_calls(value: Any, key: KeyPath) -> int:
+    return _int_at_least(value, key, 2, "an integer >= 2 (2: a call folds one successor)")
+
+
 def check_seed(value: Any, key: KeyPath) -> int:
     if not _is_int(value) or not 0 <= value < MAX_SEED:
         raise key.error(f"must be an integer in [0, 2**64), got {_describe(value)}")
@@ -151,6 +155,12 @@ def check_nonempty_str(value: Any, key: KeyPath) -> str:
 def check_finite_number(value: Any, key: KeyPath) -> float:
     if not _is_number(value) or not math.isfinite(value):
         raise key.error(f"must be a finite number, got {_describe(value)}")
+    return float(value)
+
+
+def check_non_negative_number(value: Any, key: KeyPath) -> float:
+    if not _is_number(value) or not math.isfinite(value) or value < 0:
+        raise key.error(f"must be a finite number >= 0, got {_describe(value)}")
     return float(value)
 
 
@@ -416,6 +426,11 @@ class SchedulerConfig:
     decode_steps_per_call: int = 4  # decode steps a worker runs per scheduler decision
     fold_successor: bool = True  # a call whose successor needs no decision runs the successor's
     #   steps too (one Ray call instead of two); False: the successor is a second, pipelined call
+    fold_calls: int = 8  # with fold_successor: a call runs up to this many calls' decode steps
+    #   while none of them needs a decision; one that runs more than 2 ends early when the
+    #   scheduler interrupts it (a request waits for room, an abort, a drain, a migration)
+    interrupt_after_ms: float = 20.0  # a request that has waited this long for room interrupts
+    #   long calls; sooner, a call that ends anyway starts it (with many workers, one soon does)
     stream_each_step: bool = True  # a request whose client streams it gets each decode step's
     #   tokens as that step completes (its worker's calls stream); False: once per call
     force_retract_every: int = 0  # testing: 0 = off; else retract one request per worker at the
@@ -441,6 +456,8 @@ class SchedulerConfig:
         "victim_order": check_one_of(VICTIM_ORDERS),
         "decode_steps_per_call": check_positive_int,
         "fold_successor": check_bool,
+        "fold_calls": check_fold_calls,
+        "interrupt_after_ms": check_non_negative_number,
         "stream_each_step": check_bool,
         "force_retract_every": check_non_negative_int,
         "max_retractions": check_non_negative_int,
@@ -492,12 +509,6 @@ class StateCacheConfig(Section):
         "inline_budget_bytes": check_non_negative_int,
         "placement_slack": check_fraction,
     }
-
-
-def check_non_negative_number(value: Any, key: KeyPath) -> float:
-    if not _is_number(value) or not math.isfinite(value) or value < 0:
-        raise key.error(f"must be a finite number >= 0, got {_describe(value)}")
-    return float(value)
 
 
 @dataclass(frozen=True)

@@ -46,6 +46,10 @@ class StepPlan:
     #   most this many tokens in this call; 0 = to the end of its prompt
     prefill_budget_tokens: int = 0  # most prompt tokens this call feeds, in whole chunks (at
     #   least one request advances); 0 = every prefilling request advances
+    call_id: int = 0  # > 0: `Worker.interrupt(call_id)` ends this call's decoding after the step
+    #   under way (the scheduler needs a decision); its reply then covers the steps that ran
+    end_at_finish: bool = False  # end the decoding after a step in which a request finished (a
+    #   long call: its client hears at once, and its room is the scheduler's to give)
 
     def is_empty(self) -> bool:
         return not (self.drop or self.resume or self.prefill or self.decode_steps)

@@ -31,6 +31,8 @@ from raysched.config import ServeConfig
 from raysched.messages import FaultPoint, StepPlan, StepResult, StepTokens, Usage, WorkerInfo
 
 DATA_PLANE_WORKER = "actors.worker"  # the module that defines the real Worker (torch, the model)
+CONTROL_GROUP = {"control": 1}  # `Worker.interrupt` runs here, beside a step call; every other
+#   method runs in the default group, one at a time, in the order sent
 
 
 class Worker:
@@ -64,6 +66,10 @@ class Worker:
 
     def step_stream(self, plan: StepPlan, *snapshots: Any) -> Iterator[StepTokens | StepResult]:
         yield from self._impl.step_stream(plan, *snapshots)
+
+    @ray.method(concurrency_group="control")
+    def interrupt(self, call_id: int) -> None:
+        self._impl.interrupt(call_id)  # beside a running step call (see `spawn_worker`)
 
     def take_parked(self, keys: list[tuple[str, str, int]]) -> Any:
         return self._impl.take_parked(keys)
@@ -116,7 +122,12 @@ def spawn_worker(config: ServeConfig, index: int) -> Any:
     """Start worker `index`; returns its actor handle (the caller owns the actor)."""
     if config.data_plane == "sim":
         return spawn_sim_worker(config, index)
-    return ray.remote(Worker).options(**worker_options(config)).remote(config, index)
+    return worker_actor_class().options(**worker_options(config)).remote(config, index)
+
+
+def worker_actor_class() -> Any:
+    """`Worker` as a Ray actor class (with the concurrency group `interrupt` runs in)."""
+    return ray.remote(concurrency_groups=CONTROL_GROUP)(Worker)
 
 
 def kill_worker(handle: Any) -> None:
@@ -155,6 +166,9 @@ class SimHost:
         async for piece in self._impl.stream(index, seq, *args):
             yield piece
 
+    def interrupt(self, index: int, call_id: int) -> None:
+        self._impl.interrupt(index, call_id)
+
     def kill(self, index: int) -> None:
         self._impl.kill(index)
 
@@ -170,6 +184,8 @@ class _SimMethod:
 
     def remote(self, *args: Any) -> Any:
         h = self.handle
+        if self.name == "interrupt":  # beside the call it ends, not in the worker's order
+            return h.host.interrupt.remote(h.index, *args)
         if self.name == "step_stream":  # a streaming generator, as the worker actor's
             return h.host.stream.options(num_returns="streaming").remote(h.index, next(h.calls), *args)
         call = h.host.call.options(num_returns=self.num_returns) if self.num_returns != 1 else h.host.call
@@ -180,7 +196,7 @@ class SimWorkerHandle:
     """A simulated worker: host actor + index; its methods are those of the worker actor."""
 
     METHODS = ("info", "usage", "running_ids", "is_idle", "retract", "retract_pending", "step", "step_stream",
-               "take_parked", "discard_parked", "migrate_out", "reserve", "migrate_in", "commit", "unreserve")
+               "interrupt", "take_parked", "discard_parked", "migrate_out", "reserve", "migrate_in", "commit", "unreserve")
 
     def __init__(self, host: Any, index: int) -> None:
         self.host, self.index = host, index

@@ -380,3 +380,73 @@ def test_a_plan_that_starts_a_request_here_supersedes_its_abandoned_reservation(
         assert worker.engine.reserve("moved", 64)
     assert worker.step(plan).new_tokens == _worker(0).step(plan).new_tokens
     assert not worker.engine.reserved and not worker.unreserve("moved")  # the late unreserve: a no-op
+
+
+def test_an_interrupted_worker_call_ends_after_the_step_under_way_and_continues_exactly():
+    """`Worker.interrupt(call_id)` while a step call streams: its decoding ends after the step
+    under way, its reply holds the tokens of the steps that ran, and the next call continues
+    the request with the tokens of an uninterrupted worker (the reference). Control: another
+    call's id interrupts nothing."""
+    from raysched.messages import StepPlan
+
+    params = SamplingParams(max_new_tokens=24)
+    prefill = (_item("r", _prompt(9, 512, seed=41), params),)
+    reference = _worker(0).step(StepPlan(prefill=prefill, decode_steps=23)).new_tokens["r"]
+    worker = _worker(0)
+    stream = worker.step_stream(StepPlan(prefill=prefill, decode_steps=23, call_id=2))
+    pieces = [next(stream) for _ in range(3)]  # the prefill's token, 2 decode steps
+    worker.interrupt(1)
+    pieces.append(next(stream))
+    worker.interrupt(2)
+    *rest, result = stream
+    assert not rest and result.new_tokens["r"] == reference[:4]
+    assert [p.new_tokens["r"][0] for p in pieces] == reference[:4]
+    more = worker.step(StepPlan(decode_steps=20, call_id=3)).new_tokens["r"]
+    assert reference[:4] + more == reference
+
+
+def test_an_interrupt_runs_beside_a_worker_actors_step_call():
+    """On Ray, `interrupt` runs in the worker actor's own concurrency group, beside the step
+    call it ends (every other method waits its turn): a streamed call of 400 decode steps,
+    interrupted once its first token came, replies with fewer tokens, the reference's first
+    ones. Control: the same call on a second worker, not interrupted, runs all its steps."""
+    import ray
+
+    from raysched.config import PoolConfig, SchedulerConfig, ServeConfig
+    from raysched.messages import StepPlan
+    from raysched.workers import spawn_worker
+
+    params = SamplingParams(max_new_tokens=401, ignore_eos=True)
+    plan = StepPlan(prefill=(_item("r", _prompt(9, 512, seed=42), params),), decode_steps=400, call_id=1)
+    cfg = ServeConfig(device="cpu", pool=PoolConfig(kv_tokens=512, state_slots=2))
+    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=80 << 20)
+    try:
+        tokens = []
+        for index, interrupt in ((0, True), (1, False)):
+            h = spawn_worker(cfg, index)
+            ray.get(h.info.remote())
+            pieces = h.step_stream.options(num_returns="streaming").remote(plan)
+            ray.get(next(pieces), timeout=60)  # the prefill's token: the call is under way
+            if interrupt:
+                ray.get(h.interrupt.remote(1), timeout=10)  # answered while the step call runs
+            *_, result = [ray.get(ref, timeout=300) for ref in pieces]
+            tokens.append(result.new_tokens["r"])
+            ray.kill(h)
+    finally:
+        ray.shutdown()
+    assert len(tokens[1]) == 401
+    assert 1 <= len(tokens[0]) < 401 and tokens[0] == tokens[1][:len(tokens[0])]
+
+
+def test_a_long_call_ends_at_the_step_a_request_finishes():
+    """`end_at_finish` on the real worker: the call's decoding ends after the step in which a
+    request finished, the other request's tokens being those of a plain call. Control: without
+    it, the call runs all its steps."""
+    from raysched.messages import StepPlan
+
+    prefill = (_item("short", _prompt(5, 512, seed=43), SamplingParams(max_new_tokens=5)),
+               _item("long", _prompt(7, 512, seed=44), SamplingParams(max_new_tokens=40)))
+    out = _worker(0).step(StepPlan(prefill=prefill, decode_steps=20, end_at_finish=True))
+    full = _worker(0).step(StepPlan(prefill=prefill, decode_steps=20))
+    assert out.finished == {"short": "length"} and len(full.new_tokens["long"]) == 21
+    assert out.new_tokens["long"] == full.new_tokens["long"][:5]

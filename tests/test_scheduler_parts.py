@@ -89,12 +89,18 @@ class FakeWorker:
         self.held: dict[str, list] = {}  # id -> [token_ids, max_new, prompt_len]
         self.snapshots: dict[str, list] = {}
         self.calls: list[StepPlan] = []
+        self.interrupts: list[int] = []
         self.dead = False
         self.die_after_pieces: int | None = None  # a streamed call fails after this many pieces
 
     def handle(self) -> Any:
         return type("Handle", (), {name: Call(getattr(self, name)) for name in
-                                   ("info", "step", "step_stream", "retract_pending", "take_parked", "is_idle")})()
+                                   ("info", "step", "step_stream", "retract_pending", "take_parked", "is_idle",
+                                    "interrupt")})()
+
+    def interrupt(self, call_id: int) -> None:
+        """Recorded only: a fake call runs to its end when it is sent."""
+        self.interrupts.append(call_id)
 
     def usage(self) -> Usage:
         used = sum(len(h[0]) - 1 for h in self.held.values())
@@ -355,23 +361,46 @@ def test_dispatcher_runs_requests_to_the_end_with_the_right_tokens(fold: bool) -
     asyncio.run(scenario())
 
 
+def fold_scenario(fold: bool, fold_calls: int = 2, waiting: int = 0, max_new: int = 40, ends: bool = False,
+                  kv: int = 256) -> list:
+    """The decode steps of each call after one request's admission (1 worker, 3 steps a call),
+    with `waiting` more requests queued that cannot start (no free slot)."""
+    async def scenario() -> list[int]:
+        config = ServeConfig(workers=1, scheduler=SchedulerConfig(decode_steps_per_call=3, fold_successor=fold,
+                                                                  fold_calls=fold_calls, max_batch_size=1))
+        worker = FakeWorker(0, kv=kv, slots=1)
+        p = parts(config, [worker])
+        req = p["table"].submit([1, 2, 3], {"max_new_tokens": max_new}, LIMITS)
+        w = p["fleet"].slots[0]
+        await p["dispatch"].execute(w, p["dispatch"].decide(w))  # the admission: no successor
+        for i in range(waiting):
+            p["table"].submit([9, 9, i], {"max_new_tokens": 4}, LIMITS)
+        await p["dispatch"].execute(w, p["dispatch"].decide(w))
+        assert req.output_ids == expected(req.request_id, len(req.output_ids))
+        return [(plan.decode_steps, plan.end_at_finish) if ends else plan.decode_steps for plan in worker.calls[1:]]
+
+    return asyncio.run(scenario())
+
+
 def test_a_folded_call_runs_its_successors_steps_in_one_call() -> None:
     """With nothing waiting and room for twice the steps, one call carries both calls' decode
     steps (and no second call is sent); control: `fold_successor: false` sends the same steps
     as two calls, the second before the first returned."""
-    async def scenario(fold: bool) -> list[int]:
-        config = ServeConfig(workers=1, scheduler=SchedulerConfig(decode_steps_per_call=3, fold_successor=fold))
-        worker = FakeWorker(0)
-        p = parts(config, [worker])
-        req = p["table"].submit([1, 2, 3], {"max_new_tokens": 40}, LIMITS)
-        w = p["fleet"].slots[0]
-        await p["dispatch"].execute(w, p["dispatch"].decide(w))  # the admission: no successor
-        await p["dispatch"].execute(w, p["dispatch"].decide(w))
-        assert req.output_ids == expected(req.request_id, len(req.output_ids))
-        return [plan.decode_steps for plan in worker.calls[1:]]
+    assert fold_scenario(True) == [6]
+    assert fold_scenario(False) == [3, 3]
 
-    assert asyncio.run(scenario(True)) == [6]
-    assert asyncio.run(scenario(False)) == [3, 3]
+
+def test_a_long_call_folds_up_to_fold_calls_and_ends_at_a_finish() -> None:
+    """`fold_calls: 8`: one call runs 8 calls' steps (24), and ends after the step in which a
+    request finishes (`end_at_finish`), also while a request waits (the call ends where the
+    running request's slot frees). The room bounds it: a pool that holds 4 calls' steps more
+    gets 4. Controls: `fold_calls: 2` folds one successor and sets no end; with a request
+    waiting and the running one ending inside the next call, nothing is folded."""
+    assert fold_scenario(True, fold_calls=8, ends=True) == [(24, True)]
+    assert fold_scenario(True, fold_calls=8, waiting=1, max_new=30, ends=True) == [(24, True)]
+    assert fold_scenario(True, fold_calls=8, kv=4 + 4 + 12, ends=True) == [(12, True)]
+    assert fold_scenario(True, fold_calls=2, waiting=1, max_new=30, ends=True) == [(6, False)]
+    assert fold_scenario(True, fold_calls=8, waiting=1, max_new=6) == [3]
 
 
 @pytest.mark.parametrize("fold", [True, False], ids=["folded", "pipelined"])
@@ -757,3 +786,74 @@ def test_former_module_paths_import_the_moved_modules() -> None:
     assert importlib.import_module("raysched.allocator") is raysched.scheduler.heap
     from raysched.planner import Plan
     assert Plan is Decision
+
+
+def test_a_waiting_request_interrupts_the_long_call_of_a_worker_that_could_start_it() -> None:
+    """A request arrives while both workers are in long calls: the one with a free slot is
+    interrupted (its call id), once; the full one is not. Controls: nothing waiting interrupts
+    nothing; an urgent request with no free slot anywhere interrupts the worker running the
+    least urgent request (its next decision may preempt it), and one no more urgent does not."""
+    async def scenario() -> None:
+        config = ServeConfig(workers=2, scheduler=SchedulerConfig(interrupt_after_ms=0))
+        p = parts(config, [FakeWorker(0), FakeWorker(1)])
+        fleet, table = p["fleet"], p["table"]
+        w0, w1 = fleet.slots
+        fakes = [w.handle.interrupt.fn.__self__ for w in (w0, w1)]
+        w1.view.free_slots = 0
+        fleet.start_long_call(w0, 7)
+        fleet.start_long_call(w1, 9)
+        fleet.notify()
+        assert [f.interrupts for f in fakes] == [[], []]  # nothing waits
+        table.submit([1, 2, 3], {"max_new_tokens": 4}, LIMITS)
+        fleet.notify()
+        fleet.notify()
+        assert [f.interrupts for f in fakes] == [[7], []] and fleet.interrupts == 1
+        assert w0.long_call == 0 and list(fleet.long_calls) == [1]
+
+        w0.view.free_slots = 0  # now no room anywhere: only preemption could start it
+        fleet.start_long_call(w0, 8)
+        w0.view.running.append(table.submit([4], {"max_new_tokens": 4}, LIMITS, priority=0))
+        w1.view.running.append(table.submit([5], {"max_new_tokens": 4}, LIMITS, priority=3))
+        for r in w0.view.running + w1.view.running:
+            table.waiting.remove(r)
+        fleet.notify()  # the waiting request (priority 0) outranks worker 1's (3), not worker 0's
+        assert [f.interrupts for f in fakes] == [[7], [9]]
+        fleet.notify()
+        assert fleet.interrupts == 2 and list(fleet.long_calls) == [0]
+
+    asyncio.run(scenario())
+
+
+def test_a_request_interrupts_long_calls_only_after_interrupt_after_ms() -> None:
+    """`interrupt_after_ms: 400`: a request that arrives while every worker (1 free slot each) is
+    in a long call interrupts none at once; still waiting 400 ms later, one; a second arrival
+    200 ms after it gets its own round 400 ms after it. A call that ends meanwhile and starts
+    the first (here: it leaves the queue) spares its interrupt. Control: `interrupt_after_ms: 0`
+    interrupts at each arrival. (Checked 100 ms from each due time.)"""
+    async def scenario(after_ms: float, taken: bool = False) -> list[int]:
+        config = ServeConfig(workers=3, scheduler=SchedulerConfig(interrupt_after_ms=after_ms))
+        fakes = [FakeWorker(i, slots=1) for i in range(3)]
+        p = parts(config, fakes)
+        fleet, table = p["fleet"], p["table"]
+        for i, w in enumerate(fleet.slots):
+            fleet.start_long_call(w, 10 + i)
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        count = lambda: sum(len(f.interrupts) for f in fakes)  # noqa: E731
+        first = table.submit([1], {"max_new_tokens": 4}, LIMITS)
+        fleet.notify()
+        seen = [count()]
+        await asyncio.sleep(t0 + 0.2 - loop.time())
+        table.submit([2], {"max_new_tokens": 4}, LIMITS)
+        fleet.notify()
+        seen.append(count())
+        if taken:
+            table.waiting.remove(first)
+        for at in (0.5, 0.7):
+            await asyncio.sleep(t0 + at - loop.time())
+            seen.append(count())
+        return seen
+
+    assert asyncio.run(scenario(400.0)) == [0, 0, 1, 2]
+    assert asyncio.run(scenario(400.0, taken=True)) == [0, 0, 0, 1]
+    assert asyncio.run(scenario(0.0)) == [1, 2, 2, 2]

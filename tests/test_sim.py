@@ -160,3 +160,69 @@ def test_a_streamed_step_sends_each_decode_step_at_its_modeled_time() -> None:
                                                      for k in (1, 2, 3)]
     assert result.new_tokens == SimWorker(sim_config(sim=sim), 0).step(plan).new_tokens
     assert sum(ms for ms, _ in pieces) == w.last_step_ms
+
+
+def test_an_interrupted_step_ends_after_the_step_under_way_and_continues_exactly() -> None:
+    """`interrupt(call_id)` while a step call streams: its decoding ends after the step under
+    way, its reply covers only the steps that ran (modeled time included), and a next call
+    continues the request with the tokens of an uninterrupted run (the reference). Controls:
+    another call's id interrupts nothing; a call without an id cannot be interrupted."""
+    reference = run_alone("r", [5, 6, 7], 30)
+    w = SimWorker(sim_config(sim={**SIM, "decode_ms": 10.0}), 0)
+    stream = w.step_stream(StepPlan(prefill=(item("r", [5, 6, 7], 30),), decode_steps=20, call_id=4))
+    pieces = [next(stream) for _ in range(3)]  # the prefill's token, then 2 decode steps
+    w.interrupt(3)  # another call's id: nothing
+    pieces.append(next(stream))
+    w.interrupt(4)
+    *rest, result = stream
+    assert len(rest) == 0 and result.new_tokens["r"] == reference[:4] and w.last_step_ms == 30.0
+    assert [p.new_tokens["r"][0] for p in pieces] == reference[:4]
+    more = w.step(StepPlan(decode_steps=26, call_id=5)).new_tokens["r"]  # (call ids are not reused)
+    assert reference[:4] + more == reference
+
+    w = SimWorker(sim_config(), 0)
+    stream = w.step_stream(StepPlan(prefill=(item("r", [5, 6, 7], 30),), decode_steps=20))
+    next(stream)
+    w.interrupt(0)
+    assert list(stream)[-1].new_tokens["r"] == reference[:21]
+
+
+def test_an_interrupt_reaches_a_simulated_workers_call_in_flight_on_ray() -> None:
+    """Through `SimHost` on Ray: the interrupt runs beside the call (not after it, in the
+    worker's order), which then ends early with a consistent reply; the request's tokens are
+    the reference's. Control: the same call, not interrupted, runs all its steps."""
+    import time
+
+    import ray
+
+    from raysched.workers import spawn_sim_worker
+
+    cfg = sim_config(sim={**SIM, "decode_ms": 20.0})
+    ray.init(num_cpus=1, include_dashboard=False, object_store_memory=80 << 20)
+    try:
+        results = []
+        for interrupt in (True, False):
+            h = spawn_sim_worker(cfg, 0 if interrupt else 1)
+            ray.get(h.info.remote())  # the host and the worker are up
+            plan = StepPlan(prefill=(item("r", [5, 6, 7], 30),), decode_steps=25, call_id=1)
+            call = h.step.remote(plan)
+            time.sleep(0.15)
+            if interrupt:
+                h.interrupt.remote(1)
+            results.append(ray.get(call, timeout=30).new_tokens["r"])
+    finally:
+        ray.shutdown()
+    reference = run_alone("r", [5, 6, 7], 30)
+    assert 1 < len(results[0]) < 26 and results[0] == reference[:len(results[0])]
+    assert results[1] == reference[:26]
+
+
+def test_a_long_call_ends_at_the_step_a_request_finishes() -> None:
+    """`end_at_finish` (a long call): the decoding ends after the step in which a request
+    finished (here its 5th token, decode step 4), so its client hears at once; the other
+    request's tokens are the reference's. Control: without it, the call runs all 20 steps."""
+    plan = StepPlan(prefill=(item("short", [1, 2], 5), item("long", [3, 4], 40)), decode_steps=20, end_at_finish=True)
+    out = SimWorker(sim_config(sim={**SIM, "decode_ms": 10.0}), 0).step(plan)
+    assert out.finished == {"short": "length"} and out.new_tokens["long"] == run_alone("long", [3, 4], 40)[:5]
+    full = SimWorker(sim_config(), 0).step(StepPlan(prefill=plan.prefill, decode_steps=20))
+    assert len(full.new_tokens["long"]) == 21

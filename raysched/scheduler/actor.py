@@ -31,6 +31,7 @@ import ray
 
 from raysched.config import AutoscaleConfig, ServeConfig
 from raysched.ray_compat import inline_return_bytes, object_store_stats, request_resources
+from raysched.request import Request, State
 from raysched.sampling import RequestError, SamplingParams
 from raysched.scheduler.autoscale import AutoscalePolicy, Load, WorkerLoad
 from raysched.scheduler.dispatch import Dispatcher
@@ -70,6 +71,7 @@ class Scheduler:
         self.migrator = Migrator(config.migration, self.table, self.fleet, self.counters, self.recovery, self.faults,
                                  self.ledger)
         self.dispatch.before_decide = self.migrator.send_finals
+        self.dispatch.migrating = lambda w: w.index in self.migrator.busy
         self._start_task: asyncio.Task | None = None
         self._growing = 0  # autoscale grows in flight
         self._shrinking = 0  # autoscale shrinks in flight
@@ -130,6 +132,7 @@ class Scheduler:
 
     async def shutdown(self) -> None:
         self.recovery.closing = True
+        self.fleet.interrupt_all()
         for w in self.fleet.slots:
             w.event.set()
             if w.task:
@@ -177,6 +180,7 @@ class Scheduler:
         out of the live tables (as `wait` would; the record stays readable for a while), for a
         caller that will not read it, such as an HTTP handler whose client went away."""
         req = self.table.requests.get(request_id)
+        self._interrupt_worker_of(req)  # its long call decodes it on in vain
         aborted = self.table.abort(request_id) is not None
         if forget and req is not None:
             self.table.forget(req)
@@ -188,7 +192,14 @@ class Scheduler:
 
     async def next_tokens(self, request_id: str, cursor: int) -> tuple[list[int], bool]:
         """Tokens generated after `cursor` (waits for at least one unless the request ended)."""
+        req = self.table.requests.get(request_id)
+        if req is not None and not req.streaming:  # its worker's long call does not stream
+            self._interrupt_worker_of(req)
         return await self.table.next_tokens(request_id, cursor)
+
+    def _interrupt_worker_of(self, req: Request | None) -> None:
+        if req is not None and req.worker is not None and req.state is State.RUNNING:
+            self.fleet.interrupt(self.fleet.slots[req.worker])
 
     # ================================================================== moving running requests
     async def migrate(self, request_id: str, worker: int | None = None, mode: str = "live") -> dict:
@@ -283,6 +294,7 @@ class Scheduler:
         d["snapshot_bytes_held"] = self.ledger.held_bytes()
         d["snapshot_budget_bytes"] = self.ledger.budget_bytes
         d["workers_alive"] = len(self.fleet.alive())
+        d["interrupted_calls"] = self.fleet.interrupts
         d.update(self.prefix_cache.stats())
         d["faults_fired"] = list(self.faults.fired)
         d["scheduler_restarted"] = self.restarted

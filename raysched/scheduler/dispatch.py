@@ -4,9 +4,11 @@
 
 so a slow worker never blocks the others, and client calls get through between awaits. A
 pure-decode call whose successor needs no decision runs that successor's steps too (*folded*,
-`scheduler.fold_successor`: one Ray call instead of two), or, with folding off, is followed at
-once by the successor as a second call (*pipelined*: the worker never waits for the scheduler);
-forced retraction (a testing switch) turns neither off. A step call streams its tokens (`scheduler.stream_each_step`):
+`scheduler.fold_successor`: one Ray call instead of two), and up to `fold_calls` calls' steps
+while none of them needs one (a *long call*, which the scheduler interrupts when something
+does: `interrupt_for_waiting`, `Fleet.interrupt`); with folding off, the successor follows at
+once as a second call (*pipelined*: the worker never waits for the scheduler); forced
+retraction (a testing switch) turns neither off. A step call streams its tokens (`scheduler.stream_each_step`):
 each decode step's tokens go to the clients as the worker sends them, while the call runs on.
 Applying the call's result adds any tokens not sent yet, ends the requests that finished, puts
 back those that did not fit, and hands over to the prefix-reuse glue; a failed call goes to
@@ -52,6 +54,9 @@ class Dispatcher:
         self.recovery = recovery
         self.faults = faults
         self.before_decide: Callable[[WorkerSlot], None] = lambda w: None  # (live migration's stop-and-copy)
+        self.migrating: Callable[[WorkerSlot], bool] = lambda w: False  # (a live migration involves w)
+        self.round_due: Any = None  # the interrupt round scheduled for waiting requests, if any
+        fleet.on_notify = self.interrupt_for_waiting
 
     # ------------------------------------------------------------------ loop
     def start_loop(self, w: WorkerSlot) -> None:
@@ -130,6 +135,8 @@ class Dispatcher:
         self.faults.before_call(w, self.fleet, holding=bool(w.view.running or snap_victims))
         folded = self.fold(w, decision)
         step = self.step_plan(w, decision, drop, resume_snap, [r for r, _ in prefixes], cross_node, folded)
+        if folded > 2:  # more than one successor: the call ends early when interrupted
+            self.fleet.start_long_call(w, step.call_id)
         retract_calls = [self.ledger.send(w, r) for r in snap_victims]  # queued: others may resume them
         calls = [self.send_step(w, step, *[[r.snapshot_ref] for r in resume_snap], *[e.refs for _, e in prefixes])]
         self.ledger.count_resume_bytes(w, resume_snap)
@@ -140,13 +147,14 @@ class Dispatcher:
         if t0 is not None:
             self.counters.decision_s.append(time.perf_counter() - t0)
         result, streamed = await self.receive(calls[0])
+        self.fleet.end_long_call(w)
         self.apply(w, decision, result, resume_snap, streamed)  # its last tokens go out now,
         if len(calls) == 2:  # while the pipelined call runs
             result, streamed = await self.receive(calls[1])
             self.apply(w, Decision(decode_steps=decision.decode_steps), result, [], streamed)
         sizes = await asyncio.gather(*[call[1] for call in retract_calls], return_exceptions=True)
         self.ledger.on_sizes(w, snap_victims, retract_calls, sizes)
-        self.fleet.notify()
+        self.fleet.notify(interrupt=False)  # (the queues are this loop's to serve next)
 
     def send_step(self, w: WorkerSlot, plan: StepPlan, *args: Any) -> tuple[Any, bool]:
         """Start a step call: (the call, whether it streams). It streams (`Worker.step_stream`, a
@@ -189,16 +197,18 @@ class Dispatcher:
         return hits
 
     def step_plan(self, w: WorkerSlot, decision: Decision, drop: list[str], resume_snap: list[Request],
-                  prefixed: list[Request], cross_node: bool | None, folded: bool = False) -> StepPlan:
-        """The message for `w`: drop, resume these snapshots, prefill the rest, decode."""
+                  prefixed: list[Request], cross_node: bool | None, folded: int = 0) -> StepPlan:
+        """The message for `w`: drop, resume these snapshots, prefill the rest, decode (`folded`:
+        the successors folded in, `fold`; a long call ends at the first request that finishes)."""
         prefill = [prefill_item(r) for r in decision.resume if r.recompute] + [prefill_item(r) for r in decision.admit]
         cfg = self.config.scheduler
         return StepPlan(drop=tuple(drop), resume=tuple(r.request_id for r in resume_snap), prefill=tuple(prefill),
                         decode_steps=decision.decode_steps, prefix=tuple(r.request_id for r in prefixed),
                         park_min_tokens=self.cache.park_min_tokens(),
                         fault=self.faults.step_point(w, w.view.calls, decision.decode_steps, cross_node,
-                                                     folded=folded),
-                        prefill_chunk_tokens=cfg.prefill_chunk_tokens, prefill_budget_tokens=cfg.prefill_budget_tokens)
+                                                     folded=folded > 0),
+                        prefill_chunk_tokens=cfg.prefill_chunk_tokens, prefill_budget_tokens=cfg.prefill_budget_tokens,
+                        call_id=w.view.calls + 1, end_at_finish=folded > 2)
 
     def successor_plan(self, w: WorkerSlot, decode_steps: int) -> StepPlan:
         """The pipelined call: decode on, nothing else."""
@@ -207,16 +217,97 @@ class Dispatcher:
                         fault=self.faults.step_point(w, w.view.calls + 1, decode_steps, None, pipelined=True),
                         prefill_chunk_tokens=cfg.prefill_chunk_tokens, prefill_budget_tokens=cfg.prefill_budget_tokens)
 
-    def fold(self, w: WorkerSlot, decision: Decision) -> bool:
+    def fold(self, w: WorkerSlot, decision: Decision) -> int:
         """With `scheduler.fold_successor`, a call whose successor would be pipelined runs the
-        successor's decode steps itself (`decision.decode_steps` doubles): the same steps between
-        two decisions, with one Ray call and one reply instead of two (Ray's task submission was
-        half the scheduler's CPU at 32 workers: `raysched bench scale`, benchmarks/README)."""
+        successors' decode steps itself: `decision.decode_steps` grows `fold_factor` times (the
+        same steps between two decisions, with one Ray call and one reply instead of several:
+        Ray's task submission was half the scheduler's CPU at 32 workers, `raysched bench
+        scale`, benchmarks/README). Returns the factor (0: not folded)."""
         if not (self.config.scheduler.fold_successor and self.can_pipeline(w, decision)):
-            return False
-        decision.decode_steps *= 2
+            return 0
+        factor = self.fold_factor(w, decision.decode_steps)
+        decision.decode_steps *= factor
         self.counters.folded_calls += 1
-        return True
+        return factor
+
+    def fold_factor(self, w: WorkerSlot, steps: int) -> int:
+        """How many calls' steps one folded call runs: 2 (`can_pipeline` holds), or up to
+        `scheduler.fold_calls` while the running requests have room for all the steps. Beyond
+        2 the call is a *long call*: it ends after the step in which a request finishes
+        (`StepPlan.end_at_finish`: that room may be needed, and its client hears at once), and
+        anything else that needs a decision there (a request waiting for room, an abort, a
+        drain, a reader) interrupts it (`interrupt_for_waiting`, `Fleet.interrupt`). No long
+        calls on a worker a live migration involves (its stages run between calls)."""
+        limit = self.config.scheduler.fold_calls
+        if limit <= 2 or w.draining or self.migrating(w):
+            return 2
+        factor = 2
+        while factor < limit and decode_need(w.view, w.view.running, (factor + 1) * steps) <= w.view.free_tokens:
+            factor += 1
+        return factor
+
+    def interrupt_for_waiting(self) -> None:
+        """Requests may wait (`Fleet.notify`): once the oldest has waited
+        `scheduler.interrupt_after_ms`, interrupt long calls for those that waited that long
+        (`interrupt_round`; sooner, a call that ends anyway may start them: with many workers one
+        ends every few ms, and each interrupt costs a call)."""
+        if self.round_due is not None:
+            return
+        queued = [r.arrival_s for r in self.table.waiting] + [r.arrival_s for r in self.table.retracted]
+        if not queued:
+            return
+        wait_s = min(queued) + self.config.scheduler.interrupt_after_ms / 1000.0 - time.monotonic()
+        if wait_s > 0:
+            self.round_due = asyncio.get_running_loop().call_later(wait_s, self.interrupt_round)
+        else:
+            self.interrupt_round()
+
+    def interrupt_round(self) -> None:
+        """Interrupt long calls for the requests that waited `interrupt_after_ms` (`interrupt_for`),
+        and set the round for the next one to get there."""
+        self.round_due = None
+        ripe_s = time.monotonic() - self.config.scheduler.interrupt_after_ms / 1000.0
+        self.interrupt_for([r for r in self.table.waiting if r.arrival_s <= ripe_s],
+                           [r for r in self.table.retracted if r.arrival_s <= ripe_s])
+        later = [r.arrival_s for r in (*self.table.waiting, *self.table.retracted) if r.arrival_s > ripe_s]
+        if later:
+            wait_s = min(later) - ripe_s
+            self.round_due = asyncio.get_running_loop().call_later(wait_s, self.interrupt_round)
+
+    def interrupt_for(self, waiting: list[Request], retracted: list[Request]) -> None:
+        """End enough long calls that workers can start `waiting` and resume `retracted`.
+        Workers that decide soon (no long call) take what their free slots hold; for the rest,
+        the roomiest workers in long calls with free slots are interrupted until their slots
+        cover it (a worker in a long call does not count as room elsewhere meanwhile:
+        `Fleet.note_room`). A retracted request waiting for its target interrupts it. With
+        preemption, when no worker has a free slot, the worker running the least urgent request
+        is interrupted if a waiting one is more urgent."""
+        fleet = self.fleet
+        for r in retracted:
+            if r.target_worker is not None and r.target_worker in fleet.long_calls:
+                fleet.interrupt(fleet.slots[r.target_worker])
+        need = len(waiting) + sum(1 for r in retracted if r.target_worker is None)
+        if not need:
+            return
+        need -= sum(o.view.free_slots for o in fleet.slots if o.alive and not o.draining and not o.long_call)
+        roomy = sorted((o for o in fleet.long_calls.values() if o.view.free_slots and not o.draining),
+                       key=lambda o: -o.view.room())
+        for o in roomy:
+            if need <= 0:
+                break
+            need -= o.view.free_slots
+            fleet.interrupt(o)
+        if waiting and self.config.scheduler.preemption and not any(o.view.free_slots for o in fleet.alive()):
+            self.interrupt_to_preempt(min(r.priority for r in waiting))
+
+    def interrupt_to_preempt(self, urgent: int) -> None:
+        """End the long call of the worker running the least urgent request, if it is less
+        urgent (a larger `priority`) than `urgent`: its next decision may retract it."""
+        calls = [(max(r.priority for r in o.view.running), o) for o in self.fleet.long_calls.values() if o.view.running]
+        if calls:
+            least, o = max(calls, key=lambda c: c[0])
+            if least > urgent:
+                self.fleet.interrupt(o)
 
     def can_pipeline(self, w: WorkerSlot, decision: Decision) -> bool:
         """Whether the call after this one needs no decision: nothing new starts on `w`, the

@@ -8,6 +8,7 @@ several parts ask about the whole set (which node, how much room, any alive).
     fleet = Fleet()
     slot = fleet.add(handle, info)      # the dispatcher starts a loop for it
     fleet.notify()                      # wake every loop: there may be work
+    fleet.interrupt(slot)               # end its long call early: it needs a decision
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import heapq
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from raysched.messages import WorkerInfo
 from raysched.request import Request
@@ -35,6 +36,8 @@ class WorkerSlot:
     draining: bool = False  # no admissions or resumes; its requests are being moved off
     event: asyncio.Event = field(default_factory=asyncio.Event)
     task: asyncio.Task | None = None
+    long_call: int = 0  # the call id of its call in flight that folds more than one successor
+    #   (`Fleet.interrupt` ends it early); 0: none, or interrupted already
 
     @classmethod
     def from_info(cls, handle: Any, info: WorkerInfo, role: Role = Role.BOTH) -> WorkerSlot:
@@ -59,6 +62,9 @@ class Fleet:
         self.node_id: str | None = None  # the scheduler's own node (for bytes-moved accounting)
         self.idle: dict[int, WorkerSlot] = {}  # slots whose loop sleeps on its event
         self._rooms: list[float] = []  # room() of each slot after its last reply; -1.0 when retired
+        self.long_calls: dict[int, WorkerSlot] = {}  # slots with a `long_call` in flight
+        self.interrupts = 0  # long calls ended early
+        self.on_notify: Callable[[], None] = lambda: None  # (the dispatcher's `interrupt_for_waiting`)
 
     def add(self, handle: Any, info: WorkerInfo, role: Role = Role.BOTH) -> WorkerSlot:
         slot = WorkerSlot.from_info(handle, info, role)
@@ -68,14 +74,17 @@ class Fleet:
 
     def note_room(self, w: WorkerSlot) -> None:
         """`w`'s pools changed (a reply arrived), or whether it takes work did (it was retired,
-        or drained): a worker that takes nothing counts as -1.0, so it never looks roomiest."""
-        self._rooms[w.index] = w.view.room() if w.alive and not w.draining else -1.0
+        or drained, or is in a long call): a worker that takes nothing now counts as -1.0, so it
+        never looks roomiest (a worker in a long call is interrupted when it is needed)."""
+        self._rooms[w.index] = w.view.room() if w.alive and not w.draining and not w.long_call else -1.0
 
     def set_draining(self, w: WorkerSlot, draining: bool) -> None:
         """Stop (or restart) admissions and resumes to `w`; wake the loops when it takes work again."""
         w.draining = draining
         self.note_room(w)
-        if not draining:
+        if draining:
+            self.interrupt(w)  # what it holds is to move off: its loop decides that between calls
+        else:
             self.notify()
 
     def best_room_except(self, w: WorkerSlot) -> float:
@@ -101,11 +110,39 @@ class Fleet:
             return False
         return self.slots[t].alive and not self.slots[t].draining
 
-    def notify(self) -> None:
+    def notify(self, interrupt: bool = True) -> None:
         """Wake every sleeping dispatch loop (new work, or room freed somewhere); the others decide
-        again as soon as their call returns anyway."""
+        again as soon as their call returns anyway, or sooner if `on_notify` interrupts their
+        long call (`interrupt`: whether to ask it; a loop whose call just returned does not)."""
         for w in list(self.idle.values()):
             w.event.set()
+        if interrupt and self.long_calls:
+            self.on_notify()
+
+    # ------------------------------------------------------------------ long calls
+    def start_long_call(self, w: WorkerSlot, call_id: int) -> None:
+        w.long_call = call_id
+        self.long_calls[w.index] = w
+        self.note_room(w)
+
+    def end_long_call(self, w: WorkerSlot) -> None:
+        w.long_call = 0
+        if self.long_calls.pop(w.index, None) is not None:
+            self.note_room(w)
+
+    def interrupt(self, w: WorkerSlot) -> bool:
+        """End `w`'s long call after the step under way (`Worker.interrupt`), so that its loop
+        decides again: something needs a decision there. False if it has none in flight."""
+        if not w.long_call:
+            return False
+        w.handle.interrupt.remote(w.long_call)
+        self.end_long_call(w)
+        self.interrupts += 1
+        return True
+
+    def interrupt_all(self) -> None:
+        for w in list(self.long_calls.values()):
+            self.interrupt(w)
 
     def any_alive(self) -> bool:
         return any(w.alive for w in self.slots)

@@ -79,6 +79,7 @@ class Migrator:
         self.faults = faults
         self.finals: dict[int, list[Final]] = {}  # source worker -> stop-and-copies to send
         self.moving: set[str] = set()  # request ids being migrated
+        self.busy: dict[int, int] = {}  # worker index -> migrations it is the source or destination of
 
     # ------------------------------------------------------------------ one request
     async def migrate(self, request_id: str, worker: int | None = None, mode: str = "live") -> dict:
@@ -101,6 +102,9 @@ class Migrator:
         if mode == "recompute":
             return await self._recompute_on(req, src, dst, out)
         self.moving.add(request_id)
+        for w in (src, dst):  # its stages run between the two workers' calls: no long calls
+            self.busy[w.index] = self.busy.get(w.index, 0) + 1
+            self.fleet.interrupt(w)
         try:
             await self._migrate(req, src, dst, out, mode == "snapshot")
         except Abandoned as why:
@@ -110,6 +114,10 @@ class Migrator:
                      out["mode"], why)
         finally:
             self.moving.discard(request_id)
+            for w in (src, dst):
+                self.busy[w.index] -= 1
+                if not self.busy[w.index]:
+                    del self.busy[w.index]
         return out
 
     def destination(self, src: WorkerSlot, worker: int | None) -> WorkerSlot:
