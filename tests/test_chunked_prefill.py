@@ -409,29 +409,33 @@ def test_an_interrupt_runs_beside_a_worker_actors_step_call():
     """On Ray, `interrupt` runs in the worker actor's own concurrency group, beside the step
     call it ends (every other method waits its turn): a streamed call of 400 decode steps,
     interrupted once its first token came, replies with fewer tokens, the reference's first
-    ones. Control: the same call on a second worker, not interrupted, runs all its steps."""
+    ones. Control: the same plan for another request on the same worker, not interrupted, runs
+    all its steps (the reference)."""
+    import dataclasses
+
     import ray
 
-    from raysched.config import PoolConfig, SchedulerConfig, ServeConfig
+    from raysched.config import PoolConfig, ServeConfig
     from raysched.messages import StepPlan
     from raysched.workers import spawn_worker
 
-    params = SamplingParams(max_new_tokens=401, ignore_eos=True)
-    plan = StepPlan(prefill=(_item("r", _prompt(9, 512, seed=42), params),), decode_steps=400, call_id=1)
-    cfg = ServeConfig(device="cpu", pool=PoolConfig(kv_tokens=512, state_slots=2))
-    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=80 << 20)
+    params = SamplingParams(max_new_tokens=401, ignore_eos=True, seed=3)
+    prompt = _prompt(9, 512, seed=42)
+    cfg = ServeConfig(device="cpu", pool=PoolConfig(kv_tokens=1024, state_slots=2))
+    ray.init(num_cpus=1, include_dashboard=False, object_store_memory=80 << 20)
     try:
+        h = spawn_worker(cfg, 0)
         tokens = []
-        for index, interrupt in ((0, True), (1, False)):
-            h = spawn_worker(cfg, index)
-            ray.get(h.info.remote())
+        for rid, call_id in (("interrupted", 1), ("control", 2)):
+            plan = StepPlan(prefill=(dataclasses.replace(_item(rid, prompt, params), request_id=rid),),
+                            decode_steps=400, call_id=call_id)
             pieces = h.step_stream.options(num_returns="streaming").remote(plan)
             ray.get(next(pieces), timeout=60)  # the prefill's token: the call is under way
-            if interrupt:
-                ray.get(h.interrupt.remote(1), timeout=10)  # answered while the step call runs
+            if rid == "interrupted":
+                ray.get(h.interrupt.remote(call_id), timeout=10)  # answered while the step call runs
             *_, result = [ray.get(ref, timeout=300) for ref in pieces]
-            tokens.append(result.new_tokens["r"])
-            ray.kill(h)
+            tokens.append(result.new_tokens[rid])
+        ray.kill(h)
     finally:
         ray.shutdown()
     assert len(tokens[1]) == 401

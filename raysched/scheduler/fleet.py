@@ -64,6 +64,7 @@ class Fleet:
         self._rooms: list[float] = []  # room() of each slot after its last reply; -1.0 when retired
         self.long_calls: dict[int, WorkerSlot] = {}  # slots with a `long_call` in flight
         self.interrupts = 0  # long calls ended early
+        self._sent: set[asyncio.Task] = set()  # interrupts whose replies are awaited
         self.on_notify: Callable[[], None] = lambda: None  # (the dispatcher's `interrupt_for_waiting`)
 
     def add(self, handle: Any, info: WorkerInfo, role: Role = Role.BOTH) -> WorkerSlot:
@@ -135,7 +136,9 @@ class Fleet:
         decides again: something needs a decision there. False if it has none in flight."""
         if not w.long_call:
             return False
-        w.handle.interrupt.remote(w.long_call)
+        sent = asyncio.get_running_loop().create_task(_quietly(w.handle.interrupt.remote(w.long_call)))
+        self._sent.add(sent)  # read, so that one sent to a worker that just died logs nothing
+        sent.add_done_callback(self._sent.discard)
         self.end_long_call(w)
         self.interrupts += 1
         return True
@@ -164,3 +167,10 @@ class Fleet:
         prints = {w.info.fingerprint for w in self.slots}
         if len(prints) > 1:
             raise RuntimeError(f"workers loaded different models: {sorted(prints)}")
+
+
+async def _quietly(ref: Any) -> None:
+    try:
+        await ref
+    except Exception:
+        pass
