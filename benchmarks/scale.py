@@ -33,7 +33,6 @@ from typing import Any
 from benchmarks.common import Column, load_average, percentile, print_table, report, write_json
 LOAD = 0.8  # arrivals at this fraction of the fleet's ideal capacity
 STREAMED = 6  # requests per point streamed by the client (TTFT and token gaps)
-WORKERS_PER_PROCESS = int(os.environ.get("RAYSCHED_SCALE_WPP", "16"))
 
 
 @dataclass(frozen=True)
@@ -51,6 +50,7 @@ class Setup:
     stream_each_step: bool = True  # each decode step's tokens sent as it completes (False: per call)
     fold_successor: bool = True  # a successor needing no decision runs in the same call (False: pipelined)
     fold_calls: int = 8  # with fold_successor: most calls' steps one call runs (2: one successor)
+    workers_per_process: int = 16  # simulated workers per host process
 
 
 FULL = Setup(sizes=(8, 32, 128, 256), step_ms=(10.0, 30.0), slots=8, duration_s=30.0, warmup_s=10.0,
@@ -81,7 +81,7 @@ def serve_config(workers: int, step_ms: float, setup: Setup):
                       "stream_each_step": setup.stream_each_step, "fold_successor": setup.fold_successor,
                       "fold_calls": setup.fold_calls},
         "state_cache": {"enabled": False},
-        "sim": {"decode_ms": step_ms, "workers_per_process": WORKERS_PER_PROCESS, "vocab_size": 32000, "max_context": 32768}})
+        "sim": {"decode_ms": step_ms, "workers_per_process": setup.workers_per_process, "vocab_size": 32000, "max_context": 32768}})
 
 
 def _scheduler_cpu_s(pid: int) -> float:
@@ -243,12 +243,13 @@ def _figure(result: dict, plt: Any) -> Any:
 
 
 def main_points(out: Path, sizes: tuple[int, ...], step_ms: tuple[float, ...], duration_s: float, warmup_s: float,
-                stream_each_step: bool = True, fold_successor: bool = True, fold_calls: int = 8) -> dict:
+                stream_each_step: bool = True, fold_successor: bool = True, fold_calls: int = 8,
+                workers_per_process: int = 16) -> dict:
     """Part of the full curve (these sizes and steps, shorter windows): for recording a curve on a
     busy machine, one point at a time."""
     setup = Setup(**{**FULL.__dict__, "sizes": sizes, "step_ms": step_ms, "duration_s": duration_s, "warmup_s": warmup_s,
                      "stream_each_step": stream_each_step, "fold_successor": fold_successor,
-                     "fold_calls": fold_calls})
+                     "fold_calls": fold_calls, "workers_per_process": workers_per_process})
     rows = [_point_or_error(n, ms, setup) for ms in setup.step_ms for n in setup.sizes]
     result = {"setup": {**setup.__dict__, "load": LOAD}, "rows": rows, "load_avg_1m": [load_average()],
               "cpus": os.cpu_count(), "targets": _targets(rows)}
