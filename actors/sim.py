@@ -264,12 +264,13 @@ class SimWorker:
         if first:
             sent_ms = sim.step_ms(fed, 0, rows)
             yield sent_ms, StepTokens(first)
+        one_step = dataclasses.replace(plan, decode_steps=1, fault=None)  # (the fault fires here)
         for k in range(plan.decode_steps):
             if plan.call_id and self._interrupted == plan.call_id:
                 steps = k
                 break
             finished = len(result.finished)
-            toks = self._decode_step(plan, k, result)
+            toks = self._decode_step(plan, one_step, k, result)
             if toks:
                 ms = sim.step_ms(0 if sent_ms else fed, 1, rows)
                 sent_ms += ms
@@ -296,13 +297,13 @@ class SimWorker:
         fed = self.engine.prefill(list(plan.prefill), result)
         return fed, len(self.engine.running)
 
-    def _decode_step(self, plan: StepPlan, k: int, result: StepResult) -> dict[str, list[int]]:
-        """Decode step `k` of the call (a `kill_in_step` fault fires before the step it names);
-        the tokens it made."""
+    def _decode_step(self, plan: StepPlan, one_step: StepPlan, k: int, result: StepResult) -> dict[str, list[int]]:
+        """Decode step `k` of the call (`one_step`: its plan for one step, without the fault: a
+        `kill_in_step` fault fires here, before the step it names); the tokens it made."""
         if plan.fault is not None and plan.fault.after_decode_steps == k:
             self._die_at(plan.fault, "kill_in_step")
         before = {rid: len(toks) for rid, toks in result.new_tokens.items()}
-        self._decode(dataclasses.replace(plan, decode_steps=1, fault=None), result)
+        self._decode(one_step, result)
         return {rid: toks[before.get(rid, 0):] for rid, toks in result.new_tokens.items()
                 if len(toks) > before.get(rid, 0)}
 

@@ -243,18 +243,17 @@ def _figure(result: dict, plt: Any) -> Any:
 
 
 def main_points(out: Path, sizes: tuple[int, ...], step_ms: tuple[float, ...], duration_s: float, warmup_s: float,
-                stream_each_step: bool = True, fold_successor: bool = True, fold_calls: int = 8,
-                workers_per_process: int = 16) -> dict:
+                **overrides: Any) -> dict:
     """Part of the full curve (these sizes and steps, shorter windows): for recording a curve on a
-    busy machine, one point at a time."""
-    setup = Setup(**{**FULL.__dict__, "sizes": sizes, "step_ms": step_ms, "duration_s": duration_s, "warmup_s": warmup_s,
-                     "stream_each_step": stream_each_step, "fold_successor": fold_successor,
-                     "fold_calls": fold_calls, "workers_per_process": workers_per_process})
+    busy machine, one point at a time. `overrides`: other `Setup` fields (`fold_calls=2`, ...)."""
+    setup = Setup(**{**FULL.__dict__, "sizes": sizes, "step_ms": step_ms, "duration_s": duration_s,
+                     "warmup_s": warmup_s, **overrides})
     rows = [_point_or_error(n, ms, setup) for ms in setup.step_ms for n in setup.sizes]
     result = {"setup": {**setup.__dict__, "load": LOAD}, "rows": rows, "load_avg_1m": [load_average()],
               "cpus": os.cpu_count(), "targets": _targets(rows)}
     _print(result)
-    tag = ("" if stream_each_step else "-per-call") + ("" if fold_successor else "-unfolded") + f"-fold{fold_calls}"
+    tag = (("" if setup.stream_each_step else "-per-call") + ("" if setup.fold_successor else "-unfolded")
+           + f"-fold{setup.fold_calls}")
     write_json(out, f"scale-{'-'.join(map(str, sizes))}-{'-'.join(f'{m:g}' for m in step_ms)}{tag}", result)
     return result
 

@@ -71,7 +71,7 @@ class Scheduler:
         self.migrator = Migrator(config.migration, self.table, self.fleet, self.counters, self.recovery, self.faults,
                                  self.ledger)
         self.dispatch.before_decide = self.migrator.send_finals
-        self.dispatch.migrating = lambda w: w.index in self.migrator.busy
+        self.dispatch.migrating = self.migrator.involves
         self._start_task: asyncio.Task | None = None
         self._growing = 0  # autoscale grows in flight
         self._shrinking = 0  # autoscale shrinks in flight

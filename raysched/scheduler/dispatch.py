@@ -251,12 +251,16 @@ class Dispatcher:
         `scheduler.interrupt_after_ms`, interrupt long calls for those that waited that long
         (`interrupt_round`; sooner, a call that ends anyway may start them: with many workers one
         ends every few ms, and each interrupt costs a call)."""
-        if self.round_due is not None:
+        if self.round_due is None:
+            self.schedule_round(after_s=float("-inf"))
+
+    def schedule_round(self, after_s: float) -> None:
+        """Run `interrupt_round` when the oldest queued request that arrived after `after_s` has
+        waited `interrupt_after_ms` (now, if it has)."""
+        arrivals = [r.arrival_s for r in (*self.table.waiting, *self.table.retracted) if r.arrival_s > after_s]
+        if not arrivals:
             return
-        queued = [r.arrival_s for r in self.table.waiting] + [r.arrival_s for r in self.table.retracted]
-        if not queued:
-            return
-        wait_s = min(queued) + self.config.scheduler.interrupt_after_ms / 1000.0 - time.monotonic()
+        wait_s = min(arrivals) + self.config.scheduler.interrupt_after_ms / 1000.0 - time.monotonic()
         if wait_s > 0:
             self.round_due = asyncio.get_running_loop().call_later(wait_s, self.interrupt_round)
         else:
@@ -269,10 +273,7 @@ class Dispatcher:
         ripe_s = time.monotonic() - self.config.scheduler.interrupt_after_ms / 1000.0
         self.interrupt_for([r for r in self.table.waiting if r.arrival_s <= ripe_s],
                            [r for r in self.table.retracted if r.arrival_s <= ripe_s])
-        later = [r.arrival_s for r in (*self.table.waiting, *self.table.retracted) if r.arrival_s > ripe_s]
-        if later:
-            wait_s = min(later) - ripe_s
-            self.round_due = asyncio.get_running_loop().call_later(wait_s, self.interrupt_round)
+        self.schedule_round(after_s=ripe_s)
 
     def interrupt_for(self, waiting: list[Request], retracted: list[Request]) -> None:
         """End enough long calls that workers can start `waiting` and resume `retracted`.

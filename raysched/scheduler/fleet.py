@@ -136,7 +136,7 @@ class Fleet:
         decides again: something needs a decision there. False if it has none in flight."""
         if not w.long_call:
             return False
-        sent = asyncio.get_running_loop().create_task(_quietly(w.handle.interrupt.remote(w.long_call)))
+        sent = asyncio.get_running_loop().create_task(quietly(w.handle.interrupt.remote(w.long_call)))
         self._sent.add(sent)  # read, so that one sent to a worker that just died logs nothing
         sent.add_done_callback(self._sent.discard)
         self.end_long_call(w)
@@ -169,7 +169,8 @@ class Fleet:
             raise RuntimeError(f"workers loaded different models: {sorted(prints)}")
 
 
-async def _quietly(ref: Any) -> None:
+async def quietly(ref: Any) -> None:
+    """Await a worker call whose outcome nobody needs (its failure is not an error)."""
     try:
         await ref
     except Exception:

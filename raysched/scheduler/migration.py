@@ -38,7 +38,7 @@ from typing import Any
 from raysched.config import MigrationConfig
 from raysched.request import Request, State, enqueue
 from raysched.sampling import RequestError
-from raysched.scheduler.fleet import Fleet, WorkerSlot
+from raysched.scheduler.fleet import Fleet, WorkerSlot, quietly
 from raysched.scheduler.recovery import Recovery
 from raysched.scheduler.retraction import RetractionLedger, estimate_bytes
 from raysched.scheduler.faults import FaultSeam
@@ -78,8 +78,8 @@ class Migrator:
         self.recovery = recovery
         self.faults = faults
         self.finals: dict[int, list[Final]] = {}  # source worker -> stop-and-copies to send
-        self.moving: set[str] = set()  # request ids being migrated
-        self.busy: dict[int, int] = {}  # worker index -> migrations it is the source or destination of
+        self.moving: dict[str, tuple[int, ...]] = {}  # request id being moved -> (source, destination)
+        #   of a migration under way; () for a retraction by snapshot
 
     # ------------------------------------------------------------------ one request
     async def migrate(self, request_id: str, worker: int | None = None, mode: str = "live") -> dict:
@@ -101,10 +101,9 @@ class Migrator:
                "final_bytes": 0, "downtime_s": 0.0, "reason": ""}
         if mode == "recompute":
             return await self._recompute_on(req, src, dst, out)
-        self.moving.add(request_id)
-        for w in (src, dst):  # its stages run between the two workers' calls: no long calls
-            self.busy[w.index] = self.busy.get(w.index, 0) + 1
-            self.fleet.interrupt(w)
+        self.moving[request_id] = (src.index, dst.index)  # its stages run between the two
+        self.fleet.interrupt(src)  # workers' calls: no long calls on them meanwhile (`involves`)
+        self.fleet.interrupt(dst)
         try:
             await self._migrate(req, src, dst, out, mode == "snapshot")
         except Abandoned as why:
@@ -113,12 +112,12 @@ class Migrator:
             log.info("migration of %s from worker %d to %d: %s (%s)", request_id, src.index, dst.index,
                      out["mode"], why)
         finally:
-            self.moving.discard(request_id)
-            for w in (src, dst):
-                self.busy[w.index] -= 1
-                if not self.busy[w.index]:
-                    del self.busy[w.index]
+            self.moving.pop(request_id, None)
         return out
+
+    def involves(self, w: WorkerSlot) -> bool:
+        """Is `w` the source or the destination of a migration under way?"""
+        return any(w.index in ends for ends in self.moving.values())
 
     def destination(self, src: WorkerSlot, worker: int | None) -> WorkerSlot:
         """The worker asked for (checked), or the live, undrained one with the most room."""
@@ -167,7 +166,7 @@ class Migrator:
             await self._stop_and_copy(req, src, dst, 0 if snapshot else sent, out, "snapshot" if snapshot else "live")
         except BaseException:
             if dst.alive:
-                await _quietly(dst.handle.unreserve.remote(rid))
+                await quietly(dst.handle.unreserve.remote(rid))
             raise
 
     async def _stop_and_copy(self, req: Request, src: WorkerSlot, dst: WorkerSlot, kv_from: int, out: dict,
@@ -358,7 +357,7 @@ class Migrator:
         prefilled again)."""
         src = self.fleet.slots[req.worker]
         recompute = recompute or not self.ledger.fits(estimate_bytes(src, req))
-        self.moving.add(req.request_id)
+        self.moving[req.request_id] = ()  # (no destination: it is queued)
         final = Final(req, 0, None, asyncio.get_running_loop().create_future())
         try:
             self.finals.setdefault(src.index, []).append(final)
@@ -382,17 +381,10 @@ class Migrator:
             self.fleet.notify()
             return "snapshot"
         finally:
-            self.moving.discard(req.request_id)
+            self.moving.pop(req.request_id, None)
 
     def worker(self, index: Any) -> WorkerSlot:
         if not (isinstance(index, int) and 0 <= index < len(self.fleet.slots)) or not self.fleet.slots[index].alive:
             alive = [w.index for w in self.fleet.alive()]
             raise RequestError(f"worker must be a live worker index ({alive}), got {index!r}")
         return self.fleet.slots[index]
-
-
-async def _quietly(ref: Any) -> None:
-    try:
-        await ref
-    except Exception:
-        pass

@@ -15,6 +15,7 @@ balances at no cost, and a moved request would only take the room a waiting one 
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from raysched.request import Request, State
@@ -36,7 +37,7 @@ def virtual_usage(view: WorkerView) -> float:
     return max(tokens / view.total_tokens, len(live) / view.total_slots)
 
 
-def pick_move(views: list[WorkerView], threshold: float, busy: set[str] = frozenset(),
+def pick_move(views: list[WorkerView], threshold: float, busy: Collection[str] = frozenset(),
               queued: bool = False) -> Move | None:
     """One move from the most to the least loaded of `views` (live, undrained workers), or None.
     `busy`: requests already being moved; `queued`: requests are waiting for room."""
