@@ -422,7 +422,7 @@ def test_an_interrupt_runs_beside_a_worker_actors_step_call():
     params = SamplingParams(max_new_tokens=401, ignore_eos=True, seed=3)
     prompt = _prompt(9, 512, seed=42)
     cfg = ServeConfig(device="cpu", pool=PoolConfig(kv_tokens=1024, state_slots=2))
-    ray.init(num_cpus=1, include_dashboard=False, object_store_memory=80 << 20)
+    ray.init(address="local", num_cpus=1, include_dashboard=False, object_store_memory=80 << 20)
     try:
         h = spawn_worker(cfg, 0)
         tokens = []

@@ -27,7 +27,7 @@ LATER = [spec("c", [8, 6, 7, 5, 3, 0, 9], 24), spec("d", [2, 7, 1, 8], 20, tempe
 
 @pytest.fixture(scope="module")
 def local_ray():
-    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=120 << 20)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=120 << 20)
     yield
     ray.shutdown()
 

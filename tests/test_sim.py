@@ -198,7 +198,7 @@ def test_an_interrupt_reaches_a_simulated_workers_call_in_flight_on_ray() -> Non
     from raysched.workers import spawn_sim_worker
 
     cfg = sim_config(sim={**SIM, "decode_ms": 20.0})
-    ray.init(num_cpus=1, include_dashboard=False, object_store_memory=80 << 20)
+    ray.init(address="local", num_cpus=1, include_dashboard=False, object_store_memory=80 << 20)
     try:
         results = []
         for interrupt in (True, False):
