@@ -536,6 +536,31 @@ def test_a_recompute_migration_waits_for_its_destination_and_the_fleet_goes_on_a
     asyncio.run(scenario())
 
 
+def test_a_retraction_by_snapshot_interrupts_the_long_call_of_its_worker() -> None:
+    """A drain's or a recompute move's stop-and-copy (`Migrator.retract_by_snapshot`) is sent by
+    the source's loop between two of its calls, so a long call there is interrupted at once (else
+    the request waits for up to `fold_calls` calls' steps), and the Final is queued for that
+    worker. Control: a worker in no long call gets no interrupt, its Final is queued alike."""
+    async def scenario() -> None:
+        workers = [FakeWorker(0), FakeWorker(1)]
+        p = parts(ServeConfig(workers=2), workers)
+        w0, w1 = p["fleet"].slots
+        mig = Migrator(MigrationConfig(), p["table"], p["fleet"], p["counters"], p["recovery"], p["faults"], p["ledger"])
+        reqs = [running_request(p, w) for w in (w0, w1)]
+        p["fleet"].start_long_call(w0, 11)
+        tasks = [asyncio.create_task(mig.retract_by_snapshot(r)) for r in reqs]
+        await asyncio.sleep(0)
+        assert workers[0].interrupts == [11] and workers[1].interrupts == []
+        assert not p["fleet"].long_calls and p["fleet"].interrupts == 1
+        assert {i: [f.req for f in finals] for i, finals in mig.finals.items()} == {0: reqs[:1], 1: reqs[1:]}
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        assert mig.moving == {}
+
+    asyncio.run(scenario())
+
+
 # ---------------------------------------------------------------------------- retraction ledger
 
 

@@ -362,6 +362,7 @@ class Migrator:
         try:
             self.finals.setdefault(src.index, []).append(final)
             src.event.set()
+            self.fleet.interrupt(src)  # its loop sends the Final between calls: end a long call now
             refs = await final.sent
             if refs is None:
                 return "ended"
