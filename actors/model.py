@@ -16,10 +16,12 @@ decode and in prefill. What is fixed-shape, and why:
   not the call, from m rows on). That is not MKL's documented contract, so m is probed per
   weight shape at first use (every row count up to 17, and some up to `MAX_CALL_ROWS`, against
   exact tile calls, then up to `PREFILL_CALL_ROWS` against those), calls are split at those
-  counts, and a shape with no such m <= the tile (and every other device or dtype) falls back to calls of exactly
+  counts, and a shape with no such m <= the tile falls back to calls of exactly
   `DECODE_TILE` (16) rows in decode and `PREFILL_TILE` (128) in prefill, the last tile
   zero-padded: a BLAS kernel picks its blocking (and so its summation order) from the shape, so
-  one shape per call makes a row's result depend on nothing but that row.
+  one shape per call makes a row's result depend on nothing but that row. Decode in another
+  CPU dtype (bf16) gets the same probe for the tile's own product at any row count; prefill
+  in it, and every other device, keeps the tiles.
   tests/test_batch_invariance.py holds either path, and shows that plain F.linear batching
   breaks it.
 - Nonlinear elementwise functions go through `actors.mamba.rowwise` (on the CPU an element's
@@ -79,7 +81,7 @@ def tiled_linear(x: Tensor, weight: Tensor, bias: Tensor | None, tile: int) -> T
     (tests/test_batch_invariance.py holds this, with negative controls). The weight goes on
     the left because the CPU BLAS is faster that way for few rows (measured ~30% at 16 rows).
     """
-    return TiledLinear(tile, pack=False)(x, weight, bias)
+    return TiledLinear(tile, pack=False, row_free=False)(x, weight, bias)
 
 
 PACK_ROWS = 128  # MKL packs each fp32 weight once, for calls of this many rows
@@ -87,8 +89,9 @@ MAX_CALL_ROWS = 256  # a row-free decode call takes at most this many rows (all 
 PREFILL_CALL_ROWS = 2048  # a row-free prefill call takes at most this many rows
 PROBE_ROWS = tuple(range(1, 18)) + (31, 32, 33, 64, 100, 128, 129, 200, 256)  # every count to 17
 PROBE_ROWS_LARGE = (300, 512, 1000, 2048)  # checked against 256-row calls once those pass
-_MIN_ROWS: dict[tuple[int, int, int, int], int | None] = {}  # (out, in, tile, threads) -> probed: fewest rows of a row-free
-#   packed call of this shape (smaller calls are zero-padded up to it), or None: tiles
+_MIN_ROWS: dict[tuple[int, int, int, int, str], int | None] = {}  # (out, in, tile, threads, path) -> probed:
+#   fewest rows of a row-free call of this shape on that path ("packed": MKL's packed fp32 GEMM;
+#   "plain <dtype>": `weight @ x^T`), smaller calls zero-padded up to it; or None: tiles
 
 
 class TiledLinear:
@@ -107,7 +110,10 @@ class TiledLinear:
     count up to 17 and `PROBE_ROWS` beyond, against `tile`-row calls, at two row offsets; calls
     are split at `max_rows`): the minimum is one above the largest failing count; where a count
     at or above `tile` fails, that shape falls back to exact `tile`-row calls (`kernel_paths`
-    says which shape took which path). The packed copies cost about the model's fp32 size again,
+    says which shape took which path). Other CPU dtypes (bf16), and fp32 without MKL packing,
+    get the same probe in decode for the tiles' own product, `weight @ x^T`, at any row count
+    (measured on an AMD EPYC without native bf16: row-free from 1 row, where a 16-row tile cost
+    16 rows' time at batch 1). The packed copies cost about the model's fp32 size again,
     and the probe about 2,500 rows of each shape's product once per process (0.2 s for the
     `small` LM head on one thread; a 128k-vocabulary LM head of width 4096 would take ~30 s).
     """
@@ -124,17 +130,31 @@ class TiledLinear:
 
     def __call__(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         """x (M, in) -> (M, out), contiguous."""
-        if self.pack and x.device.type == "cpu" and x.dtype == torch.float32:
-            min_rows = self._min_rows(weight)
-            if min_rows is not None:
-                packed = self._packed_weight(weight)
-                parts = x.contiguous().split(self.max_rows) if self.max_rows else (x.contiguous(),)
-                outs = [_packed_call(part, packed, weight, bias, min_rows) for part in parts]
-                return outs[0] if len(outs) == 1 else torch.cat(outs)  # (M, out)
+        call = self._row_free_call(x, weight, bias)
+        if call is not None:
+            parts = x.contiguous().split(self.max_rows) if self.max_rows else (x.contiguous(),)
+            outs = [call(part) for part in parts]
+            return outs[0] if len(outs) == 1 else torch.cat(outs)  # (M, out)
         M = x.shape[0]
         padded = F.pad(x, (0, 0, 0, (-M) % self.tile))  # (ceil(M/tile)*tile, in)
         outs = [self._one_tile(t, weight, bias) for t in padded.split(self.tile)]  # (tile, out)
         return (outs[0] if len(outs) == 1 else torch.cat(outs))[:M].contiguous()  # (M, out)
+
+    def _row_free_call(self, x: Tensor, weight: Tensor, bias: Tensor | None):
+        """One call of any row count, where the probe found this shape row-free on the CPU:
+        MKL's packed GEMM in fp32; otherwise (bf16, or fp32 without MKL packing) the tiles'
+        own `weight @ x^T` at any row count, in decode only (its calls stay within the probed
+        `MAX_CALL_ROWS`). None: exact tiles."""
+        if not self.row_free or x.device.type != "cpu":
+            return None
+        if self.pack and x.dtype == torch.float32:
+            min_rows = self._min_rows(weight, "packed")
+            packed = self._packed_weight(weight) if min_rows is not None else None
+            return None if packed is None else lambda part: _packed_call(part, packed, weight, bias, min_rows)
+        if self.max_rows is None or self.max_rows > MAX_CALL_ROWS:
+            return None
+        min_rows = self._min_rows(weight, f"plain {str(x.dtype).removeprefix('torch.')}")
+        return None if min_rows is None else lambda part: _plain_call(part, weight, bias, min_rows)
 
     def _one_tile(self, t: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         """t (tile, in) -> (tile, out)."""
@@ -150,15 +170,15 @@ class TiledLinear:
             self._packed[id(weight)] = entry
         return entry[1]
 
-    def _min_rows(self, weight: Tensor) -> int | None:
-        """Fewest rows of a row-free packed call of this weight's shape; None: use tiles."""
-        if not self.row_free:
-            return None
+    def _min_rows(self, weight: Tensor, path: str) -> int | None:
+        """Fewest rows of a row-free call of this weight's shape on `path` ("packed" or
+        "plain <dtype>"); None: use tiles."""
         # The answer depends on the tile it is held against and on the intra-op thread count (MKL
         # may split a call's rows among threads): probed again for each, whoever asks first.
-        key = (weight.shape[0], weight.shape[1], self.tile, torch.get_num_threads())
+        key = (weight.shape[0], weight.shape[1], self.tile, torch.get_num_threads(), path)
         if key not in _MIN_ROWS:
-            _MIN_ROWS[key] = _probe_min_rows(*key[:3])
+            dtype = torch.float32 if path == "packed" else getattr(torch, path.split()[1])
+            _MIN_ROWS[key] = _probe_min_rows(*key[:3], dtype=dtype, packed=path == "packed")
         return _MIN_ROWS[key]
 
 
@@ -172,36 +192,63 @@ def _packed_call(x: Tensor, packed: Tensor, weight: Tensor, bias: Tensor | None,
     return torch.ops.mkl._mkl_linear(padded, packed, weight, bias, min_rows)[:M]
 
 
+def _plain_call(x: Tensor, weight: Tensor, bias: Tensor | None, min_rows: int) -> Tensor:
+    """A tile's product at any row count: `weight @ x^T` on x (M, in), zero-padded to
+    `min_rows` rows, then the bias (one rounding per element, as in a tile). -> (M, out)."""
+    M = x.shape[0]
+    padded = x if M >= min_rows else F.pad(x, (0, 0, 0, min_rows - M))  # (max(M, min_rows), in)
+    out = torch.mm(weight, padded.t()).t()
+    out = out + bias if bias is not None else out
+    return out[:M].contiguous()
+
+
 def kernel_paths() -> dict[str, str]:
-    """What the probe chose for each fp32 weight shape probed in this process, by "out x in":
-    "packed, row-free from N rows" or "tiles" (`TiledLinear`)."""
-    return {f"{o}x{i} (tile {t}, {n} thread{'s' if n > 1 else ''})":
-            f"tiles of {t}" if m is None else f"packed, row-free from {m} rows"
-            for (o, i, t, n), m in sorted(_MIN_ROWS.items())}
+    """What the probe chose for each weight shape probed in this process, by "out x in" (and
+    the dtype of a plain path): "packed, row-free from N rows", "weight @ x^T, row-free from N
+    rows" or "tiles of T" (`TiledLinear`)."""
+    out = {}
+    for (o, i, t, n, path), m in sorted(_MIN_ROWS.items()):
+        kind = "" if path == "packed" else f" {path.split()[1]}"
+        how = "packed" if path == "packed" else "weight @ x^T"
+        out[f"{o}x{i}{kind} (tile {t}, {n} thread{'s' if n > 1 else ''})"] = (
+            f"tiles of {t}" if m is None else f"{how}, row-free from {m} rows")
+    return out
 
 
-def _probe_min_rows(out_features: int, in_features: int, tile: int) -> int | None:
-    """Fewest rows m <= `tile` such that packed calls of every probed count >= m, at row
-    offsets 0 and 3, give rows bit-identical to `tile`-row calls on a random (out, in) weight,
-    and calls of every `PROBE_ROWS_LARGE` count give rows bit-identical to `MAX_CALL_ROWS`-row
-    calls (the cheap reference for long prefill calls). None: no such m (use tiles)."""
+def _probe_min_rows(out_features: int, in_features: int, tile: int, dtype: torch.dtype = torch.float32,
+                    packed: bool = True) -> int | None:
+    """Fewest rows m <= `tile` such that calls of every probed count >= m, at row offsets 0
+    and 3, give rows bit-identical to `tile`-row calls on a random (out, in) weight of `dtype`.
+    Packed (MKL, fp32; decode and prefill): also calls of every `PROBE_ROWS_LARGE` count against
+    `MAX_CALL_ROWS`-row calls (the cheap reference for long prefill calls). Plain (`weight @
+    x^T`, decode only): counts up to `MAX_CALL_ROWS`. None: no such m (use tiles)."""
     g = torch.Generator().manual_seed(0)
-    w = torch.randn(out_features, in_features, generator=g)
-    x = torch.randn(max(PROBE_ROWS_LARGE) + 3, in_features, generator=g)
-    ref = TiledLinear(tile, pack=True, row_free=False)  # exact tile-row calls on the same packing
+    w = torch.randn(out_features, in_features, generator=g).to(dtype)
+    x = torch.randn(max(PROBE_ROWS_LARGE if packed else PROBE_ROWS) + 3, in_features, generator=g).to(dtype)
+    ref = TiledLinear(tile, pack=packed, row_free=False)  # exact tile-row calls (on the same packing)
     small = x[: max(PROBE_ROWS) + 3]
     expected = ref(small, w, None)  # (rows, out)
-    if not torch.allclose(expected, F.linear(small, w), rtol=1e-4, atol=1e-3):
+    tol = dict(rtol=1e-4, atol=1e-3) if dtype == torch.float32 else dict(rtol=2e-2, atol=0.5)
+    if not torch.allclose(expected.float(), F.linear(small.float(), w.float()), **tol):
         return None  # not even the tile calls agree with a plain product: trust nothing here
-    packed = ref._packed_weight(w)
-    call = lambda rows: torch.ops.mkl._mkl_linear(rows.contiguous(), packed, w, None, rows.shape[0])
-    failing = [m for m in PROBE_ROWS if not _rows_match(call, small, expected, (m,))]
-    min_rows = max(failing, default=0) + 1
-    if min_rows > tile:
+    if not packed:
+        return _fewest_free_rows(lambda rows: _plain_call(rows, w, None, rows.shape[0]), small, expected, tile)
+    packed_w = ref._packed_weight(w)
+    call = lambda rows: torch.ops.mkl._mkl_linear(rows.contiguous(), packed_w, w, None, rows.shape[0])
+    min_rows = _fewest_free_rows(call, small, expected, tile)
+    if min_rows is None:
         return None
-    expected = torch.cat([_packed_call(part, packed, w, None, min_rows)
+    expected = torch.cat([_packed_call(part, packed_w, w, None, min_rows)
                           for part in x.split(MAX_CALL_ROWS)])  # now proven row-free
     return min_rows if _rows_match(call, x, expected, PROBE_ROWS_LARGE) else None
+
+
+def _fewest_free_rows(call, x: Tensor, expected: Tensor, tile: int) -> int | None:
+    """One above the largest `PROBE_ROWS` count whose call(x[at:at + m]) differs from
+    `expected` (the tile calls' rows), if that is at most `tile`; else None."""
+    failing = [m for m in PROBE_ROWS if not _rows_match(call, x, expected, (m,))]
+    min_rows = max(failing, default=0) + 1
+    return min_rows if min_rows <= tile else None
 
 
 def _rows_match(call, x: Tensor, expected: Tensor, counts: tuple[int, ...]) -> bool:

@@ -16,7 +16,7 @@ import torch
 from actors.batch import ForwardBatch
 from actors.cpu_info import describe, gemm_fingerprint
 from actors.mamba import causal_conv_step, ssd_step
-from actors.model import TiledLinear, _packed_call, _probe_min_rows, kernel_paths
+from actors.model import MAX_CALL_ROWS, PROBE_ROWS, TiledLinear, _fewest_free_rows, _packed_call, _probe_min_rows, kernel_paths
 
 OUT, IN, TILE = 96, 64, 16
 
@@ -34,6 +34,34 @@ def test_every_row_count_matches_tile_calls_on_the_chosen_path():
         for at in (0, 40 - rows):
             assert torch.equal(linear(x[at:at + rows], w, b), reference[at:at + rows]), (rows, at)
     assert any(k.startswith(f"{OUT}x{IN} (tile {TILE},") for k in kernel_paths())
+
+
+def test_a_bf16_decode_product_matches_exact_tile_calls_at_every_row_count():
+    """bf16 has no packed path: decode probes the tiles' own `weight @ x^T` at any row count
+    (`_plain_call`), and every row count, at either end of a 40-row batch, gives each row the
+    bits of exact 16-row tile calls, whichever the probe chose (row-free from some count, or
+    tiles); `kernel_paths` names the shape with its dtype."""
+    x, w, b = (t.bfloat16() for t in _inputs(40))
+    reference = TiledLinear(TILE, pack=False, row_free=False)(x, w, b)  # exact 16-row calls
+    linear = TiledLinear(TILE, max_rows=MAX_CALL_ROWS)
+    for rows in range(1, 41):
+        for at in (0, 40 - rows):
+            assert torch.equal(linear(x[at:at + rows], w, b), reference[at:at + rows]), (rows, at)
+    assert any(k.startswith(f"{OUT}x{IN} bfloat16 (tile {TILE},") for k in kernel_paths())
+
+
+def test_negative_control_the_probe_refuses_calls_whose_rows_follow_the_row_count():
+    """The probe's rule, on calls made to fail: a call whose rows change below 3 rows is
+    row-free from 3; one whose rows change at every count past the tile (17) is refused (None:
+    tiles). The reference is the honest call's own result."""
+    x, w, _ = _inputs(max(PROBE_ROWS) + 3)
+    honest = lambda rows: torch.stack([torch.mv(w, r) for r in rows])  # noqa: E731  (row by row: row-free)
+    expected = honest(x)
+    below_3 = lambda rows: honest(rows) + (1e-3 if rows.shape[0] < 3 else 0.0)  # noqa: E731
+    past_tile = lambda rows: honest(rows) + (1e-3 if rows.shape[0] == 17 else 0.0)  # noqa: E731
+    assert _fewest_free_rows(honest, x, expected, TILE) == 1
+    assert _fewest_free_rows(below_3, x, expected, TILE) == 3
+    assert _fewest_free_rows(past_tile, x, expected, TILE) is None
 
 
 def test_negative_control_calls_below_the_minimum_take_another_kernel():
