@@ -132,9 +132,10 @@ class TiledLinear:
         """x (M, in) -> (M, out), contiguous."""
         call = self._row_free_call(x, weight, bias)
         if call is not None:
-            parts = x.contiguous().split(self.max_rows) if self.max_rows else (x.contiguous(),)
-            outs = [call(part) for part in parts]
-            return outs[0] if len(outs) == 1 else torch.cat(outs)  # (M, out)
+            x = x.contiguous()
+            if not self.max_rows or x.shape[0] <= self.max_rows:
+                return call(x)  # (M, out): one call (every decode step up to MAX_CALL_ROWS rows)
+            return torch.cat([call(part) for part in x.split(self.max_rows)])  # (M, out)
         M = x.shape[0]
         padded = F.pad(x, (0, 0, 0, (-M) % self.tile))  # (ceil(M/tile)*tile, in)
         outs = [self._one_tile(t, weight, bias) for t in padded.split(self.tile)]  # (tile, out)
@@ -188,7 +189,7 @@ def _packed_call(x: Tensor, packed: Tensor, weight: Tensor, bias: Tensor | None,
     M = x.shape[0]
     if M >= min_rows:
         return torch.ops.mkl._mkl_linear(x, packed, weight, bias, M)
-    padded = F.pad(x, (0, 0, 0, min_rows - M))  # (min_rows, in)
+    padded = torch.constant_pad_nd(x, (0, 0, 0, min_rows - M))  # (min_rows, in)
     return torch.ops.mkl._mkl_linear(padded, packed, weight, bias, min_rows)[:M]
 
 
@@ -196,7 +197,7 @@ def _plain_call(x: Tensor, weight: Tensor, bias: Tensor | None, min_rows: int) -
     """A tile's product at any row count: `weight @ x^T` on x (M, in), zero-padded to
     `min_rows` rows, then the bias (one rounding per element, as in a tile). -> (M, out)."""
     M = x.shape[0]
-    padded = x if M >= min_rows else F.pad(x, (0, 0, 0, min_rows - M))  # (max(M, min_rows), in)
+    padded = x if M >= min_rows else torch.constant_pad_nd(x, (0, 0, 0, min_rows - M))  # (max(M, min_rows), in)
     out = torch.mm(weight, padded.t()).t()
     out = out + bias if bias is not None else out
     return out[:M].contiguous()
