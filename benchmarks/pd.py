@@ -152,7 +152,14 @@ def _row(mode: str, run: dict, items: list[Item], reference: dict) -> dict:
             "handover_p50_s": st["handover_latency_p50_s"], "handover_p99_s": st["handover_latency_p99_s"],
             "prefill_tokens_by_role": st["prefill_tokens_by_role"], "retractions": st["retractions"],
             "worker_cpu_s": run["worker_cpu_s"], "worker_busy_s": run["worker_busy_s"],
-            "mismatches": sum(recs[it.rid]["token_ids"] != reference[it.rid] for it in items)}
+            "mismatches": sum(recs[it.rid]["token_ids"] != reference[it.rid] for it in items),
+            "requests": len(items), "one_token_requests": sum(it.sampling.max_new_tokens == 1 for it in items),
+            "prefilled_then_decoded": sum(_prefilled_then_decoded(recs[it.rid]["workers"]) for it in items)}
+
+
+def _prefilled_then_decoded(workers: list[int]) -> bool:
+    """Did a request start on the prefill worker (0) and end on the decode worker (1)?"""
+    return workers[:1] == [0] and workers[-1:] == [1]
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:

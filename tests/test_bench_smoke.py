@@ -55,7 +55,8 @@ EXPECTED = {
                "scheduler_rss_mib", "decision_p50_ms", "decision_p99_ms", "ttft_overhead_p50_ms", "token_gap_p50_ms"},
               "rows", {"scale.json", "scale.png"}),
     "pd": ({"model", "setup", "modes", "targets", "stream_gaps"},
-           {"mode", "tokens_per_s", "gap_p99_s", "long_ttft_p50_s", "handovers", "handover_bytes", "mismatches"},
+           {"mode", "tokens_per_s", "gap_p99_s", "long_ttft_p50_s", "handovers", "handover_bytes", "mismatches",
+            "requests", "one_token_requests", "prefilled_then_decoded"},
            "modes", {"pd.json"}),
     "drain": ({"model", "setup", "prompt_lengths", "modes", "targets", "mismatches", "arrivals"},
               {"mode", "errors", "gap_steps_max", "step_s_median", "drain_s", "moved", "fallbacks", "finish_s",
@@ -139,11 +140,15 @@ def _scale_keeps_up(result: dict) -> None:
     row = result["rows"][0]
     assert row["workers"] == 32 and row["vs_offered"] >= SCALE_QUICK_FLOOR, row
 def _pd_correct(result: dict) -> None:
-    """Same tokens in both modes; only the roles run hands over, every request but the ones
-    that end at their first token."""
+    """Same tokens in both modes; only the roles run hands over: there every request but the
+    ones that end at their first token started on the prefill worker and ended on the decode
+    worker (its record's `workers`), and each hand-over was counted."""
     rows = {m["mode"]: m for m in result["modes"]}
-    assert rows["roles"]["mismatches"] == 0, rows
-    assert rows["colocated"]["handovers"] == 0 and rows["roles"]["handovers"] > 0, rows
+    roles = rows["roles"]
+    assert roles["mismatches"] == 0, rows
+    assert rows["colocated"]["handovers"] == 0, rows
+    moved = roles["requests"] - roles["one_token_requests"]
+    assert moved > 0 and roles["prefilled_then_decoded"] == moved and roles["handovers"] >= moved, rows
 
 
 def _drain_correct(result: dict) -> None:
