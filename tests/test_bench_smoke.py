@@ -4,10 +4,10 @@ behind `-m serve_slow`, and 10 more behind `-m slow`: see `SLOW`).
 These check that the benchmarks work, not the numbers they measure (the quick sizes on a
 shared 2-core machine say nothing about performance), with one exception: `scale` holds its
 quick run (32 simulated workers) to a loose floor of delivered / offered tokens/s
-(`SCALE_QUICK_FLOOR`), the capacity regression check issue 17 asks for in the default suite. On
-this 2-core machine, with nothing else running, it gave 0.60-0.69 (2026-12-02); at load average 40, 0.27; a scheduler that stops
-keeping up (a call per token again, a lost wake-up) falls far below it. Each starts and stops
-its own Ray.
+(`SCALE_QUICK_FLOOR`), the capacity regression check issue 17 asks for in the default suite.
+On this 2-core machine, with nothing else running, it gave 0.60-0.69 (2026-12-02); at load
+average 40, 0.27. A scheduler that stops keeping up (a call per token again, a lost wake-up)
+falls far below it. Each starts and stops its own Ray.
 """
 
 import importlib
