@@ -43,6 +43,7 @@ names) or build the model through `actors.loader.load_checkpoint` / `actors.pres
 
 from __future__ import annotations
 
+import time
 from typing import Protocol
 
 import torch
@@ -92,6 +93,9 @@ PROBE_ROWS_LARGE = (300, 512, 1000, 2048)  # checked against 256-row calls once 
 _MIN_ROWS: dict[tuple[int, int, int, int, str], int | None] = {}  # (out, in, tile, threads, path) -> probed:
 #   fewest rows of a row-free call of this shape on that path ("packed": MKL's packed fp32 GEMM;
 #   "plain <dtype>": `weight @ x^T`), smaller calls zero-padded up to it; or None: tiles
+_PROBE_S: dict[str, float] = {}  # path -> seconds this process spent probing it (start-up cost)
+_LONG_CALLS_FREE: dict[tuple[int, int, int, int], bool] = {}  # (out, in, min rows, threads) -> the
+#   `PROBE_ROWS_LARGE` check's answer: it does not depend on the tile, so each tile's probe shares it
 
 
 class TiledLinear:
@@ -179,7 +183,9 @@ class TiledLinear:
         key = (weight.shape[0], weight.shape[1], self.tile, torch.get_num_threads(), path)
         if key not in _MIN_ROWS:
             dtype = torch.float32 if path == "packed" else getattr(torch, path.split()[1])
+            t0 = time.perf_counter()
             _MIN_ROWS[key] = _probe_min_rows(*key[:3], dtype=dtype, packed=path == "packed")
+            _PROBE_S[path] = _PROBE_S.get(path, 0.0) + time.perf_counter() - t0
         return _MIN_ROWS[key]
 
 
@@ -216,6 +222,12 @@ def kernel_paths() -> dict[str, str]:
     return out
 
 
+def probe_seconds() -> dict[str, float]:
+    """Seconds this process has spent in the probe, by path ("packed", "plain bfloat16"): the
+    start-up cost of row-free calls, paid at each shape's first product."""
+    return dict(_PROBE_S)
+
+
 def _probe_min_rows(out_features: int, in_features: int, tile: int, dtype: torch.dtype = torch.float32,
                     packed: bool = True) -> int | None:
     """Fewest rows m <= `tile` such that calls of every probed count >= m, at row offsets 0
@@ -239,9 +251,12 @@ def _probe_min_rows(out_features: int, in_features: int, tile: int, dtype: torch
     min_rows = _fewest_free_rows(call, small, expected, tile)
     if min_rows is None:
         return None
-    expected = torch.cat([_packed_call(part, packed_w, w, None, min_rows)
-                          for part in x.split(MAX_CALL_ROWS)])  # now proven row-free
-    return min_rows if _rows_match(call, x, expected, PROBE_ROWS_LARGE) else None
+    key = (out_features, in_features, min_rows, torch.get_num_threads())
+    if key not in _LONG_CALLS_FREE:
+        expected = torch.cat([_packed_call(part, packed_w, w, None, min_rows)
+                              for part in x.split(MAX_CALL_ROWS)])  # now proven row-free
+        _LONG_CALLS_FREE[key] = _rows_match(call, x, expected, PROBE_ROWS_LARGE)
+    return min_rows if _LONG_CALLS_FREE[key] else None
 
 
 def _fewest_free_rows(call, x: Tensor, expected: Tensor, tile: int) -> int | None:

@@ -104,11 +104,11 @@ def run(setup: Setup, ckpt: Path, quick: bool) -> dict:
         prefill.append(prefill_row(setup, ours, hf, dtype))
         varlen.append(varlen_row(setup, ours, dtype))
     from actors.cpu_info import describe
-    from actors.model import kernel_paths
+    from actors.model import kernel_paths, probe_seconds
 
     result = {"model": setup.model, "threads": THREADS, "prompt_len": setup.prompt_len,
               "max_new_tokens": setup.max_new_tokens, "repeats": setup.repeats, "machine": machine(),
-              "platform": describe(), "kernel_paths": kernel_paths(),
+              "platform": describe(), "kernel_paths": kernel_paths(), "probe_s": probe_seconds(),
               "kernels_present": [], "rows": rows, "prefill": prefill, "varlen_prefill": varlen,
               "targets": targets(rows, prefill)}
     missed = [t for t in result["targets"] if not t["met"] and t["what"].startswith("decode")]
@@ -368,7 +368,8 @@ def _print(result: dict) -> None:
 
 
 def _print_platform(result: dict) -> None:
-    """The CPU, torch's build, MKL's code path, and the matrix path each fp32 weight shape took."""
+    """The CPU, torch's build, MKL's code path, the matrix path each weight shape took (fp32
+    and, in decode, bf16), and the probe's start-up time."""
     p = result["platform"]
     env = " ".join(f"{k}={v}" for k, v in p["env"].items()) or "none set"
     print(f"CPU: {p['cpu_model']} ({p['cpu_vendor']}, family/model {p['cpu_family_model']}; "
@@ -377,8 +378,10 @@ def _print_platform(result: dict) -> None:
     print(f"MKL: {p['mkl_version']}; path: {p['mkl_path']}; env: {env}; "
           f"GEMM fingerprint {p['gemm_fingerprint']}")
     shapes = ", ".join(f"{shape}: {path}" for shape, path in result["kernel_paths"].items())
-    print(f"fp32 matrix path per weight shape (out x in): {shapes or 'none probed'}; "
-          "bf16: tiles of 16 (decode) / 128 (prefill) rows (no packed bf16 GEMM)")
+    print(f"matrix path per weight shape (out x in): {shapes or 'none probed'}; "
+          "bf16 prefill: tiles of 128 rows (no packed bf16 GEMM)")
+    probes = ", ".join(f"{path} {s:.1f} s" for path, s in result["probe_s"].items())
+    print(f"start-up probe (once per process): {probes or 'none'}")
 
 
 if __name__ == "__main__":

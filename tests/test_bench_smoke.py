@@ -47,7 +47,7 @@ EXPECTED = {
                  {"mode", "tokens_per_s", "urgent_ttft_p99_s", "preemptions", "worker_cpu_s", "worker_busy_s",
                   "mismatches"},
                  "modes", {"priority.json", "priority.png"}),
-    "engine": ({"model", "threads", "rows", "kernels_present"},
+    "engine": ({"model", "threads", "rows", "kernels_present", "kernel_paths", "probe_s"},
                {"batch", "ours_tokens_per_s", "hf_tokens_per_s", "ratio", "tokens_match_hf"},
                "rows", {"engine.json"}),
     "migrate": ({"model", "rows", "targets", "migration_downtime_s", "live_migrations"},
