@@ -103,7 +103,13 @@ def enqueue(queue: deque[Request], req: Request, front: bool = False) -> None:
     served within a priority; `front` puts it before the others of its priority (a request
     going back to where it was). With every priority equal this is append / appendleft."""
     if front:
+        if not queue or queue[0].priority >= req.priority:
+            queue.appendleft(req)  # (the common case, O(1): no scan of a long queue)
+            return
         index = next((i for i, r in enumerate(queue) if r.priority >= req.priority), len(queue))
     else:
+        if not queue or queue[-1].priority <= req.priority:
+            queue.append(req)
+            return
         index = next((i for i, r in enumerate(queue) if r.priority > req.priority), len(queue))
     queue.insert(index, req)

@@ -354,6 +354,31 @@ def test_enqueue_keeps_priority_order_and_fcfs_within_a_priority() -> None:
     assert [r.request_id for r in q] == ["d", "f", "a", "c", "b", "e"]
 
 
+def test_enqueue_equals_a_sorted_insert_for_random_priorities_and_ends() -> None:
+    """`enqueue` appends at either end without scanning when it can; the order it keeps must be
+    the stable sort's: priority, then first come (a `front` insert before its equals). The
+    reference is an independent stable sort of (priority, rank) over every insert so far."""
+    import random
+
+    from raysched.request import enqueue
+
+    rng = random.Random(3)
+    q: deque[Request] = deque()
+    ranked: list[tuple[int, float, str]] = []
+    back, front = 0.0, 0.0
+    for i in range(400):
+        prio, at_front = rng.choice([-1, 0, 0, 0, 2, 5]), rng.random() < 0.3
+        if at_front:
+            front -= 1.0
+            rank = front
+        else:
+            back += 1.0
+            rank = back
+        enqueue(q, urgent(f"r{i}", 4, priority=prio), front=at_front)
+        ranked.append((prio, rank, f"r{i}"))
+    assert [r.request_id for r in q] == [rid for _, _, rid in sorted(ranked)]
+
+
 def test_overflow_victims_are_the_least_urgent_first() -> None:
     a, b, c = (request(x, 30, generated=10, arrival_s=i) for i, x in enumerate("abc"))
     a.priority, b.priority, c.priority = 0, 7, 3
