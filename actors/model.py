@@ -90,10 +90,10 @@ MAX_CALL_ROWS = 256  # a row-free decode call takes at most this many rows (all 
 PREFILL_CALL_ROWS = 2048  # a row-free prefill call takes at most this many rows
 PROBE_ROWS = tuple(range(1, 18)) + (31, 32, 33, 64, 100, 128, 129, 200, 256)  # every count to 17
 PROBE_ROWS_LARGE = (300, 512, 1000, 2048)  # checked against 256-row calls once those pass
-_MIN_ROWS: dict[tuple[int, int, int, int, str], int | None] = {}  # (out, in, tile, threads, path) -> probed:
-#   fewest rows of a row-free call of this shape on that path ("packed": MKL's packed fp32 GEMM;
-#   "plain <dtype>": `weight @ x^T`), smaller calls zero-padded up to it; or None: tiles
-_PROBE_S: dict[str, float] = {}  # path -> seconds this process spent probing it (start-up cost)
+_MIN_ROWS: dict[tuple[int, int, int, int, torch.dtype, bool], int | None] = {}  # (out, in, tile, threads,
+#   dtype, packed) -> probed: fewest rows of a row-free call of this shape on that path (packed:
+#   MKL's packed fp32 GEMM; else `weight @ x^T`), smaller calls zero-padded up to it; None: tiles
+_PROBE_S: dict[str, float] = {}  # `path_name` -> seconds this process spent probing it (start-up cost)
 _LONG_CALLS_FREE: dict[tuple[int, int, int, int], bool] = {}  # (out, in, min rows, threads) -> the
 #   `PROBE_ROWS_LARGE` check's answer: it does not depend on the tile, so each tile's probe shares it
 
@@ -153,12 +153,12 @@ class TiledLinear:
         if not self.row_free or x.device.type != "cpu":
             return None
         if self.pack and x.dtype == torch.float32:
-            min_rows = self._min_rows(weight, "packed")
+            min_rows = self._min_rows(weight, x.dtype, packed=True)
             packed = self._packed_weight(weight) if min_rows is not None else None
             return None if packed is None else lambda part: _packed_call(part, packed, weight, bias, min_rows)
         if self.max_rows is None or self.max_rows > MAX_CALL_ROWS:
             return None
-        min_rows = self._min_rows(weight, f"plain {str(x.dtype).removeprefix('torch.')}")
+        min_rows = self._min_rows(weight, x.dtype, packed=False)
         return None if min_rows is None else lambda part: _plain_call(part, weight, bias, min_rows)
 
     def _one_tile(self, t: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
@@ -175,18 +175,29 @@ class TiledLinear:
             self._packed[id(weight)] = entry
         return entry[1]
 
-    def _min_rows(self, weight: Tensor, path: str) -> int | None:
-        """Fewest rows of a row-free call of this weight's shape on `path` ("packed" or
-        "plain <dtype>"); None: use tiles."""
+    def _min_rows(self, weight: Tensor, dtype: torch.dtype, packed: bool) -> int | None:
+        """Fewest rows of a row-free call of this weight's shape in `dtype`, on the packed path
+        or the plain one; None: use tiles."""
         # The answer depends on the tile it is held against and on the intra-op thread count (MKL
         # may split a call's rows among threads): probed again for each, whoever asks first.
-        key = (weight.shape[0], weight.shape[1], self.tile, torch.get_num_threads(), path)
+        key = (weight.shape[0], weight.shape[1], self.tile, torch.get_num_threads(), dtype, packed)
         if key not in _MIN_ROWS:
-            dtype = torch.float32 if path == "packed" else getattr(torch, path.split()[1])
             t0 = time.perf_counter()
-            _MIN_ROWS[key] = _probe_min_rows(*key[:3], dtype=dtype, packed=path == "packed")
-            _PROBE_S[path] = _PROBE_S.get(path, 0.0) + time.perf_counter() - t0
+            _MIN_ROWS[key] = _probe_min_rows(*key[:3], dtype=dtype, packed=packed)
+            name = path_name(dtype, packed)
+            _PROBE_S[name] = _PROBE_S.get(name, 0.0) + time.perf_counter() - t0
         return _MIN_ROWS[key]
+
+
+def path_name(dtype: torch.dtype, packed: bool) -> str:
+    """"packed" (MKL's packed fp32 GEMM) or "plain <dtype>" (`weight @ x^T`)."""
+    return "packed" if packed else f"plain {str(dtype).removeprefix('torch.')}"
+
+
+def _pad_rows(x: Tensor, rows: int) -> Tensor:
+    """x (M, in) zero-padded to at least `rows` rows (itself when it has them)."""
+    M = x.shape[0]
+    return x if M >= rows else torch.constant_pad_nd(x, (0, 0, 0, rows - M))  # (max(M, rows), in)
 
 
 def _packed_call(x: Tensor, packed: Tensor, weight: Tensor, bias: Tensor | None,
@@ -195,16 +206,14 @@ def _packed_call(x: Tensor, packed: Tensor, weight: Tensor, bias: Tensor | None,
     M = x.shape[0]
     if M >= min_rows:
         return torch.ops.mkl._mkl_linear(x, packed, weight, bias, M)
-    padded = torch.constant_pad_nd(x, (0, 0, 0, min_rows - M))  # (min_rows, in)
-    return torch.ops.mkl._mkl_linear(padded, packed, weight, bias, min_rows)[:M]
+    return torch.ops.mkl._mkl_linear(_pad_rows(x, min_rows), packed, weight, bias, min_rows)[:M]
 
 
 def _plain_call(x: Tensor, weight: Tensor, bias: Tensor | None, min_rows: int) -> Tensor:
     """A tile's product at any row count: `weight @ x^T` on x (M, in), zero-padded to
     `min_rows` rows, then the bias (one rounding per element, as in a tile). -> (M, out)."""
     M = x.shape[0]
-    padded = x if M >= min_rows else torch.constant_pad_nd(x, (0, 0, 0, min_rows - M))  # (max(M, min_rows), in)
-    out = torch.mm(weight, padded.t()).t()
+    out = torch.mm(weight, _pad_rows(x, min_rows).t()).t()
     out = out + bias if bias is not None else out
     return out[:M].contiguous()
 
@@ -214,9 +223,9 @@ def kernel_paths() -> dict[str, str]:
     the dtype of a plain path): "packed, row-free from N rows", "weight @ x^T, row-free from N
     rows" or "tiles of T" (`TiledLinear`)."""
     out = {}
-    for (o, i, t, n, path), m in sorted(_MIN_ROWS.items()):
-        kind = "" if path == "packed" else f" {path.split()[1]}"
-        how = "packed" if path == "packed" else "weight @ x^T"
+    for (o, i, t, n, dtype, packed), m in sorted(_MIN_ROWS.items(), key=lambda kv: (*kv[0][:4], str(kv[0][4]))):
+        kind = "" if packed else f" {str(dtype).removeprefix('torch.')}"
+        how = "packed" if packed else "weight @ x^T"
         out[f"{o}x{i}{kind} (tile {t}, {n} thread{'s' if n > 1 else ''})"] = (
             f"tiles of {t}" if m is None else f"{how}, row-free from {m} rows")
     return out

@@ -266,7 +266,7 @@ class SimWorker:
             yield sent_ms, StepTokens(first)
         one_step = dataclasses.replace(plan, decode_steps=1, fault=None)  # (the fault fires here)
         for k in range(plan.decode_steps):
-            if plan.call_id and self._interrupted == plan.call_id:
+            if plan.interrupted_by(self._interrupted):
                 steps = k
                 break
             finished = len(result.finished)

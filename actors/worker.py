@@ -122,7 +122,7 @@ class Worker:
                 out.merge(decoded)
                 if decoded.new_tokens:
                     yield StepTokens(decoded.new_tokens)
-                if (plan.call_id and self._interrupted == plan.call_id) or (plan.end_at_finish and decoded.finished):
+                if plan.interrupted_by(self._interrupted) or (plan.end_at_finish and decoded.finished):
                     break  # the scheduler needs a decision: the steps that ran are the reply
         self._park_finished(plan, result)
         yield self._result(result, out, time.perf_counter() - t0)

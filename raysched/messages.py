@@ -54,6 +54,10 @@ class StepPlan:
     def is_empty(self) -> bool:
         return not (self.drop or self.resume or self.prefill or self.decode_steps)
 
+    def interrupted_by(self, call_id: int) -> bool:
+        """Does an interrupt for `call_id` (`Worker.interrupt`) end this call's decoding?"""
+        return bool(self.call_id) and call_id == self.call_id
+
 
 @dataclass(frozen=True)
 class FaultPoint:
