@@ -27,7 +27,7 @@ from raysched.scheduler.recovery import Recovery
 from raysched.scheduler.retraction import RetractionLedger
 from raysched.scheduler.prefix_cache import PrefixCache
 from raysched.scheduler.state_cache import BlockRef, Place, StateCache
-from raysched.scheduler.table import Limits, RequestTable
+from raysched.scheduler.table import Limits, RequestTable, validate_generated
 from raysched.stats import Counters
 
 VOCAB = 100
@@ -261,6 +261,29 @@ def test_table_wait_and_stream_read_one_record_then_forget_it() -> None:
         assert record["token_ids"] == [5] and record["state"] == "finished"
         assert req.request_id not in table.requests  # forgotten, still readable:
         assert await table.next_tokens(req.request_id, 1) == ([], True)
+
+    asyncio.run(scenario())
+
+
+def test_a_resubmission_that_already_has_its_last_token_ends_at_once() -> None:
+    """A streaming client can receive a request's last token and lose the scheduler before it
+    reads the end (CI saw it). Resubmitted with every token, the request ends with the reason its
+    last token gives, instead of being refused; one a token short resumes. The control: more
+    tokens than the budget are still refused."""
+    async def scenario() -> None:
+        table = RequestTable(Counters())
+        cases = {"length": ([7, 8, 9], {}), "stop": ([7, 3], {"stop_token_ids": [3]}), None: ([7, 8], {})}
+        for reason, (generated, extra) in cases.items():
+            req = table.submit([1, 2], {"max_new_tokens": 3, **extra}, LIMITS)
+            validate_generated(generated, req.sampling, VOCAB)
+            table.continue_from(req, generated)
+            if reason is None:
+                assert req.state is State.RETRACTED and list(table.retracted) == [req]
+                continue
+            record = await table.wait(req.request_id)
+            assert (record["state"], record["finish_reason"], record["token_ids"]) == ("finished", reason, generated)
+        with pytest.raises(RequestError, match="more than max_new_tokens"):
+            validate_generated([7, 8, 9, 10], SamplingParams(max_new_tokens=3), VOCAB)
 
     asyncio.run(scenario())
 

@@ -78,7 +78,11 @@ class RequestTable:
         req.output_ids, req.recompute, req.state = [int(t) for t in generated], True, State.RETRACTED
         if req.text_stream is not None:  # stop strings: the text so far, as the client saw it
             req.text_stream.add(req.output_ids)
-        enqueue(self.retracted, req)
+        reason = ended_by(req)
+        if reason is not None:  # the client had every token but not the end (the scheduler died)
+            self.finish(req, State.FINISHED, reason)
+        else:
+            enqueue(self.retracted, req)
 
     # ------------------------------------------------------------------ end
     def finish(self, req: Request, state: State, reason: str) -> None:
@@ -204,6 +208,16 @@ def validate_generated(generated: list[int], params: SamplingParams, vocab_size:
     """Tokens a resubmitting client says it received: token ids, fewer than the budget."""
     if not all(isinstance(t, int) and 0 <= t < vocab_size for t in generated):
         raise RequestError(f"generated tokens must be token ids in [0, {vocab_size})")
-    if len(generated) >= params.max_new_tokens:
-        raise RequestError(f"{len(generated)} tokens were already generated: the request had ended "
-                           f"(max_new_tokens {params.max_new_tokens})")
+    if len(generated) > params.max_new_tokens:
+        raise RequestError(f"{len(generated)} tokens were generated, more than max_new_tokens "
+                           f"({params.max_new_tokens})")
+
+
+def ended_by(req: Request) -> str | None:
+    """Why a request whose output is already `req.output_ids` has ended ("stop", "length"), or
+    None: its last token ends it, or its text holds a stop string."""
+    if req.text_stream is not None and req.text_stream.stopped is not None:
+        return "stop"
+    if not req.output_ids:
+        return None
+    return req.sampling.finish_reason(req.output_ids[-1], len(req.output_ids))
