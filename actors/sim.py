@@ -376,6 +376,9 @@ class SimHost:
         self.workers: dict[int, SimWorker] = {}
         self._turn: dict[int, int] = {}
         self._changed = asyncio.Condition()
+        self._replies: list[tuple[int, int, bool, Any]] = []  # batched step calls' replies, not collected yet
+        self._replied = asyncio.Event()
+        self._running: set[asyncio.Task] = set()
 
     async def add(self, index: int) -> None:
         from actors.faults import needs_faults, with_faults
@@ -396,6 +399,33 @@ class SimHost:
             return getattr(self._alive(index), method)(*args)
         finally:
             await self._end_turn(index, seq)
+
+    def submit(self, items: list[tuple]) -> None:
+        """What the scheduler sent together (`raysched.workers.HostChannel`), in its order:
+        ("step", worker index, sequence number, the step's arguments), started here, its reply
+        kept for `collect`; ("interrupt", worker index, call id), done at once."""
+        for kind, index, *rest in items:
+            if kind == "interrupt":
+                self.interrupt(index, *rest)
+                continue
+            task = asyncio.get_running_loop().create_task(self._reply(index, *rest))
+            self._running.add(task)
+            task.add_done_callback(self._running.discard)
+
+    async def collect(self) -> list[tuple[int, int, bool, Any]]:
+        """Every reply ready, at least one: (index, seq, ok, the StepResult or the exception)."""
+        await self._replied.wait()
+        replies, self._replies = self._replies, []
+        self._replied.clear()
+        return replies
+
+    async def _reply(self, index: int, seq: int, args: tuple) -> None:
+        try:
+            reply = (index, seq, True, await self._step(index, seq, *args))
+        except Exception as err:  # the worker died: its caller recovers, as from a failed call
+            reply = (index, seq, False, err)
+        self._replies.append(reply)
+        self._replied.set()
 
     async def stream(self, index: int, seq: int, plan: StepPlan, *snapshots: Any) -> AsyncIterator[Any]:
         """Worker `index`'s `step_stream` as call number `seq` (a Ray streaming generator):
@@ -455,10 +485,13 @@ class SimHost:
 
 
 async def _resolve(snap: Any) -> Any:
-    """A step's snapshot argument read here: `[ref]` -> the object, or `Lost` if unreadable."""
-    if not isinstance(snap, list):
+    """A step's snapshot argument read here: `[ref]` (or a bare ref, inside a batch of calls) ->
+    the object, or `Lost` if unreadable."""
+    import ray
+
+    if not isinstance(snap, (list, ray.ObjectRef)):
         return snap
     try:
-        return await snap[0]
+        return await (snap[0] if isinstance(snap, list) else snap)
     except Exception as err:  # its node died with it, or its retraction failed
         return Lost(type(err).__name__)

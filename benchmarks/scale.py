@@ -51,6 +51,7 @@ class Setup:
     fold_successor: bool = True  # a successor needing no decision runs in the same call (False: pipelined)
     fold_calls: int = 8  # with fold_successor: most calls' steps one call runs (2: one successor)
     workers_per_process: int = 16  # simulated workers per host process
+    batch_calls: bool = True  # a host's step calls travel in batches (`sim.batch_calls`)
 
 
 FULL = Setup(sizes=(8, 32, 128, 256), step_ms=(10.0, 30.0), slots=8, duration_s=30.0, warmup_s=10.0,
@@ -81,7 +82,8 @@ def serve_config(workers: int, step_ms: float, setup: Setup):
                       "stream_each_step": setup.stream_each_step, "fold_successor": setup.fold_successor,
                       "fold_calls": setup.fold_calls},
         "state_cache": {"enabled": False},
-        "sim": {"decode_ms": step_ms, "workers_per_process": setup.workers_per_process, "vocab_size": 32000, "max_context": 32768}})
+        "sim": {"decode_ms": step_ms, "workers_per_process": setup.workers_per_process,
+                "batch_calls": setup.batch_calls, "vocab_size": 32000, "max_context": 32768}})
 
 
 def _scheduler_cpu_s(pid: int) -> float:
@@ -253,7 +255,7 @@ def main_points(out: Path, sizes: tuple[int, ...], step_ms: tuple[float, ...], d
               "cpus": os.cpu_count(), "targets": _targets(rows)}
     _print(result)
     tag = (("" if setup.stream_each_step else "-per-call") + ("" if setup.fold_successor else "-unfolded")
-           + f"-fold{setup.fold_calls}")
+           + f"-fold{setup.fold_calls}" + ("" if setup.batch_calls else "-unbatched"))
     write_json(out, f"scale-{'-'.join(map(str, sizes))}-{'-'.join(f'{m:g}' for m in step_ms)}{tag}", result)
     return result
 

@@ -526,6 +526,7 @@ class SimConfig(Section):
     kv_bytes_per_token: int = 4096  # nominal sizes: pools from pool.memory_bytes, snapshot bytes
     state_bytes: int = 1 << 20  # recurrent state per request
     workers_per_process: int = 16  # simulated workers sharing one actor process
+    batch_calls: bool = True  # a host's step calls leave and return in batches (`raysched.workers.HostChannel`)
     vocab_size: int = 32000
     max_context: int = 32768
 
@@ -537,6 +538,7 @@ class SimConfig(Section):
         "kv_bytes_per_token": check_positive_int,
         "state_bytes": check_positive_int,
         "workers_per_process": check_positive_int,
+        "batch_calls": check_bool,
         "vocab_size": check_positive_int,
         "max_context": check_positive_int,
     }

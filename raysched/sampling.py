@@ -180,6 +180,8 @@ def validate_prompt(prompt_ids: Sequence[int], vocab_size: int) -> tuple[int, ..
         raise RequestError(f"prompt: must be a sequence of token ids, got {type(prompt_ids).__name__}")
     if len(prompt_ids) == 0:
         raise RequestError("prompt: must not be empty")
+    if all(type(t) is int for t in prompt_ids) and 0 <= min(prompt_ids) and max(prompt_ids) < vocab_size:
+        return tuple(prompt_ids)  # the common case, in C loops; else find the first bad token
     for position, token in enumerate(prompt_ids):
         if not _is_token(token):
             raise RequestError(f"prompt: token id at position {position} must be an int, got {token!r}")

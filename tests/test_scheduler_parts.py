@@ -9,6 +9,7 @@ whether tokens arrived once, in order, for the right request.
 from __future__ import annotations
 
 import asyncio
+import random
 from collections import deque
 from typing import Any
 
@@ -22,7 +23,7 @@ from raysched.scheduler.dispatch import Dispatcher
 from raysched.scheduler.faults import FaultSeam
 from raysched.scheduler.fleet import Fleet
 from raysched.scheduler.migration import Migrator
-from raysched.scheduler.planner import Decision
+from raysched.scheduler.planner import Decision, decode_need
 from raysched.scheduler.recovery import Recovery
 from raysched.scheduler.retraction import RetractionLedger
 from raysched.scheduler.prefix_cache import PrefixCache
@@ -424,6 +425,24 @@ def test_a_long_call_folds_up_to_fold_calls_and_ends_at_a_finish() -> None:
     assert fold_scenario(True, fold_calls=8, kv=4 + 4 + 12, ends=True) == [(12, True)]
     assert fold_scenario(True, fold_calls=2, waiting=1, max_new=30, ends=True) == [(6, False)]
     assert fold_scenario(True, fold_calls=8, waiting=1, max_new=6) == [3]
+
+
+def test_the_fold_factor_is_the_most_calls_whose_steps_fit() -> None:
+    """`fold_factor` bisects; the reference is a scan from 2 up, over random running requests
+    and room. The control: an empty pool still folds 2 (as without room checks)."""
+    rng = random.Random(3)
+    p = parts(ServeConfig(workers=1, scheduler=SchedulerConfig(fold_calls=8)), [FakeWorker(0, kv=4096)])
+    w = p["fleet"].slots[0]
+    for _ in range(300):
+        w.view.running = [Request(f"r{i}", tuple(range(1, rng.randint(2, 40))), SamplingParams(max_new_tokens=rng.randint(1, 60)))
+                          for i in range(rng.randint(0, 6))]
+        w.view.free_tokens, steps = rng.randint(0, 600), rng.randint(1, 8)
+        scan = 2
+        while scan < 8 and decode_need(w.view, w.view.running, (scan + 1) * steps) <= w.view.free_tokens:
+            scan += 1
+        assert p["dispatch"].fold_factor(w, steps) == scan
+    w.view.running, w.view.free_tokens = [Request("r", (1, 2), SamplingParams(max_new_tokens=40))], 0
+    assert p["dispatch"].fold_factor(w, 4) == 2
 
 
 @pytest.mark.parametrize("fold", [True, False], ids=["folded", "pipelined"])

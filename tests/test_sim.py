@@ -226,3 +226,70 @@ def test_a_long_call_ends_at_the_step_a_request_finishes() -> None:
     assert out.finished == {"short": "length"} and out.new_tokens["long"] == run_alone("long", [3, 4], 40)[:5]
     full = SimWorker(sim_config(), 0).step(StepPlan(prefill=plan.prefill, decode_steps=20))
     assert len(full.new_tokens["long"]) == 21
+
+
+class _InProcess:
+    """A host actor's handle without Ray: `handle.method.remote(*args)` runs the method here
+    (a coroutine's result is awaited by the caller, as a Ray reference would be)."""
+
+    def __init__(self, impl, log: list) -> None:
+        self.impl, self.log = impl, log
+
+    def __getattr__(self, name: str):
+        impl, log = self.impl, self.log
+
+        class Method:
+            @staticmethod
+            def remote(*args):
+                log.append((name, args))
+                return getattr(impl, name)(*args)
+        return Method
+
+
+def test_a_host_channel_batches_a_loop_turns_calls_and_routes_every_reply() -> None:
+    """`HostChannel` (`sim.batch_calls`): the step calls and interrupt started in one turn of the
+    event loop leave in one `submit`, in order; each caller gets its own worker's reply, equal
+    to that worker run alone; a killed worker's call raises its death; the host's death fails
+    every call still waiting. The control: a worker's call interrupted in the same batch ends
+    early, so the reply really is that call's."""
+    import asyncio
+
+    from actors.sim import SimHost, SimWorkerDied
+    from raysched.workers import HostChannel
+
+    async def scenario() -> None:
+        log: list = []
+        host = SimHost(sim_config(sim={**SIM, "decode_ms": 2.0}))
+        for index in range(3):
+            await host.add(index)
+        channel = HostChannel(_InProcess(host, log))
+        host.workers[2].dead = True
+        plans = {i: StepPlan(prefill=(item(f"r{i}", [1, 2, i], 30),), decode_steps=30, call_id=1) for i in range(3)}
+        replies = {i: channel.step(i, 0, (plans[i],)) for i in range(3)}
+        channel.interrupt(1, 1)
+        await asyncio.sleep(0)
+        assert [name for name, _ in log if name == "submit"] == ["submit"]
+        assert [kind for kind, *_ in log[0][1][0]] == ["step", "step", "step", "interrupt"]
+        assert (await replies[0]).new_tokens["r0"] == run_alone("r0", [1, 2, 0], 30)
+        cut = (await replies[1]).new_tokens["r1"]
+        assert len(cut) < 30 and cut == run_alone("r1", [1, 2, 1], 30)[:len(cut)]
+        with pytest.raises(SimWorkerDied):
+            await replies[2]
+
+        class DeadHost:
+            def __getattr__(self, name):
+                class Method:
+                    @staticmethod
+                    def remote(*args):
+                        async def died():
+                            raise RuntimeError("the host actor died")
+                        return died() if name == "collect" else None
+                return Method
+
+        dead = HostChannel(DeadHost())
+        waiting = [dead.step(i, 0, (plans[i],)) for i in range(2)]
+        for reply in waiting:
+            with pytest.raises(RuntimeError, match="host actor died"):
+                await reply
+
+    asyncio.run(scenario())

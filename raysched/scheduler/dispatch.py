@@ -241,10 +241,16 @@ class Dispatcher:
         limit = self.config.scheduler.fold_calls
         if limit <= 2 or w.draining or self.migrating(w):
             return 2
-        factor = 2
-        while factor < limit and decode_need(w.view, w.view.running, (factor + 1) * steps) <= w.view.free_tokens:
-            factor += 1
-        return factor
+        def fits(factor: int) -> bool:  # (the need grows with the steps: a bisection finds the most)
+            return decode_need(w.view, w.view.running, factor * steps) <= w.view.free_tokens
+
+        if fits(limit):
+            return limit
+        lo, hi = 2, limit  # lo: at least 2, as without room checks; hi does not fit
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+        return lo
 
     def interrupt_for_waiting(self) -> None:
         """Requests may wait (`Fleet.notify`): once the oldest has waited

@@ -111,14 +111,17 @@ def plan_step(view: WorkerView, waiting: deque[Request], retracted: deque[Reques
         plan.forced_round = view.calls // cfg.force_retract_every
         free, slots = _retract(view, running, plan, 1, free, slots, cfg)
     steps = cfg.decode_steps_per_call
-    while decode_need(view, running, steps) > free and steps > 1:
+    need = decode_need(view, running, steps)
+    while need > free and steps > 1:
         steps = max(1, steps // 2)
-    while decode_need(view, running, steps) > free:
+        need = decode_need(view, running, steps)
+    while need > free:
         before = len(plan.victims)
         free, slots = _retract(view, running, plan, 1, free, slots, cfg)
         if len(plan.victims) == before:
             break  # everyone left is protected: the worker decodes whom it can
-    free -= decode_need(view, running, steps)
+        need = decode_need(view, running, steps)
+    free -= need
     if not (waiting and retracted and waiting[0].priority < retracted[0].priority):
         free, slots = _take_resumes(view, retracted, plan, steps, free, slots, cfg, waiting)
     if not retracted or (waiting and waiting[0].priority < retracted[0].priority):

@@ -191,7 +191,7 @@ class RequestTable:
 def validate_request(prompt_ids: list[int], params: SamplingParams, limits: Limits) -> tuple[int, ...]:
     """The prompt as a tuple of ints, or RequestError: bad tokens, bad sampling parameters, or a
     request that could never fit the context or any worker's pool."""
-    validate_prompt(prompt_ids, limits.vocab_size)
+    prompt = validate_prompt(prompt_ids, limits.vocab_size)
     params.validate(limits.vocab_size)
     total = len(prompt_ids) + params.max_new_tokens
     if total > limits.max_context:
@@ -201,7 +201,7 @@ def validate_request(prompt_ids: list[int], params: SamplingParams, limits: Limi
         raise RequestError(f"prompt ({len(prompt_ids)}) + max_new_tokens ({params.max_new_tokens}) needs "
                            f"{total - 1} KV tokens, more than the largest worker pool "
                            f"({limits.largest_pool_tokens}); it could never finish")
-    return tuple(int(t) for t in prompt_ids)
+    return prompt
 
 
 def validate_generated(generated: list[int], params: SamplingParams, vocab_size: int) -> None:
