@@ -65,15 +65,30 @@ def test_streams_under_roles_are_token_exact_and_handed_over(running) -> None:
 
 
 def test_second_chat_turn_hits_the_turn_cache_under_roles(running) -> None:
+    """The second turn restores the first turn's parked state (a turn-cache hit) on the prefill
+    worker (under roles only it admits), is handed over to the decode worker, and its text is
+    the independent reference's: the in-process engine from the prompt the chat template gives,
+    with no cache at all. Control: the first turn, with nothing parked, is not a hit."""
+    from raysched.tokenizer import load_tokenizer, with_eos_stop
+
     url, client = running
+    tok = load_tokenizer("tiny")
     api = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=120)
     messages = [{"role": "user", "content": "Tell me about the scheduler and its workers, " * 6}]
-    first = api.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=0)
     hits = client.stats()["state_cache_hits"]
+    first = api.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=0)
+    before = client.stats()
+    assert before["state_cache_hits"] == hits
     messages += [{"role": "assistant", "content": first.choices[0].message.content},
                  {"role": "user", "content": "And then?"}]
-    api.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0)
-    assert client.stats()["state_cache_hits"] == hits + 1
+    second = api.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0)
+    after = client.stats()
+    assert after["state_cache_hits"] == before["state_cache_hits"] + 1
+    assert after["handovers"] == before["handovers"] + 1
+    prompt = tok.encode(tok.chat_prompt(messages))
+    params = SamplingParams.from_dict(with_eos_stop({"max_new_tokens": 8, "temperature": 0}, tok))
+    want = reference_tokens("tiny", [prompt], [params])[0]
+    assert second.choices[0].message.content == tok.decode(want)
 
 
 def test_status_and_metrics_show_roles(running, capsys) -> None:

@@ -295,6 +295,7 @@ class Scheduler:
         d["snapshot_budget_bytes"] = self.ledger.budget_bytes
         d["workers_alive"] = len(self.fleet.alive())
         d["interrupted_calls"] = self.fleet.interrupts
+        d["migrations_in_flight"] = sorted(self.migrator.moving)  # ids of requests being moved now
         d.update(self.prefix_cache.stats())
         d["faults_fired"] = list(self.faults.fired)
         d["scheduler_restarted"] = self.restarted
