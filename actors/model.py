@@ -191,7 +191,11 @@ class TiledLinear:
 
 def path_name(dtype: torch.dtype, packed: bool) -> str:
     """"packed" (MKL's packed fp32 GEMM) or "plain <dtype>" (`weight @ x^T`)."""
-    return "packed" if packed else f"plain {str(dtype).removeprefix('torch.')}"
+    return "packed" if packed else f"plain {_dtype_name(dtype)}"
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def _pad_rows(x: Tensor, rows: int) -> Tensor:
@@ -224,7 +228,7 @@ def kernel_paths() -> dict[str, str]:
     rows" or "tiles of T" (`TiledLinear`)."""
     out = {}
     for (o, i, t, n, dtype, packed), m in sorted(_MIN_ROWS.items(), key=lambda kv: (*kv[0][:4], str(kv[0][4]))):
-        kind = "" if packed else f" {str(dtype).removeprefix('torch.')}"
+        kind = "" if packed else f" {_dtype_name(dtype)}"
         how = "packed" if packed else "weight @ x^T"
         out[f"{o}x{i}{kind} (tile {t}, {n} thread{'s' if n > 1 else ''})"] = (
             f"tiles of {t}" if m is None else f"{how}, row-free from {m} rows")

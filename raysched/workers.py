@@ -193,9 +193,10 @@ class _SimMethod:
 
     def remote(self, *args: Any) -> Any:
         h = self.handle
-        batched = h.channel is not None and self.name in ("step", "interrupt") and _in_event_loop()
-        if batched:
-            return getattr(h.channel, self.name)(h.index, *((next(h.calls), args) if self.name == "step" else args))
+        if h.channel is not None and self.name in ("step", "interrupt") and _in_event_loop():
+            if self.name == "step":
+                return h.channel.step(h.index, next(h.calls), args)
+            return h.channel.interrupt(h.index, *args)
         if self.name == "interrupt":  # beside the call it ends, not in the worker's order
             return h.host.interrupt.remote(h.index, *args)
         if self.name == "step_stream":  # a streaming generator, as the worker actor's
@@ -236,10 +237,11 @@ class HostChannel:
         self.collector: asyncio.Task | None = None
 
     def step(self, index: int, seq: int, args: tuple) -> asyncio.Future:
-        reply = self.waiting[(index, seq)] = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        reply = self.waiting[(index, seq)] = loop.create_future()
         self._post(("step", index, seq, args))
         if self.collector is None:
-            self.collector = asyncio.get_running_loop().create_task(self._collect())
+            self.collector = loop.create_task(self._collect())
         return reply
 
     def interrupt(self, index: int, call_id: int) -> asyncio.Future:
@@ -280,19 +282,18 @@ def _in_event_loop() -> bool:
     return True
 
 
-_sim_hosts: dict[tuple[int, int], Any] = {}  # (id of the config, host number) -> host actor
-_channels: dict[int, HostChannel] = {}  # id of the host actor -> its channel
+_sim_hosts: dict[tuple[int, int], tuple[Any, HostChannel | None]] = {}  # (id of the config, host
+#   number) -> (host actor, its channel: None without `sim.batch_calls`)
 
 
 def spawn_sim_worker(config: ServeConfig, index: int) -> SimWorkerHandle:
     """Simulated worker `index` on host `index // sim.workers_per_process` (started on first use)."""
     key = (id(config), index // config.sim.workers_per_process)
-    host = _sim_hosts.get(key)
-    if host is None:
+    if key not in _sim_hosts:
         opts = {"num_cpus": 0, "max_restarts": 0, "max_task_retries": 0, "max_concurrency": 100_000,
                 "enable_task_events": False}
-        host = _sim_hosts[key] = ray.remote(SimHost).options(**opts).remote(config)
-        if config.sim.batch_calls:
-            _channels[id(host)] = HostChannel(host)
+        host = ray.remote(SimHost).options(**opts).remote(config)
+        _sim_hosts[key] = (host, HostChannel(host) if config.sim.batch_calls else None)
+    host, channel = _sim_hosts[key]
     host.add.remote(index)
-    return SimWorkerHandle(host, index, _channels.get(id(host)))
+    return SimWorkerHandle(host, index, channel)
