@@ -281,7 +281,8 @@ def test_a_resubmission_that_already_has_its_last_token_ends_at_once() -> None:
             if reason is None:
                 assert req.state is State.RETRACTED and list(table.retracted) == [req]
                 continue
-            record = await table.wait(req.request_id)
+            assert req.state is State.FINISHED and req not in table.retracted  # (else `wait` would block)
+            record = await asyncio.wait_for(table.wait(req.request_id), 5)
             assert (record["state"], record["finish_reason"], record["token_ids"]) == ("finished", reason, generated)
         with pytest.raises(RequestError, match="more than max_new_tokens"):
             validate_generated([7, 8, 9, 10], SamplingParams(max_new_tokens=3), VOCAB)
