@@ -205,10 +205,10 @@ def _intra_chunk(xg: Tensor, a_cum: Tensor, Bc: Tensor, Cc: Tensor) -> Tensor:
     xg (c, l, G, K, P), a_cum (c, H, l) with H = G*K, Bc and Cc (c, l, G, N)."""
     c, l, G, K, _ = xg.shape
     causal = torch.tril(torch.ones(l, l, dtype=torch.bool, device=a_cum.device))  # (l, s)
-    # exp first, then zero above the diagonal (exp of -inf takes a slow path); an overflow to
-    # inf up there is masked away too
-    decay = decay_exp_(a_cum[..., :, None] - a_cum[..., None, :]).masked_fill_(~causal, 0.0)  # (c,H,l,s)
-    CB = torch.einsum("clgn,csgn->cgls", Cc, Bc)  # (c, G, l, s): once per group
+    # Above the diagonal the log-decays are > 0: clamped to 0 (no overflow, no -inf, whose exp
+    # takes a slow path), and the zeros come from CB, masked once per group rather than per head
+    decay = decay_exp_((a_cum[..., :, None] - a_cum[..., None, :]).clamp_max_(0.0))  # (c, H, l, s)
+    CB = torch.einsum("clgn,csgn->cgls", Cc, Bc).masked_fill_(~causal, 0.0)  # (c, G, l, s): once per group
     scores = decay.view(c, G, K, l, l).mul_(CB[:, :, None])  # (c, G, K, l, s)
     return torch.einsum("cgkls,csgkp->clgkp", scores, xg)  # (c, l, G, K, P)
 

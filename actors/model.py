@@ -9,7 +9,9 @@ with a `ForwardBatch` naming the slots.
 
 Batch invariance: a sequence's logits are bit-identical whatever else is in the batch, in
 decode and in prefill. What is fixed-shape, and why:
-- Every matrix product goes through `TiledLinear`. On the CPU in fp32 each weight is packed once
+- Every matrix product goes through `TiledLinear`. On the CPU in fp32 that is `actors.rowdot`,
+  a kernel whose rows are bit-identical whatever the call's row count by construction (one
+  fixed-order dot product per element). Where it does not build (no C compiler), each weight is packed once
   for MKL's packed GEMM, and a call of M rows is one call of max(M, m) rows, m the CPU's
   minimum (1 on an Intel Xeon, 4 on an AMD EPYC): a row's result there is bit-identical
   whatever M is and wherever the row sits (measured: the summation order follows the packing,
@@ -54,6 +56,7 @@ from actors.batch import ForwardBatch
 from actors.config import ModelConfig
 from actors.ffn import SwiGLU  # noqa: F401  (re-exported: it lived here)
 from actors.layers import KINDS, LAYOUTS, build_ffn
+from actors import rowdot
 from actors.mamba import Kernels, rowwise
 from actors.norms import ARCH_NORM_STYLE, RMSNorm
 
@@ -93,14 +96,17 @@ PROBE_ROWS_LARGE = (300, 512, 1000, 2048)  # checked against 256-row calls once 
 _MIN_ROWS: dict[tuple[int, int, int, int, torch.dtype, bool], int | None] = {}  # (out, in, tile, threads,
 #   dtype, packed) -> probed: fewest rows of a row-free call of this shape on that path (packed:
 #   MKL's packed fp32 GEMM; else `weight @ x^T`), smaller calls zero-padded up to it; None: tiles
+_ROWDOT_SHAPES: set[tuple[int, int]] = set()  # (out, in) of the fp32 products `actors.rowdot` ran
 _PROBE_S: dict[str, float] = {}  # `path_name` -> seconds this process spent probing it (start-up cost)
 _LONG_CALLS_FREE: dict[tuple[int, int, int, int], bool] = {}  # (out, in, min rows, threads) -> the
 #   `PROBE_ROWS_LARGE` check's answer: it does not depend on the tile, so each tile's probe shares it
 
 
 class TiledLinear:
-    """`tiled_linear`, faster on the CPU in fp32: each weight prepacked once (MKL's packed GEMM,
-    `torch.ops.mkl._mkl_linear`), and where a probe shows it safe, no tiles at all.
+    """`tiled_linear`, faster on the CPU: in fp32 `actors.rowdot` (row-free by construction, any
+    row count in one call) where it builds and `native`; otherwise each fp32 weight prepacked
+    once (MKL's packed GEMM, `torch.ops.mkl._mkl_linear`), and where a probe shows it safe, no
+    tiles at all.
 
     Packing saves re-packing the weight on every call, which at few rows costs as much as the
     product itself. Measured (MKL, fp32): with a weight packed once for `PACK_ROWS` rows, a
@@ -123,17 +129,21 @@ class TiledLinear:
     """
 
     def __init__(self, tile: int, pack: bool = True, packs: dict | None = None,
-                 max_rows: int | None = MAX_CALL_ROWS, row_free: bool = True) -> None:
+                 max_rows: int | None = MAX_CALL_ROWS, row_free: bool = True, native: bool = True) -> None:
         if tile < 1:
             raise ValueError(f"tile must be >= 1, got {tile}")
         self.tile, self.pack = tile, pack and _mkl_packed_available()
         self.row_free = row_free  # False: always exact tile calls (the probe's reference)
+        self.native = native and row_free  # fp32 on the CPU through `actors.rowdot` where it builds
         self.max_rows = max_rows  # row-free calls are split here (None: never; prefill, whose
         #   rows all belong to one sequence's chunk, needs no invariance across row counts)
         self._packed = packs if packs is not None else {}  # id(weight) -> (weight, packed)
 
     def __call__(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         """x (M, in) -> (M, out), contiguous."""
+        if self.native and x.dtype == torch.float32 and x.device.type == "cpu" and rowdot.available():
+            _ROWDOT_SHAPES.add(tuple(weight.shape))
+            return rowdot.linear(x, weight, bias)  # (M, out): row-free by construction, any M
         call = self._row_free_call(x, weight, bias)
         if call is not None:
             x = x.contiguous()
@@ -223,10 +233,12 @@ def _plain_call(x: Tensor, weight: Tensor, bias: Tensor | None, min_rows: int) -
 
 
 def kernel_paths() -> dict[str, str]:
-    """What the probe chose for each weight shape probed in this process, by "out x in" (and
-    the dtype of a plain path): "packed, row-free from N rows", "weight @ x^T, row-free from N
-    rows" or "tiles of T" (`TiledLinear`)."""
-    out = {}
+    """What ran each weight shape's products in this process, by "out x in" (and the dtype of a
+    plain path): "rowdot <build>, row-free by construction" (fp32, `actors.rowdot`), or what
+    the probe chose: "packed, row-free from N rows", "weight @ x^T, row-free from N rows" or
+    "tiles of T" (`TiledLinear`)."""
+    out = {f"{o}x{i} fp32": f"rowdot {rowdot.variant()}, row-free by construction"
+           for o, i in sorted(_ROWDOT_SHAPES)}
     for (o, i, t, n, dtype, packed), m in sorted(_MIN_ROWS.items(), key=lambda kv: (*kv[0][:4], str(kv[0][4]))):
         kind = "" if packed else f" {_dtype_name(dtype)}"
         how = "packed" if packed else "weight @ x^T"
@@ -381,6 +393,8 @@ class HybridLM(nn.Module):
                                          dtype=dtype)
         self.to_empty(device=device)
         self.requires_grad_(False)
+        self.rowdot = True  # fp32 CPU products through `actors.rowdot` where it builds (False: MKL's
+        #   probed path, as where it does not)
         self._linears: dict[tuple, TiledLinear] = {}
         self._packs: dict[int, tuple[Tensor, Tensor]] = {}  # packed weights, shared by the kernels
 
@@ -448,12 +462,12 @@ class HybridLM(nn.Module):
         return Kernels(linear=self._tiled(PREFILL_TILE, True, PREFILL_CALL_ROWS), pointwise=rowwise)
 
     def _tiled(self, tile: int, pack: bool, max_rows: int | None) -> TiledLinear:
-        """One `TiledLinear` per (tile, pack, max_rows), kept so its packed weights are made once
+        """One `TiledLinear` per (tile, pack, max_rows, rowdot), kept so its packed weights are made once
         (and shared between decode's and prefill's)."""
-        key = (tile, pack, max_rows)
+        key = (tile, pack, max_rows, self.rowdot)
         lin = self._linears.get(key)
         if lin is None:
-            lin = self._linears[key] = TiledLinear(tile, pack, self._packs, max_rows)
+            lin = self._linears[key] = TiledLinear(tile, pack, self._packs, max_rows, native=self.rowdot)
         return lin
 
     def _embed(self, input_ids: Tensor) -> Tensor:

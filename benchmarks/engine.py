@@ -19,8 +19,10 @@ worker actor), both sides warmed up once, then best of `repeats` runs, the two s
   cache; the first generated tokens must agree (fp32: asserted);
 - varlen prefill: 16 prompts of 5 to 200 tokens in one ragged forward against one forward per
   prompt (ours only; the first tokens must be equal both ways).
-"ours" is the engine as served (batch-invariant kernels); at the target batch "ours plain"
-(`invariant_tile=None`) shows what batch invariance costs. When a decode target is missed, the
+"ours" is the engine as served (batch-invariant kernels: in fp32 `actors.rowdot`); "MKL path"
+(fp32, every row, where rowdot builds) is the same engine on MKL's probed path, the one taken
+where rowdot does not build; at the target batch "ours plain" (`invariant_tile=None`) shows what
+batch invariance costs. When a decode target is missed, the
 JSON carries a cProfile/torch.profiler breakdown of our decode at batch 32.
 """
 
@@ -98,17 +100,19 @@ def save_preset_checkpoint(model: str, root: Path) -> Path:
 def run(setup: Setup, ckpt: Path, quick: bool) -> dict:
     rows, prefill, varlen = [], [], []
     for dtype in setup.dtypes:
-        ours, hf, plain = _load(setup, ckpt, dtype)
-        rows += [decode_row(setup, ours, hf, plain if b == TARGET_BATCH else None, b, dtype)
+        ours, hf, plain, probed = _load(setup, ckpt, dtype)
+        rows += [decode_row(setup, ours, hf, plain if b == TARGET_BATCH else None, b, dtype, probed)
                  for b in setup.batches]
-        prefill.append(prefill_row(setup, ours, hf, dtype))
+        prefill.append(prefill_row(setup, ours, hf, dtype, probed))
         varlen.append(varlen_row(setup, ours, dtype))
+    from actors import rowdot
     from actors.cpu_info import describe
     from actors.model import kernel_paths, probe_seconds
 
     result = {"model": setup.model, "threads": THREADS, "prompt_len": setup.prompt_len,
               "max_new_tokens": setup.max_new_tokens, "repeats": setup.repeats, "machine": machine(),
-              "platform": describe(), "kernel_paths": kernel_paths(), "probe_s": probe_seconds(),
+              "platform": describe(), "rowdot": rowdot.variant() or f"not used: {rowdot.unavailable_reason()}",
+              "kernel_paths": kernel_paths(), "probe_s": probe_seconds(),
               "kernels_present": [], "rows": rows, "prefill": prefill, "varlen_prefill": varlen,
               "targets": targets(rows, prefill)}
     missed = [t for t in result["targets"] if not t["met"] and t["what"].startswith("decode")]
@@ -121,6 +125,8 @@ def run(setup: Setup, ckpt: Path, quick: bool) -> dict:
 
 
 def _load(setup: Setup, ckpt: Path, dtype: str):
+    """(ours, transformers, ours plain, ours on MKL's probed path or None)."""
+    from actors import rowdot
     from actors.engine import build_engine
     from transformers import BambaForCausalLM
 
@@ -130,16 +136,23 @@ def _load(setup: Setup, ckpt: Path, dtype: str):
     plain = build_engine(str(ckpt), dtype, device="cpu", kv_tokens=kv, state_slots=size,
                          invariant_tile=None)
     hf = BambaForCausalLM.from_pretrained(ckpt, dtype=DTYPES[dtype]).eval()
-    return ours, hf, plain
+    probed = None
+    if dtype == "float32" and rowdot.available():
+        probed = build_engine(str(ckpt), dtype, device="cpu", kv_tokens=kv, state_slots=size)
+        probed.model.rowdot = False
+    return ours, hf, plain, probed
 
 
-def decode_row(setup: Setup, ours, hf, plain, batch: int, dtype: str) -> dict:
-    """One batch size: ms per decode step of both sides, tokens compared, the matmul floor."""
+def decode_row(setup: Setup, ours, hf, plain, batch: int, dtype: str, probed=None) -> dict:
+    """One batch size: ms per decode step of both sides (and of the optional plain and
+    MKL-path engines), tokens compared, the matmul floor."""
     vocab, n = ours.config.vocab_size, setup.max_new_tokens
     prompts = [random_prompt(setup.prompt_len, vocab, seed=1000 * batch + i) for i in range(batch)]
     sides = {"ours": lambda: ours_decode(ours, prompts, n), "hf": lambda: hf_decode(hf, prompts, n)}
     if plain is not None:
         sides["plain"] = lambda: ours_decode(plain, prompts, n)
+    if probed is not None:
+        sides["probed"] = lambda: ours_decode(probed, prompts, n)
     best, tokens = _interleaved_best(sides, setup.repeats)
     match = sum(a == b for a, b in zip(tokens["ours"], tokens["hf"]))
     if dtype == "float32":
@@ -156,19 +169,30 @@ def decode_row(setup: Setup, ours, hf, plain, batch: int, dtype: str) -> dict:
     if "plain" in best:
         row["ratio_plain"] = best["hf"] / best["plain"]
         row["tokens_match_plain"] = sum(a == b for a, b in zip(tokens["ours"], tokens["plain"]))
+    if "probed" in best:
+        row["probed_ms_per_step"] = best["probed"] / steps * 1e3
+        row["ratio_probed"] = best["hf"] / best["probed"]
+        row["tokens_match_probed"] = sum(a == b for a, b in zip(tokens["ours"], tokens["probed"]))
     return row
 
 
-def prefill_row(setup: Setup, ours, hf, dtype: str) -> dict:
-    """Prefill of one `prefill_len`-token prompt: seconds of both sides, first tokens compared."""
+def prefill_row(setup: Setup, ours, hf, dtype: str, probed=None) -> dict:
+    """Prefill of one `prefill_len`-token prompt: seconds of both sides (and of the MKL-path
+    engine), first tokens compared."""
     prompt = random_prompt(setup.prefill_len, ours.config.vocab_size, seed=7)
-    best, tokens = _interleaved_best({"ours": lambda: ours_prefill(ours, prompt),
-                                      "hf": lambda: hf_prefill(hf, prompt)}, setup.repeats)
+    sides = {"ours": lambda: ours_prefill(ours, prompt), "hf": lambda: hf_prefill(hf, prompt)}
+    if probed is not None:
+        sides["probed"] = lambda: ours_prefill(probed, prompt)
+    best, tokens = _interleaved_best(sides, setup.repeats)
     same = tokens["ours"] == tokens["hf"]
     if dtype == "float32":
         assert same, f"prefill: first token {tokens['ours']} vs transformers {tokens['hf']}"
-    return {"dtype": dtype, "tokens": setup.prefill_len, "ours_s": best["ours"], "hf_s": best["hf"],
-            "ratio": best["hf"] / best["ours"], "same_first_token": same}
+    row = {"dtype": dtype, "tokens": setup.prefill_len, "ours_s": best["ours"], "hf_s": best["hf"],
+           "ratio": best["hf"] / best["ours"], "same_first_token": same}
+    if "probed" in best:
+        row.update(probed_s=best["probed"], ratio_probed=best["hf"] / best["probed"],
+                   same_first_token_probed=tokens["probed"] == tokens["ours"])
+    return row
 
 
 def varlen_row(setup: Setup, ours, dtype: str) -> dict:
@@ -335,7 +359,8 @@ def _print(result: dict) -> None:
     _print_platform(result)
     cols = [Column("dtype", "dtype"), Column("batch", "batch"),
             Column("ours ms/step", "ours_ms_per_step", ".1f"), Column("HF ms/step", "hf_ms_per_step", ".1f"),
-            Column("ours/HF", "ratio", ".2f"), Column("floor ms", "floor_ms_per_step", ".1f"),
+            Column("ours/HF", "ratio", ".2f"), Column("MKL path ms", "probed_ms_per_step", ".1f"),
+            Column("MKL path/HF", "ratio_probed", ".2f"), Column("floor ms", "floor_ms_per_step", ".1f"),
             Column("of floor", "floor_fraction", ".0%"), Column("GFLOP/s", "matmul_gflops", ".0f"),
             Column("same tokens", "match")]
     rows = [{**r, "match": f"{r['tokens_match_hf']}/{r['batch']}"} for r in result["rows"]]
@@ -344,6 +369,7 @@ def _print(result: dict) -> None:
                 f"{result['repeats']}", cols, rows)
     pcols = [Column("dtype", "dtype"), Column("tokens", "tokens"), Column("ours s", "ours_s", ".2f"),
              Column("HF s", "hf_s", ".2f"), Column("ours/HF", "ratio", ".2f"),
+             Column("MKL path s", "probed_s", ".2f"), Column("MKL path/HF", "ratio_probed", ".2f"),
              Column("same token", "same_first_token")]
     print_table("prefill of one prompt", pcols, result["prefill"])
     vcols = [Column("dtype", "dtype"), Column("prompts", "prompts"), Column("tokens", "tokens"),
@@ -376,7 +402,7 @@ def _print_platform(result: dict) -> None:
           f"{' '.join(p['cpu_flags'])}); torch {p['torch']}, ATen CPU capability "
           f"{p['aten_cpu_capability']}")
     print(f"MKL: {p['mkl_version']}; path: {p['mkl_path']}; env: {env}; "
-          f"GEMM fingerprint {p['gemm_fingerprint']}")
+          f"GEMM fingerprint {p['gemm_fingerprint']}; rowdot: {result['rowdot']}")
     shapes = ", ".join(f"{shape}: {path}" for shape, path in result["kernel_paths"].items())
     print(f"matrix path per weight shape (out x in): {shapes or 'none probed'}; "
           "bf16 prefill: tiles of 128 rows (no packed bf16 GEMM)")

@@ -88,9 +88,13 @@ def _skip_unless(premise: bool, what: str) -> None:
         pytest.skip(f"negative control without a premise on this CPU: {what}")
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decode_is_bit_identical_alone_and_in_batches(dtype):
+@pytest.mark.parametrize("dtype, rowdot", [(torch.float32, True), (torch.float32, False), (torch.bfloat16, True)],
+                         ids=["float32", "float32-mkl-probed", "bfloat16"])
+def test_decode_is_bit_identical_alone_and_in_batches(dtype, rowdot):
+    """fp32 on the CPU takes `actors.rowdot`; "mkl-probed" is the path taken where it does not
+    build (MKL's packed GEMM from the probed minimum row count, or tiles)."""
     model, _ = load_preset("tiny", dtype, "cpu")
+    model.rowdot = rowdot
     assert model.invariant_tile == 16
     same = _compare_alone_vs_batched(model)
     assert same == {"prefill": [True] * len(BATCH_SIZES), "decode": [True] * len(BATCH_SIZES)}, same

@@ -1,4 +1,5 @@
-"""The matrix path the start-up probe picks on this CPU, and what the bench reports about it.
+"""MKL's matrix path, which the start-up probe picks on this CPU where `actors.rowdot` does not
+build (these tests ask for it with `native=False`), and what the bench reports about it.
 
 `TiledLinear` pads a packed MKL call of fewer rows than the probed minimum up to it (on an
 AMD EPYC, calls of 1 to 3 rows take another kernel than calls of 4 or more). Held here: every
@@ -29,7 +30,7 @@ def _inputs(rows: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch
 def test_every_row_count_matches_tile_calls_on_the_chosen_path():
     x, w, b = _inputs(40)
     reference = TiledLinear(TILE, pack=True, row_free=False)(x, w, b)  # exact 16-row calls
-    linear = TiledLinear(TILE)
+    linear = TiledLinear(TILE, native=False)
     for rows in range(1, 41):
         for at in (0, 40 - rows):
             assert torch.equal(linear(x[at:at + rows], w, b), reference[at:at + rows]), (rows, at)
@@ -43,7 +44,7 @@ def test_a_bf16_decode_product_matches_exact_tile_calls_at_every_row_count():
     tiles); `kernel_paths` names the shape with its dtype."""
     x, w, b = (t.bfloat16() for t in _inputs(40))
     reference = TiledLinear(TILE, pack=False, row_free=False)(x, w, b)  # exact 16-row calls
-    linear = TiledLinear(TILE, max_rows=MAX_CALL_ROWS)
+    linear = TiledLinear(TILE, max_rows=MAX_CALL_ROWS, native=False)
     for rows in range(1, 41):
         for at in (0, 40 - rows):
             assert torch.equal(linear(x[at:at + rows], w, b), reference[at:at + rows]), (rows, at)
@@ -71,7 +72,7 @@ def test_negative_control_calls_below_the_minimum_take_another_kernel():
     if min_rows is None or min_rows == 1:
         pytest.skip(f"probe chose {min_rows}: no row count below a minimum to control for here")
     x, w, b = _inputs(TILE)
-    lin = TiledLinear(TILE)
+    lin = TiledLinear(TILE, native=False)
     packed = lin._packed_weight(w)
     reference = TiledLinear(TILE, pack=True, row_free=False)(x, w, b)
     unpadded = [torch.ops.mkl._mkl_linear(x[:m].contiguous(), packed, w, b, m) for m in range(1, min_rows)]
