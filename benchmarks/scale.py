@@ -158,7 +158,7 @@ def run_point(workers: int, step_ms: float, setup: Setup, seed: int = 0) -> dict
             "worker_busy": (stats["busy_s"] - w_busy) / (span * workers),
             "scheduler_cpu_share": (e_cpu - w_cpu) / span, "scheduler_rss_mib": stats["scheduler_rss_bytes"] / 2**20,
             "decision_p50_ms": _ms(stats["decision_p50_s"]), "decision_p99_ms": _ms(stats["decision_p99_s"]),
-            "calls": stats["calls"], "pipelined_calls": stats["pipelined_calls"],
+            "gc": stats.get("gc"), "calls": stats["calls"], "pipelined_calls": stats["pipelined_calls"],
             "folded_calls": stats["folded_calls"], "interrupted_calls": stats["interrupted_calls"],
             **_client_overheads(streams, step_ms)}
 

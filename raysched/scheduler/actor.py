@@ -37,7 +37,7 @@ from raysched.scheduler.autoscale import AutoscalePolicy, Load, WorkerLoad
 from raysched.scheduler.dispatch import Dispatcher
 from raysched.scheduler.faults import FaultSeam
 from raysched.scheduler.fleet import Fleet, WorkerSlot
-from raysched.scheduler.heap import release_freed_memory
+from raysched.scheduler.heap import GcPauses, release_freed_memory
 from raysched.scheduler.migration import Migrator
 from raysched.scheduler.recovery import Recovery, was_restarted
 from raysched.scheduler.prefix_cache import PrefixCache
@@ -54,6 +54,7 @@ log = logging.getLogger("raysched.scheduler")
 class Scheduler:
     def __init__(self, config: ServeConfig) -> None:
         release_freed_memory()  # a long-lived process: keep its heap from hoarding freed blocks
+        self.gc_pauses = GcPauses()
         self.restarted = was_restarted()  # by Ray (max_restarts) after this actor's process died
         if self.restarted:  # a rehearsed fault fires once per deployment, not again after the restart
             config = dataclasses.replace(config, faults=())
@@ -291,6 +292,7 @@ class Scheduler:
         """Counters, table sizes, per-worker room, faults fired; with `detail`, the scheduler's RSS,
         whether its process has loaded torch, and the object store's spill counters too."""
         d = self.counters.summary(self._table_sizes(), [w.view for w in self.fleet.slots])
+        d["gc"] = self.gc_pauses.summary()
         d["snapshot_bytes_held"] = self.ledger.held_bytes()
         d["snapshot_budget_bytes"] = self.ledger.budget_bytes
         d["workers_alive"] = len(self.fleet.alive())

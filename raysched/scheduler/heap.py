@@ -8,12 +8,17 @@ top past 128 KiB, keeps that memory returned to the system as it is freed.
 
     release_freed_memory()   # once, at process start; False where it does not apply
     trim_heap()              # now and then: hand back what a burst (a backlog of calls) left free
+    GcPauses()               # how long Python's garbage collector held the process, per collection
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import gc
+import os
+import time
+from collections import deque
 
 M_TRIM_THRESHOLD = -1  # glibc <malloc.h>
 M_MMAP_THRESHOLD = -3
@@ -41,3 +46,33 @@ def trim_heap() -> bool:
     such as a backlog of a thousand pending calls, otherwise stay in the RSS for good."""
     malloc_trim = getattr(_libc(), "malloc_trim", None)
     return bool(malloc_trim(0)) if malloc_trim is not None else False
+
+
+class GcPauses:
+    """Records each garbage collection of this process: (generation, seconds it held the
+    interpreter). A decision that a collection interrupts takes that long more."""
+
+    def __init__(self, keep: int = 20000) -> None:
+        self.pauses: deque = deque(maxlen=keep)
+        self.collections = [0, 0, 0]
+        self._t0 = 0.0
+        gc.callbacks.append(self._on_gc)
+        if os.environ.get("RAYSCHED_GC_EXPERIMENT"):
+            a, b, c, freeze = os.environ["RAYSCHED_GC_EXPERIMENT"].split(",")
+            gc.set_threshold(int(a), int(b), int(c))
+            if freeze == "1":
+                gc.freeze()
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            self.pauses.append((info["generation"], time.perf_counter() - self._t0))
+            self.collections[info["generation"]] += 1
+
+    def summary(self) -> dict:
+        """Collections per generation, and pause p50/p99/max in seconds."""
+        xs = sorted(p for _, p in self.pauses)
+        at = lambda q: xs[min(len(xs) - 1, int(q * len(xs)))] if xs else None  # noqa: E731
+        return {"collections": list(self.collections), "pause_p50_s": at(0.5), "pause_p99_s": at(0.99),
+                "pause_max_s": xs[-1] if xs else None, "pause_total_s": sum(xs)}
