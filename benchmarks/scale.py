@@ -11,7 +11,9 @@ decoding one token per step: workers * slots * 1000 / step_ms tokens/s. Reported
   arrivals offered (`vs_offered`; 1.0 = the scheduler kept up) and against the ideal capacity;
 - workers' busy fraction (modeled busy time / window);
 - the scheduler's CPU share (of one core) and RSS;
-- decision latency p50/p99 (a worker's wake-up to its call leaving the scheduler);
+- decision latency p50/p99 (a worker's wake-up to its call leaving the scheduler), and its p99
+  in the scheduler thread's CPU time (the difference is the OS running other processes);
+- the scheduler's garbage-collection pauses (longest, and total);
 - client overheads on a few streamed requests: TTFT minus the modeled prefill + one step, and
   the gaps between token arrivals (and how many tokens each arrival carried).
 
@@ -158,7 +160,10 @@ def run_point(workers: int, step_ms: float, setup: Setup, seed: int = 0) -> dict
             "worker_busy": (stats["busy_s"] - w_busy) / (span * workers),
             "scheduler_cpu_share": (e_cpu - w_cpu) / span, "scheduler_rss_mib": stats["scheduler_rss_bytes"] / 2**20,
             "decision_p50_ms": _ms(stats["decision_p50_s"]), "decision_p99_ms": _ms(stats["decision_p99_s"]),
-            "gc": stats.get("gc"), "calls": stats["calls"], "pipelined_calls": stats["pipelined_calls"],
+            "decision_cpu_p99_ms": _ms(stats["decision_cpu_p99_s"]),
+            "gc_pause_max_ms": _ms((stats.get("gc") or {}).get("pause_max_s")),
+            "gc_pause_total_s": (stats.get("gc") or {}).get("pause_total_s"),
+            "calls": stats["calls"], "pipelined_calls": stats["pipelined_calls"],
             "folded_calls": stats["folded_calls"], "interrupted_calls": stats["interrupted_calls"],
             **_client_overheads(streams, step_ms)}
 
@@ -210,6 +215,9 @@ def _targets(rows: list[dict]) -> dict:
     r = at(256, 10.0)
     out["256 workers @10 ms, decision p99 ms"] = {"value": None if r is None else r["decision_p99_ms"],
                                                  "target": "<= 1", "met": None if r is None else r["decision_p99_ms"] <= 1}
+    out["256 workers @10 ms, decision p99 ms of scheduler CPU"] = {
+        "value": None if r is None else r["decision_cpu_p99_ms"], "target": "<= 1 (info: the wall clock's is the target)",
+        "met": None}
     return out
 
 
@@ -218,7 +226,8 @@ def _print(result: dict) -> None:
             Column("vs offered", "vs_offered", ".3f"), Column("vs ideal", "vs_ideal", ".3f"),
             Column("busy", "worker_busy", ".2f"), Column("sched CPU", "scheduler_cpu_share", ".2f"),
             Column("RSS MiB", "scheduler_rss_mib", ".0f"), Column("dec p50 ms", "decision_p50_ms", ".2f"),
-            Column("dec p99 ms", "decision_p99_ms", ".2f"), Column("TTFT+ ms", "ttft_overhead_p50_ms", ".0f"),
+            Column("dec p99 ms", "decision_p99_ms", ".2f"), Column("dec CPU p99", "decision_cpu_p99_ms", ".2f"),
+            Column("GC max ms", "gc_pause_max_ms", ".0f"), Column("TTFT+ ms", "ttft_overhead_p50_ms", ".0f"),
             Column("gap p50 ms", "token_gap_p50_ms", ".1f"), Column("gap p99 ms", "token_gap_p99_ms", ".1f"),
             Column("tok/arrival", "tokens_per_arrival", ".1f")]
     print_table(f"scale: simulated workers x {result['setup']['slots']} slots, Poisson arrivals at "

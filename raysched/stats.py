@@ -78,6 +78,8 @@ class Counters:
     timeline: deque = field(default_factory=lambda: deque(maxlen=20000))
     decision_s: deque = field(default_factory=lambda: deque(maxlen=20000))  # per worker call: decide +
     #   send (the scheduler's time from a worker's wake-up to its call leaving), most recent first out
+    decision_cpu_s: deque = field(default_factory=lambda: deque(maxlen=20000))  # the same, in the
+    #   scheduler thread's CPU time: what is left when the OS runs other processes in between
 
     def on_retract(self, recompute: bool) -> None:
         self.retractions += 1
@@ -144,10 +146,12 @@ class Counters:
                               sum(len(t) for t in result.new_tokens.values())))
 
     def summary(self, tables: dict, views: list) -> dict:
-        d = {k: v for k, v in self.__dict__.items() if k not in ("timeline", "started_s", "decision_s",
+        d = {k: v for k, v in self.__dict__.items() if k not in ("timeline", "started_s", "decision_s", "decision_cpu_s",
                                                                  "handover_latencies_s", "downtimes_s")}
         d["decision_p50_s"] = percentile(self.decision_s, 50)
         d["decision_p99_s"] = percentile(self.decision_s, 99)
+        d["decision_cpu_p50_s"] = percentile(self.decision_cpu_s, 50)
+        d["decision_cpu_p99_s"] = percentile(self.decision_cpu_s, 99)
         d["prefill_tokens_by_role"] = dict(self.prefill_tokens_by_role)
         d["handover_latency_p50_s"] = percentile(self.handover_latencies_s, 50)
         d["handover_latency_p99_s"] = percentile(self.handover_latencies_s, 99)

@@ -9,7 +9,10 @@ whether tokens arrived once, in order, for the right request.
 from __future__ import annotations
 
 import asyncio
+import os
 import random
+import subprocess
+import sys
 from collections import deque
 from typing import Any
 
@@ -925,3 +928,21 @@ def test_a_request_interrupts_long_calls_only_after_interrupt_after_ms() -> None
     assert asyncio.run(scenario(400.0)) == [0, 0, 1, 2]
     assert asyncio.run(scenario(400.0, taken=True)) == [0, 0, 0, 1]
     assert asyncio.run(scenario(0.0)) == [1, 2, 2, 2]
+
+
+def test_the_scheduler_process_collects_less_often_and_records_each_pause():
+    """`tune_gc` (the scheduler actor's process) freezes what exists and raises the young
+    generation's threshold; `GcPauses` records every collection with its generation. Run in a
+    fresh interpreter, so this test's process keeps Python's defaults. Control: before
+    `tune_gc`, nothing is frozen and the threshold is Python's own."""
+    code = ("import gc; from raysched.scheduler.heap import GcPauses, tune_gc, GC_YOUNG_THRESHOLD;"
+            "before = (gc.get_freeze_count(), gc.get_threshold()[0]);"
+            "p = GcPauses(); tune_gc(); gc.collect(); gc.collect(1);"
+            "s = p.summary(); p.close(); gc.collect();"
+            "print(before[0], before[1] != GC_YOUNG_THRESHOLD, gc.get_freeze_count() > 1000,"
+            " gc.get_threshold()[0] == GC_YOUNG_THRESHOLD, s['collections'][2] >= 1, s['collections'][1] >= 1,"
+            " s['pause_max_s'] > 0, p.summary()['collections'] == s['collections'])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         env={k: v for k, v in os.environ.items() if not k.startswith("RAY")})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["0"] + ["True"] * 7, out.stdout

@@ -37,7 +37,7 @@ from raysched.scheduler.autoscale import AutoscalePolicy, Load, WorkerLoad
 from raysched.scheduler.dispatch import Dispatcher
 from raysched.scheduler.faults import FaultSeam
 from raysched.scheduler.fleet import Fleet, WorkerSlot
-from raysched.scheduler.heap import GcPauses, release_freed_memory
+from raysched.scheduler.heap import GcPauses, release_freed_memory, tune_gc
 from raysched.scheduler.migration import Migrator
 from raysched.scheduler.recovery import Recovery, was_restarted
 from raysched.scheduler.prefix_cache import PrefixCache
@@ -77,6 +77,8 @@ class Scheduler:
         self._growing = 0  # autoscale grows in flight
         self._shrinking = 0  # autoscale shrinks in flight
         self._background: set[asyncio.Task] = set()  # the loops and scaling steps started here
+        if ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None:
+            tune_gc()  # its own process (not a test's): its long-lived objects exist from here on
 
     # the tables other code reads (tests, introspection)
     @property
@@ -142,6 +144,7 @@ class Scheduler:
             r.snapshot_ref = None
         self.prefix_cache.clear()
         release_workers([w.handle for w in self.fleet.slots])
+        self.gc_pauses.close()
 
     # ================================================================== client API
     async def submit(self, prompt_ids: list[int], sampling: dict | None = None,

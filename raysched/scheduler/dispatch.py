@@ -67,7 +67,7 @@ class Dispatcher:
         try:
             while not self.recovery.closing and w.alive:
                 self.before_decide(w)
-                t0 = time.perf_counter()
+                t0 = (time.perf_counter(), time.thread_time())
                 decision = self.decide(w)
                 if decision.is_empty():
                     await self.sleep(w)
@@ -124,9 +124,10 @@ class Dispatcher:
         return decision
 
     # ------------------------------------------------------------------ call
-    async def execute(self, w: WorkerSlot, decision: Decision, t0: float | None = None) -> None:
+    async def execute(self, w: WorkerSlot, decision: Decision, t0: tuple[float, float] | None = None) -> None:
         """Send `decision` to `w` (retractions, the step call, maybe a pipelined successor),
-        await the replies, and apply them. `t0`: when the decision began (its latency is counted)."""
+        await the replies, and apply them. `t0`: when the decision began, by the clock and by
+        this thread's CPU time (its latency, and the CPU it took, are counted)."""
         prefixes = self.prefix_hits(w, decision)
         snap_victims, drop = self.ledger.take_victims(w, decision)
         resume_snap = [r for r in decision.resume if not r.recompute]
@@ -145,7 +146,8 @@ class Dispatcher:
             self.counters.pipelined_calls += 1
         w.view.calls += len(calls)
         if t0 is not None:
-            self.counters.decision_s.append(time.perf_counter() - t0)
+            self.counters.decision_s.append(time.perf_counter() - t0[0])
+            self.counters.decision_cpu_s.append(time.thread_time() - t0[1])
         result, streamed = await self.receive(calls[0])
         self.fleet.end_long_call(w)
         self.apply(w, decision, result, resume_snap, streamed)  # its last tokens go out now,

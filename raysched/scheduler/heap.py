@@ -1,4 +1,4 @@
-"""Keep a long-running control-plane process's heap from holding freed memory (torch-free).
+"""A long-running control-plane process's memory: its heap, and its garbage collector (torch-free).
 
 The scheduler handles a stream of mid-sized buffers (snapshots under Ray's 100 KiB inline limit
 arrive in its heap; gRPC messages): glibc keeps such freed blocks in its arenas, so the RSS of a
@@ -8,6 +8,7 @@ top past 128 KiB, keeps that memory returned to the system as it is freed.
 
     release_freed_memory()   # once, at process start; False where it does not apply
     trim_heap()              # now and then: hand back what a burst (a backlog of calls) left free
+    tune_gc()                # once the process's long-lived objects exist: fewer, shorter collections
     GcPauses()               # how long Python's garbage collector held the process, per collection
 """
 
@@ -16,7 +17,6 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import gc
-import os
 import time
 from collections import deque
 
@@ -48,6 +48,22 @@ def trim_heap() -> bool:
     return bool(malloc_trim(0)) if malloc_trim is not None else False
 
 
+GC_YOUNG_THRESHOLD = 20_000  # allocations between young collections (Python's default: 700)
+
+
+def tune_gc() -> None:
+    """For the scheduler's process, once its parts are built: freeze what exists (the modules,
+    Ray's objects, the parts: never garbage, and no longer scanned by full collections), and
+    collect the young generation every `GC_YOUNG_THRESHOLD` allocations instead of 700.
+
+    Measured at 256 simulated workers (`raysched bench scale`, 64 per host, 10 ms steps, two
+    runs each): the collector held the scheduler 1.1-1.3 s in a run, in ~770 collections, the
+    longest 105-112 ms (full collections, during which no stream gets a token); tuned, 0.08-0.10 s
+    in 4 collections, the longest 31-37 ms."""
+    gc.freeze()
+    gc.set_threshold(GC_YOUNG_THRESHOLD, *gc.get_threshold()[1:])
+
+
 class GcPauses:
     """Records each garbage collection of this process: (generation, seconds it held the
     interpreter). A decision that a collection interrupts takes that long more."""
@@ -57,12 +73,10 @@ class GcPauses:
         self.collections = [0, 0, 0]
         self._t0 = 0.0
         gc.callbacks.append(self._on_gc)
-        if os.environ.get("RAYSCHED_GC_EXPERIMENT"):
-            a, b, c, freeze = os.environ["RAYSCHED_GC_EXPERIMENT"].split(",")
-            gc.set_threshold(int(a), int(b), int(c))
-            if freeze == "1":
-                gc.freeze()
 
+    def close(self) -> None:
+        if self._on_gc in gc.callbacks:
+            gc.callbacks.remove(self._on_gc)
     def _on_gc(self, phase: str, info: dict) -> None:
         if phase == "start":
             self._t0 = time.perf_counter()
