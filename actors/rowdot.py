@@ -10,8 +10,9 @@ against 72 at 32 rows, and on par at 2,048.
 
 The C source is compiled once per machine with the system C compiler (about a second) into a
 cache directory (`RAYSCHED_KERNEL_CACHE`, else `$XDG_CACHE_HOME/raysched`, else
-`~/.cache/raysched`), named by a hash of the source, the flags and the compiler, and loaded
-with ctypes. The AVX2 build (fused multiply-add) is taken where the CPU has AVX2 and FMA, the
+`~/.cache/raysched`; where that cannot be written, a per-user directory under the system's
+temporary one), named by a hash of the source, the flags and the compiler, and loaded with
+ctypes. The AVX2 build (fused multiply-add) is taken where the CPU has AVX2 and FMA, the
 portable build (multiply, then add) elsewhere: the bits differ between the two builds, never
 within one (so, as with MKL, workers on CPUs that take different builds do not agree bit for
 bit). Without a compiler, or with `RAYSCHED_ROWDOT=0`, `available()` is False and the
@@ -125,11 +126,9 @@ def load(portable: bool = False):
     flags += ["-DROWDOT_PORTABLE"] if portable else _cpu_flags()
     source = SOURCE.read_bytes()
     tag = hashlib.sha1(source + " ".join([compiler, *flags]).encode()).hexdigest()[:16]
-    target = _cache_dir() / f"rowdot-{tag}.so"
-    if not target.exists():
-        why = _build(compiler, flags, target)
-        if why:
-            return None, why
+    target, why = _built(compiler, flags, f"rowdot-{tag}.so")
+    if target is None:
+        return None, why
     try:
         lib = ctypes.CDLL(str(target))
     except OSError as e:
@@ -140,14 +139,30 @@ def load(portable: bool = False):
     return lib, None
 
 
-def _build(compiler: str, flags: list[str], target: Path) -> str | None:
-    """Compile into a temporary file beside `target`, then rename (several processes may build
-    at once). The error's last line, or None."""
-    tmp = None
+def _built(compiler: str, flags: list[str], name: str) -> tuple[Path | None, str | None]:
+    """(the library file, None), built where it is missing: in the cache directory, or, where
+    that cannot be written, in a per-user temporary one; else (None, why not)."""
+    why = None
+    for folder in (_cache_dir(), Path(tempfile.gettempdir()) / f"raysched-{os.getuid()}"):
+        target = folder / name
+        if target.exists():
+            return target, None
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
+            os.close(fd)
+        except OSError as e:
+            why = f"cannot write {folder}: {e.strerror or e}"
+            continue
+        why = _build(compiler, flags, Path(tmp), target)
+        return (None, why) if why else (target, None)
+    return None, why
+
+
+def _build(compiler: str, flags: list[str], tmp: Path, target: Path) -> str | None:
+    """Compile into `tmp` (beside `target`), then rename (several processes may build at once).
+    The error's last line, or None."""
     try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-        os.close(fd)
         run = subprocess.run([compiler, *flags, "-o", tmp, str(SOURCE)], capture_output=True, text=True,
                              timeout=120)
         if run.returncode != 0:
@@ -158,8 +173,8 @@ def _build(compiler: str, flags: list[str], target: Path) -> str | None:
     except (OSError, subprocess.SubprocessError) as e:
         return f"{Path(compiler).name} failed: {e}"
     finally:
-        if tmp and os.path.exists(tmp):
-            os.unlink(tmp)
+        if tmp.exists():
+            tmp.unlink()
 
 
 def _cpu_flags() -> list[str]:

@@ -96,3 +96,12 @@ def test_without_the_kernel_products_take_the_probed_path_and_say_why(env, why, 
     available, reason, paths = out.stdout.strip().split("|")
     assert available == "False" and why in reason and "rowdot" not in paths, out.stdout
     assert "rowdot kernel not used" in out.stderr
+
+
+def test_a_cache_directory_that_cannot_be_written_falls_back_to_a_temporary_one():
+    code = "from actors import rowdot; print(rowdot.available(), rowdot.unavailable_reason(), sep='|')"
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("RAY", "CC"))}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**clean, "RAYSCHED_KERNEL_CACHE": "/proc/raysched-cannot-be-made"})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "True|None", out.stdout
