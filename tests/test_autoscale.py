@@ -108,6 +108,21 @@ def test_a_request_on_a_worker_restarts_its_idle_clock():
     assert policy.decide(load(22.0, 0, (1, 0))) == Decision(shrink=1)
 
 
+def test_a_worker_joining_restarts_every_idle_clock():
+    """A worker added (by hand, or by a grow) while another had been idle past
+    `scale_down_idle_s` does not make the policy remove that one at once; each needs the full
+    idle time from the join. Control: the same loads without the join shrink at once."""
+    joined = AutoscalePolicy(CFG)
+    steps = [load(0.0, 0, (0,)), load(15.0, 0, (0,)), load(15.5, 0, (0, 0)), load(25.4, 0, (0, 0))]
+    assert all(d.nothing for d in run(joined, steps))
+    assert joined.decide(load(25.5, 0, (0, 0))) == Decision(shrink=1)
+    stayed = AutoscalePolicy(CFG)  # the control: two workers from the start
+    assert [d.shrink for d in run(stayed, [load(0.0, 0, (0, 0)), load(15.5, 0, (0, 0))])] == [None, 1]
+    gone = AutoscalePolicy(CFG)  # a worker leaving restarts nothing
+    assert [d.shrink for d in run(gone, [load(t, 0, (0, 0, 0)) for t in (0.0, 10.0)]) +
+            [gone.decide(load(10.5, 0, (0, 0)))]] == [None, 2, 1]
+
+
 def test_never_shrinks_while_anything_waits():
     policy = AutoscalePolicy(CFG)
     waiting = [load(t, 1, (0, 0)) for t in (0.0, 20.0, 40.0)]  # 1 < 4: no pressure, but it waits
@@ -120,7 +135,8 @@ def test_never_shrinks_below_min_workers():
     two = AutoscaleConfig(min_workers=2, max_workers=3, scale_down_idle_s=1.0)
     policy = AutoscalePolicy(two)
     assert all(d.nothing for d in run(policy, [load(t, 0, (0, 0)) for t in (0.0, 5.0, 50.0)]))
-    assert policy.decide(load(60.0, 0, (0, 0, 0))) == Decision(shrink=1)  # with a third: the newest due
+    assert policy.decide(load(60.0, 0, (0, 0, 0))).nothing  # a third joins: every idle clock restarts
+    assert policy.decide(load(61.0, 0, (0, 0, 0))) == Decision(shrink=2)  # the newest, idle 1 s
     lone = AutoscalePolicy(CFG)  # a drained worker does not count towards min_workers
     assert all(d.nothing for d in run(lone, [load(t, 0, (0, 0), draining=(0,)) for t in (0.0, 50.0)]))
 

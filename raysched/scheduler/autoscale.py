@@ -11,7 +11,9 @@ running count and draining flag, the grows and shrinks in flight) and answers on
   queue before the next one is asked for;
 - shrink (drain, then remove) the newest worker that has held no request, with nothing waiting,
   for `scale_down_idle_s`, when more than `min_workers` undrained workers remain and no grow or
-  shrink is in flight. Anything waiting restarts every idle clock.
+  shrink is in flight. Anything waiting restarts every idle clock, and so does a worker joining
+  the set (by a grow, or added by hand): the set was just made larger on purpose, so the
+  idleness from before it does not count towards removing another worker at once.
 
     policy = AutoscalePolicy(config.autoscale)
     decision = policy.decide(Load(now=12.5, waiting=9, workers=(WorkerLoad(0, 2),)))
@@ -66,6 +68,7 @@ class AutoscalePolicy:
         self.cfg = cfg
         self.pressure_since: float | None = None
         self.idle_since: dict[int, float] = {}
+        self.members: frozenset[int] = frozenset()  # the workers of the last load seen
 
     def decide(self, load: Load) -> Decision:
         self._tick_pressure(load)
@@ -94,7 +97,11 @@ class AutoscalePolicy:
 
     def _tick_idle(self, load: Load) -> None:
         """Each undrained worker holding nothing, with nothing waiting, keeps (or starts) its idle
-        clock; every other worker loses its clock."""
+        clock; every other worker loses its clock. A worker that joined restarts every clock."""
+        members = frozenset(w.index for w in load.workers)
+        if members - self.members:
+            self.idle_since = {}
+        self.members = members
         idle = {w.index for w in load.workers if not w.draining and not w.running and not load.waiting}
         self.idle_since = {i: self.idle_since.get(i, load.now) for i in sorted(idle)}
 
