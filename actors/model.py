@@ -232,6 +232,25 @@ def _plain_call(x: Tensor, weight: Tensor, bias: Tensor | None, min_rows: int) -
     return out[:M].contiguous()
 
 
+def matrix_kernel(model: "HybridLM") -> str:
+    """The kernels that decide `model`'s bits in this process, as a worker reports them: on the
+    CPU its linear layers' ("rowdot <build>", "mkl", or "plain" without invariance), MKL's GEMM
+    fingerprint (its batched products and attention) and ATen's CPU capability (its elementwise
+    kernels), e.g. "rowdot avx2+fma; mkl 930887e8e594; aten AVX2"; elsewhere the device type
+    ("cuda"). Two workers with the same answer give a moved request the same bits."""
+    if model.device.type != "cpu":
+        return model.device.type
+    from actors.cpu_info import gemm_fingerprint
+
+    if model.invariant_tile is None:
+        linear = "plain"
+    elif model.dtype == torch.float32 and model.rowdot and rowdot.available():
+        linear = f"rowdot {rowdot.variant()}"
+    else:
+        linear = "mkl"
+    return f"{linear}; mkl {gemm_fingerprint()}; aten {torch.backends.cpu.get_cpu_capability()}"
+
+
 def kernel_paths() -> dict[str, str]:
     """What ran each weight shape's products in this process, by "out x in" (and the dtype of a
     plain path): "rowdot <build>, row-free by construction" (fp32, `actors.rowdot`), or what

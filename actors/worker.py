@@ -23,6 +23,7 @@ import ray
 import torch
 
 from actors.engine import Engine, Sequence, StepOutput, build_engine
+from actors.model import matrix_kernel
 from actors.snapshot import KVBlock, Snapshot, SnapshotError
 from raysched.config import ServeConfig
 from raysched.messages import (SNAPSHOT_LOST, FaultPoint, ParkedPoint, PrefillItem, StepPlan, StepResult, StepTokens,
@@ -51,7 +52,7 @@ class Worker:
         return WorkerInfo(self.index, _node_id(), str(e.device), e.fingerprint, e.config.vocab_size,
                           e.config.max_position_embeddings, self.usage(),
                           e.config.kv_bytes_per_token(itemsize), e.config.state_bytes_per_slot(itemsize),
-                          copy_bps, prefill_tps)
+                          copy_bps, prefill_tps, matrix_kernel(e.model))
 
     def usage(self) -> Usage:
         return self.engine.usage()

@@ -165,3 +165,5 @@ class WorkerInfo:
     state_bytes_per_slot: int
     copy_bytes_per_s: float = 0.0  # measured at start-up (for the auto retract mode)
     prefill_tokens_per_s: float = 0.0
+    kernel: str = ""  # the kernels that decide its bits ("rowdot avx2+fma; mkl <GEMM fingerprint>; aten
+    #   AVX2", "cuda"): a request moved between workers that differ here continues up to rounding only

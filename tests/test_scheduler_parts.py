@@ -326,6 +326,34 @@ def test_fleet_knows_nodes_and_room() -> None:
     assert fleet.others(s0) == [] and fleet.largest_pool_tokens() == 256
 
 
+def test_workers_with_different_matrix_kernels_are_named_in_one_warning(caplog) -> None:
+    """A worker whose matrix kernel differs from the others' (a node without a C compiler runs
+    MKL where the others run rowdot) is warned about once per mix: a request moved between them
+    would not continue bit for bit. Control: the same kernel everywhere, or a retired odd one
+    out, warns of nothing."""
+    import dataclasses
+    import logging
+
+    fleet = Fleet()
+    infos = [dataclasses.replace(FakeWorker(i).info(), kernel=k)
+             for i, k in enumerate(("rowdot avx2+fma", "rowdot avx2+fma", "mkl 930887e8e594"))]
+    slots = [fleet.add(None, info) for info in infos[:2]]
+    recovery = Recovery(ServeConfig(), RequestTable(Counters()), fleet, Counters(), on_added=lambda s: None)
+    with caplog.at_level(logging.WARNING, logger="raysched.scheduler"):
+        recovery.warn_mixed_kernels()
+        assert fleet.mixed_kernels() == [] and not caplog.records  # control: one kernel
+        slots.append(fleet.add(None, infos[2]))
+        recovery.warn_mixed_kernels()
+        recovery.warn_mixed_kernels()  # the same mix again: no second line
+    assert fleet.mixed_kernels() == ["mkl 930887e8e594", "rowdot avx2+fma"]
+    assert [r.getMessage() for r in caplog.records] == [
+        "workers compute with different matrix kernels (mkl 930887e8e594, rowdot avx2+fma): a request "
+        "that moves between them continues up to rounding (its logits may differ in the last bits), "
+        "not bit for bit"]
+    slots[2].alive = False
+    assert fleet.mixed_kernels() == []  # control: the odd one out retired
+
+
 def test_a_draining_or_retired_worker_never_looks_roomiest() -> None:
     """Admission compares a worker's room with the best elsewhere: a drained worker (it admits
     nothing) or a removed one must not count, or every other worker holds back its admissions

@@ -163,6 +163,12 @@ class Fleet:
     def largest_pool_tokens(self) -> int:
         return max(w.view.total_tokens for w in self.slots if w.alive)
 
+    def mixed_kernels(self) -> list[str]:
+        """The live workers' matrix kernels (`WorkerInfo.kernel`) when they are not all the same:
+        a request moved between two of them continues up to rounding only, not bit for bit."""
+        kinds = sorted({w.info.kernel for w in self.slots if w.alive and w.info.kernel})
+        return kinds if len(kinds) > 1 else []
+
     def check_same_model(self) -> None:
         prints = {w.info.fingerprint for w in self.slots}
         if len(prints) > 1:

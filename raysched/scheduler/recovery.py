@@ -66,6 +66,7 @@ class Recovery:
         self._on_added = on_added  # the dispatcher starts the new worker's loop
         self.pending_replacements = 0
         self.closing = False
+        self._warned_kernels: tuple[str, ...] = ()  # the last mix of matrix kernels warned about
         self._spawn_index = itertools.count(config.workers)  # a later spawn's index, never reused
         #   (a simulated host keys its workers by it: two spawns at once must not share one)
 
@@ -82,6 +83,7 @@ class Recovery:
         for h, info, role in zip(handles, infos, initial_roles(self.config)):
             self._add(h, info, role)
         self.fleet.check_same_model()
+        self.warn_mixed_kernels()
 
     def _add(self, handle: Any, info: WorkerInfo, role: Role) -> WorkerSlot:
         slot = self.fleet.add(handle, info, role)
@@ -141,7 +143,18 @@ class Recovery:
         info = dataclasses.replace(info, index=len(self.fleet.slots))
         slot = self._add(handle, info, role)
         log.info("worker %d started on node %s", info.index, info.node_id[:12])
+        self.warn_mixed_kernels()
         return slot
+
+    def warn_mixed_kernels(self) -> None:
+        """One warning per new mix of matrix kernels among the live workers (a node without a C
+        compiler takes MKL where the others run rowdot; CPUs of other kinds differ too)."""
+        kinds = self.fleet.mixed_kernels()
+        if kinds and tuple(kinds) != self._warned_kernels:
+            self._warned_kernels = tuple(kinds)
+            log.warning("workers compute with different matrix kernels (%s): a request that moves "
+                        "between them continues up to rounding (its logits may differ in the last "
+                        "bits), not bit for bit", ", ".join(kinds))
 
     def retire(self, w: WorkerSlot) -> None:
         """End a drained worker's actor (its loop stops; its slot stays, never reused)."""
