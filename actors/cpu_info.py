@@ -30,9 +30,10 @@ def describe() -> dict:
     build, MKL's own line about its code path, the environment variables that steer it, and a
     fingerprint of an fp32 GEMM's bits (the same fingerprint: the same summation order)."""
     cpu = _cpuinfo()
+    flags = cpu_flags()
     return {"cpu_model": cpu.get("model name", "unknown"), "cpu_vendor": cpu.get("vendor_id"),
             "cpu_family_model": f"{cpu.get('cpu family')}/{cpu.get('model')}",
-            "cpu_flags": [f for f in FLAGS if f in cpu.get("flags", "").split()],
+            "cpu_flags": [f for f in FLAGS if f in flags],
             "torch": torch.__version__, "aten_cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "mkl_version": _mkl_version(), "mkl_path": mkl_path(),
             "env": {k: os.environ[k] for k in PATH_ENV if k in os.environ},
@@ -83,6 +84,11 @@ def gemm_fingerprint() -> str:
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(16, 512, generator=g), torch.randn(512, 512, generator=g)
     return hashlib.sha1(F.linear(x, w).numpy().tobytes()).hexdigest()[:12]
+
+
+def cpu_flags() -> set[str]:
+    """The first processor's feature flags (/proc/cpuinfo; empty where there is none)."""
+    return set(_cpuinfo().get("flags", "").split())
 
 
 def _cpuinfo() -> dict[str, str]:

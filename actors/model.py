@@ -96,7 +96,7 @@ PROBE_ROWS_LARGE = (300, 512, 1000, 2048)  # checked against 256-row calls once 
 _MIN_ROWS: dict[tuple[int, int, int, int, torch.dtype, bool], int | None] = {}  # (out, in, tile, threads,
 #   dtype, packed) -> probed: fewest rows of a row-free call of this shape on that path (packed:
 #   MKL's packed fp32 GEMM; else `weight @ x^T`), smaller calls zero-padded up to it; None: tiles
-_ROWDOT_SHAPES: set[tuple[int, int]] = set()  # (out, in) of the fp32 products `actors.rowdot` ran
+_ROWDOT_SHAPES: set[tuple[int, ...]] = set()  # (out, in) of the fp32 products `actors.rowdot` ran
 _PROBE_S: dict[str, float] = {}  # `path_name` -> seconds this process spent probing it (start-up cost)
 _LONG_CALLS_FREE: dict[tuple[int, int, int, int], bool] = {}  # (out, in, min rows, threads) -> the
 #   `PROBE_ROWS_LARGE` check's answer: it does not depend on the tile, so each tile's probe shares it
@@ -142,7 +142,7 @@ class TiledLinear:
     def __call__(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         """x (M, in) -> (M, out), contiguous."""
         if self.native and x.dtype == torch.float32 and x.device.type == "cpu" and rowdot.available():
-            _ROWDOT_SHAPES.add(tuple(weight.shape))
+            _ROWDOT_SHAPES.add(weight.shape)  # (a torch.Size: a tuple, no copy)
             return rowdot.linear(x, weight, bias)  # (M, out): row-free by construction, any M
         call = self._row_free_call(x, weight, bias)
         if call is not None:

@@ -25,6 +25,7 @@ are split among a pool (ctypes releases the GIL), which changes no bit.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -38,12 +39,14 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from actors.cpu_info import cpu_flags
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("rowdot.c")
 ENV_SWITCH = "RAYSCHED_ROWDOT"  # "0": never use the kernel
 SPLIT_MACS = 1 << 22  # a call of at least this many multiply-adds is split among threads
-_STATE: dict[str, object] = {}  # "lib": the loaded library or None; "why": why not; "pool"
+_STATE: dict[str, object] = {}  # "lib": the loaded library or None; "why": why not
 _LOCK = threading.Lock()
 
 
@@ -96,11 +99,10 @@ def _call(lib, x: Tensor, w: Tensor, bias: Tensor | None, y: Tensor, j0: int, j1
                       y.data_ptr() + j0 * 4, M, j1 - j0, K, N)
 
 
+@functools.cache
 def _pool(workers: int) -> ThreadPoolExecutor:
-    pool = _STATE.get("pool")
-    if pool is None or pool._max_workers < workers:  # type: ignore[attr-defined]
-        pool = _STATE["pool"] = ThreadPoolExecutor(workers, thread_name_prefix="rowdot")
-    return pool  # type: ignore[return-value]
+    """One pool per thread count asked for (torch's, which rarely changes)."""
+    return ThreadPoolExecutor(workers, thread_name_prefix="rowdot")
 
 
 def _library():
@@ -178,13 +180,8 @@ def _build(compiler: str, flags: list[str], tmp: Path, target: Path) -> str | No
 
 
 def _cpu_flags() -> list[str]:
-    """-mavx2 -mfma where this x86-64 CPU has both (from /proc/cpuinfo), else none."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return []
-    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
-    return ["-mavx2", "-mfma"] if {"avx2", "fma"} <= set(flags) else []
+    """-mavx2 -mfma where this x86-64 CPU has both, else none."""
+    return ["-mavx2", "-mfma"] if {"avx2", "fma"} <= cpu_flags() else []
 
 
 def _cache_dir() -> Path:

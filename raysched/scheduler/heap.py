@@ -20,6 +20,8 @@ import gc
 import time
 from collections import deque
 
+from raysched.stats import percentile
+
 M_TRIM_THRESHOLD = -1  # glibc <malloc.h>
 M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD_BYTES = 32 << 10
@@ -65,11 +67,11 @@ def tune_gc() -> None:
 
 
 class GcPauses:
-    """Records each garbage collection of this process: (generation, seconds it held the
-    interpreter). A decision that a collection interrupts takes that long more."""
+    """Records each garbage collection of this process: its generation, and the seconds it held
+    the interpreter. A decision that a collection interrupts takes that long more."""
 
     def __init__(self, keep: int = 20000) -> None:
-        self.pauses: deque = deque(maxlen=keep)
+        self.pauses: deque = deque(maxlen=keep)  # seconds, the latest `keep` collections
         self.collections = [0, 0, 0]
         self._t0 = 0.0
         gc.callbacks.append(self._on_gc)
@@ -77,16 +79,16 @@ class GcPauses:
     def close(self) -> None:
         if self._on_gc in gc.callbacks:
             gc.callbacks.remove(self._on_gc)
+
     def _on_gc(self, phase: str, info: dict) -> None:
         if phase == "start":
             self._t0 = time.perf_counter()
         else:
-            self.pauses.append((info["generation"], time.perf_counter() - self._t0))
+            self.pauses.append(time.perf_counter() - self._t0)
             self.collections[info["generation"]] += 1
 
     def summary(self) -> dict:
         """Collections per generation, and pause p50/p99/max in seconds."""
-        xs = sorted(p for _, p in self.pauses)
-        at = lambda q: xs[min(len(xs) - 1, int(q * len(xs)))] if xs else None  # noqa: E731
-        return {"collections": list(self.collections), "pause_p50_s": at(0.5), "pause_p99_s": at(0.99),
-                "pause_max_s": xs[-1] if xs else None, "pause_total_s": sum(xs)}
+        return {"collections": list(self.collections), "pause_p50_s": percentile(self.pauses, 50),
+                "pause_p99_s": percentile(self.pauses, 99), "pause_max_s": max(self.pauses, default=None),
+                "pause_total_s": sum(self.pauses)}
