@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Callable
 
 import torch
 
@@ -163,6 +164,33 @@ class ForwardBatch:
 def cat_rows(parts: list[torch.Tensor]) -> torch.Tensor:
     """Per-sequence results of a prefill forward back in one tensor, in order (no copy for one)."""
     return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+ROW_BLOCK = 256  # rows an elementwise chain of a prefill runs at a time, so its temporaries stay in cache
+
+
+def row_blocks(n: int) -> list[slice]:
+    """Slices of at most `ROW_BLOCK` rows covering rows 0..n-1, in order."""
+    return [slice(i, min(n, i + ROW_BLOCK)) for i in range(0, n, ROW_BLOCK)]
+
+
+def by_row_blocks(fn: Callable[[slice], torch.Tensor], n: int,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """fn(rows) -> that block's result (rows, ...), for all n rows: one call when n fits one
+    block (a decode step), else block by block into `out` (made from the first block when None;
+    it may be an input whose rows fn has read by the time they are written).
+
+    For chains of elementwise steps and per-row reductions, whose rows do not depend on the
+    other rows: blocks keep a long prefill's temporaries in cache and give the same bits."""
+    blocks = row_blocks(n)
+    if len(blocks) == 1:
+        return fn(blocks[0])
+    for rows in blocks:
+        part = fn(rows)
+        if out is None:
+            out = part.new_empty((n, *part.shape[1:]))
+        out[rows] = part
+    return out
 
 
 def contiguous_run(slots: torch.Tensor) -> tuple[int, int] | None:

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from actors.batch import by_row_blocks
 from actors.config import ModelConfig
 from actors.mamba import Kernels, Pointwise
 
@@ -59,7 +60,8 @@ class SwiGLU(nn.Module):
         linear = kernels.linear
         gate = linear(x, self.gate_proj.weight, self.gate_proj.bias)  # (T, I)
         up = linear(x, self.up_proj.weight, self.up_proj.bias)  # (T, I)
-        act = kernels.pointwise(F.silu, gate).mul_(up)  # (T, I), a fresh tensor either way
+        act = by_row_blocks(lambda rows: kernels.pointwise(F.silu, gate[rows]).mul_(up[rows]),
+                            gate.shape[0], out=gate)  # (T, I)
         return linear(act, self.down_proj.weight, self.down_proj.bias)  # (T, hidden)
 
 

@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from actors.batch import Segment, cat_rows
+from actors.batch import Segment, by_row_blocks, cat_rows
 from actors.config import ModelConfig
 from actors.norms import inv_rms
 
@@ -126,6 +126,11 @@ def _start_state(x: Tensor, B: Tensor, initial_state: Tensor | None) -> Tensor:
     return x.new_zeros(x.shape[1], x.shape[2], B.shape[-1], dtype=torch.float32)  # (H, P, N)
 
 
+SCAN_BLOCK = 64  # longest chunk `MambaMixer.prefill` scans with (the model's own chunk size if shorter)
+# The chunked SSD is exact for any chunk length; the length only moves work between the
+# quadratic diagonal blocks and the recurrence over chunks. On the CPU, 64 took 227 ms where
+# `small`'s 128 took 335 (6 layers, 2,048 tokens, 1 thread; benchmarks/README "Stop 22").
+
 LOG_DECAY_FLOOR = -60.0  # log-decays below this count as 0 (exp(-60) ~ 1e-26)
 
 
@@ -173,9 +178,10 @@ def ssd_chunked(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, chunk_si
     a_cum = torch.cumsum(ac, dim=-1)  # (c, H, l)
     xg = xc.view(c, l, G, H // G, P)  # (c, l, G, K, P)
     y_diag = _intra_chunk(xg, a_cum, Bc, Cc)  # (c, l, G, K, P)
-    local = _chunk_states(xg, a_cum, Bc).reshape(c, H, P, -1)  # (c, H, P, N)
+    local = _chunk_states(xg, a_cum, Bc)  # (c, G, N, K, P)
     starts, final = _carry_states(local, a_cum[..., -1], _start_state(x, B, initial_state))
-    y_off = torch.einsum("clgn,cgkpn->clgkp", Cc, starts.view(c, G, H // G, P, -1))  # (c, l, G, K, P)
+    y_off = torch.bmm(Cc.transpose(1, 2).reshape(c * G, l, -1),  # C (l, N) @ start (N, K*P)
+                      starts.view(c * G, -1, (H // G) * P)).view(c, G, l, H // G, P).transpose(1, 2)
     y_off.mul_(decay_exp_(a_cum.clone()).permute(0, 2, 1).reshape(c, l, G, H // G, 1))  # decayed from the chunk start
     y = torch.add(y_diag, y_off, out=xg.new_empty(c, l, G, H // G, P))  # (c, l, G, K, P), one pass
     return y.view(-1, H, P)[:L], final  # (L, H, P)
@@ -214,29 +220,35 @@ def _intra_chunk(xg: Tensor, a_cum: Tensor, Bc: Tensor, Cc: Tensor) -> Tensor:
 
 
 def _chunk_states(xg: Tensor, a_cum: Tensor, Bc: Tensor) -> Tensor:
-    """State each chunk builds from its own inputs, decayed to the chunk's end: (c, G, K, P, N).
+    """State each chunk builds from its own inputs, decayed to the chunk's end: (c, G, N, K, P).
 
-    Computed transposed, B^T (N, l) @ x (l, K*P) per (chunk, group): x is read row by row
-    (about 1.7x faster than the (K*P, l) @ (l, N) form); the result is a view."""
+    Kept in the layout its product gives, B^T (N, l) @ x (l, K*P) per (chunk, group): x is read
+    row by row (about 1.7x faster than the (K*P, l) @ (l, N) form), and the recurrence over
+    chunks and the readout read it contiguously (a state's usual (H, P, N) order would make
+    every step of the recurrence a strided pass: 6.6 ms instead of ~1 per `small` layer)."""
     c, l, G, K, P = xg.shape
     N = Bc.shape[-1]
     to_end = decay_exp_(a_cum[..., -1:] - a_cum)  # (c, H, l)
     x_decayed = xg * to_end.permute(0, 2, 1).reshape(c, l, G, K, 1)  # (c, l, G, K, P)
     x_rows = x_decayed.view(c, l, G, K * P).transpose(1, 2).reshape(c * G, l, K * P)
     b_t = Bc.permute(0, 2, 3, 1).reshape(c * G, N, l)  # (c*G, N, l)
-    return torch.bmm(b_t, x_rows).view(c, G, N, K, P).permute(0, 1, 3, 4, 2)  # (c, G, K, P, N)
+    return torch.bmm(b_t, x_rows).view(c, G, N, K, P)  # (c, G, N, K, P)
 
 
 def _carry_states(local: Tensor, chunk_log_decay: Tensor, state: Tensor) -> tuple[Tensor, Tensor]:
     """Recurrence over chunk boundaries: the state entering each chunk, and the final state.
 
-    local (c, H, P, N), chunk_log_decay (c, H), state (H, P, N) -> (c, H, P, N), (H, P, N).
+    local (c, G, N, K, P) (`_chunk_states`' layout), chunk_log_decay (c, H), state (H, P, N) ->
+    starts (c, G, N, K, P), final (H, P, N) contiguous.
     """
-    starts = []
-    for k in range(local.shape[0]):
-        starts.append(state)
-        state = state * torch.exp(chunk_log_decay[k])[:, None, None] + local[k]  # (H, P, N)
-    return torch.stack(starts), state
+    c, G, N, K, P = local.shape
+    decay = torch.exp(chunk_log_decay).view(c, G, 1, K, 1)  # (c, G, 1, K, 1)
+    starts = local.new_empty(local.shape)  # (c, G, N, K, P)
+    starts[0] = state.view(G, K, P, N).permute(0, 3, 1, 2)
+    for k in range(c - 1):
+        torch.mul(starts[k], decay[k], out=starts[k + 1]).add_(local[k])
+    final = (starts[c - 1] * decay[c - 1]).add_(local[c - 1])  # (G, N, K, P)
+    return starts, final.permute(0, 2, 3, 1).reshape(G * K, P, N).contiguous()  # (H, P, N)
 
 
 def ssd_step(ssm_state: Tensor, slots: Tensor, x: Tensor, dt: Tensor, A: Tensor, B: Tensor,
@@ -409,7 +421,7 @@ class MambaMixer(nn.Module):
         dt = discretize_dt(dt, self.dt_bias, c.time_step_limit, kernels.pointwise)  # (T, H) fp32
         A = self._A()
         y = scan_segments(segments, ssm_state, lambda rows, s0: ssd_chunked(
-            x[rows], dt[rows], A, B[rows], C[rows], c.mamba_chunk_size, s0))  # (T, H, P)
+            x[rows], dt[rows], A, B[rows], C[rows], min(c.mamba_chunk_size, SCAN_BLOCK), s0))  # (T, H, P)
         return self._output(y, x, z, kernels)
 
     def decode(self, h: Tensor, conv_state: Tensor, ssm_state: Tensor, slots: Tensor,
@@ -443,10 +455,18 @@ class MambaMixer(nn.Module):
                 C.reshape(T, c.mamba_n_groups, c.mamba_d_state))
 
     def _output(self, y: Tensor, x: Tensor, z: Tensor, kernels: Kernels) -> Tensor:
-        """D skip, gated RMSNorm, out_proj. y (T, H, P) fp32, x (T, H, P), z (T, I)."""
+        """D skip, gated RMSNorm, out_proj. y (T, H, P) fp32, x (T, H, P), z (T, I).
+
+        The skip and the norm run in blocks of rows (`by_row_blocks`), so a long prefill's
+        temporaries stay in cache (about 14 against 9 ms per `small` layer at 2,048 tokens)."""
         c, T = self.config, y.shape[0]
-        y = y + self.D.float()[:, None] * x.float()  # (T, H, P)
+        D = self.D.float()[:, None]  # (H, 1)
         group = c.mamba_intermediate // c.mamba_n_groups
-        y = gated_rms_norm(y.reshape(T, -1), z, self.norm.weight, group, c.rms_norm_eps,
-                           kernels.pointwise)  # (T, I)
-        return kernels.linear(y, self.out_proj.weight, self.out_proj.bias)  # (T, hidden)
+
+        def block(rows: slice) -> Tensor:  # (n, I)
+            skip = y[rows] + D * x[rows].float()  # (n, H, P)
+            return gated_rms_norm(skip.view(skip.shape[0], -1), z[rows], self.norm.weight, group,
+                                  c.rms_norm_eps, kernels.pointwise)
+
+        out = by_row_blocks(block, T)  # (T, I)
+        return kernels.linear(out, self.out_proj.weight, self.out_proj.bias)  # (T, hidden)

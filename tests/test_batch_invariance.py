@@ -211,3 +211,67 @@ def test_each_invariance_mechanism_is_needed_in_prefill(kernels, lengths):
         _skip_unless(_linear_rows_follow_the_batch(model), "F.linear rows do not depend on the batch")
     model.prefill_kernels = lambda: kernels
     assert not all(_prefill_alone_vs_batched(model, lengths))
+
+
+POINTWISE_FNS = (torch.exp, torch.sigmoid, F.silu, F.softplus)
+
+
+def _tail_fns() -> list:
+    """The elementwise functions whose results depend on an element's offset on this CPU (a
+    vectorised body with a scalar tail)."""
+    x = torch.randn(4 * 1024 + 3, generator=torch.Generator().manual_seed(0))
+    return [fn for fn in POINTWISE_FNS if any(not torch.equal(fn(x)[k:], fn(x[k:])) for k in range(1, 65))]
+
+
+def _in_blocks(monkeypatch, block_rows: int, fn):
+    """fn(rows) through `by_row_blocks` with blocks of `block_rows` rows."""
+    from actors import batch
+
+    monkeypatch.setattr(batch, "ROW_BLOCK", block_rows)
+    return batch.by_row_blocks(fn, 300)
+
+
+def _model_chains(pointwise):
+    """A Mamba mixer's skip + gated norm (`_output`) and a SwiGLU (intermediate 37: rows whose
+    length is no whole number of vector blocks) over 300 rows."""
+    from actors.ffn import SwiGLU
+
+    gen = torch.Generator().manual_seed(3)
+    model, config = load_preset("tiny", torch.float32, "cpu")
+    mixer = next(layer.mamba for layer in model.layers if not layer.is_attention)
+    swiglu = SwiGLU(24, 37, False, torch.float32)
+    for p in swiglu.parameters():
+        p.data = torch.randn(p.shape, generator=gen) * 0.3
+    T, H, P = 300, config.mamba_n_heads, config.mamba_d_head
+    y, x = torch.randn(T, H, P, generator=gen), torch.randn(T, H, P, generator=gen)
+    z = torch.randn(T, config.mamba_intermediate, generator=gen)
+    kernels = Kernels(linear=F.linear, pointwise=pointwise)
+    return [mixer._output(y, x, z, kernels), swiglu(torch.randn(T, 24, generator=gen), kernels)]
+
+
+def test_row_blocks_give_each_row_the_bits_of_one_pass(monkeypatch):
+    """Elementwise chains of a long prefill run in blocks of rows (`actors.batch.by_row_blocks`,
+    for speed). Every block size gives the bits of one pass over all rows: the model's chains,
+    and each elementwise function it uses, through `rowwise`, over rows of 37 elements."""
+    from actors import batch
+
+    rows = torch.randn(300, 37, generator=torch.Generator().manual_seed(4))
+    monkeypatch.setattr(batch, "ROW_BLOCK", 10**6)
+    one_pass = _model_chains(rowwise) + [rowwise(fn, rows) for fn in POINTWISE_FNS]
+    for block_rows in (1, 7, 256):
+        monkeypatch.setattr(batch, "ROW_BLOCK", block_rows)
+        blocked = _model_chains(rowwise) + [_in_blocks(monkeypatch, block_rows, lambda r, fn=fn: rowwise(fn, rows[r]))
+                                            for fn in POINTWISE_FNS]
+        assert all(torch.equal(a, b) for a, b in zip(blocked, one_pass)), block_rows
+
+
+def test_negative_control_row_blocks_without_rowwise_change_bits(monkeypatch):
+    """Negative control: with a whole-tensor elementwise function whose results depend on the
+    offset on this CPU, blocks of 7 rows of 37 elements put other elements in the scalar tail
+    than one pass does, and bits change."""
+    fns = _tail_fns()
+    _skip_unless(bool(fns), "no elementwise result depends on the offset")
+    rows = torch.randn(300, 37, generator=torch.Generator().manual_seed(4))
+    for fn in fns:
+        one_pass = _in_blocks(monkeypatch, 10**6, lambda r: whole(fn, rows[r]))
+        assert not torch.equal(_in_blocks(monkeypatch, 7, lambda r: whole(fn, rows[r])), one_pass), fn

@@ -37,6 +37,18 @@ def test_chunked_ssd_matches_sequential_reference(length):
     torch.testing.assert_close(state, state_ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("chunk", [64, 128])
+def test_any_chunk_length_gives_the_scan_up_to_rounding(chunk):
+    """The mixer scans with chunks of at most `SCAN_BLOCK` (64) whatever the model's chunk size
+    (`small`: 128): any length is the same SSD, so both match the recurrence."""
+    args = _ssd_inputs(300, seed=2)
+    y, state = ssd_chunked(*args, chunk)
+    y_ref, state_ref = ssd_sequential_ref(*args, chunk)
+    torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(state, state_ref, rtol=1e-5, atol=1e-5)
+    assert state.is_contiguous()
+
+
 def test_chunked_ssd_continues_from_an_initial_state():
     x, dt, A, B, C = _ssd_inputs(2 * CHUNK + 3, seed=1)
     _, mid = ssd_sequential_ref(x[:10], dt[:10], A, B[:10], C[:10], CHUNK)
