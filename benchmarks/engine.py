@@ -32,6 +32,7 @@ import cProfile
 import importlib.util
 import pstats
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -292,14 +293,34 @@ def ours_decode(engine, prompts: list[list[int]], max_new_tokens: int) -> tuple[
     return seconds, [s.token_ids[s.prompt_len:] for s in seqs]
 
 
+class _StepClock:
+    """A logits processor that notes the time each generate step reaches sampling (on a GPU,
+    once the step's logits are computed)."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if scores.is_cuda:
+            torch.cuda.synchronize()
+        self.times.append(time.perf_counter())
+        return scores
+
+
 @torch.no_grad()
 def hf_decode(hf, prompts: list[list[int]], max_new_tokens: int) -> tuple[float, list[list[int]]]:
-    """(seconds of generate(N) minus generate(1), generated tokens per prompt)."""
+    """(seconds of the N-1 decode steps, generated tokens per prompt), timed inside one generate
+    call from the first token's sampling to the last's, so the prefill's time (and its noise)
+    stays out, as in `ours_decode`."""
+    from transformers import LogitsProcessorList
+
     ids = torch.tensor(prompts, device=hf.device)  # (B, L): equal lengths, no padding
-    kwargs = {"attention_mask": torch.ones_like(ids), "do_sample": False, "pad_token_id": 0}
-    first_s, _ = timed(lambda: hf.generate(input_ids=ids, max_new_tokens=1, **kwargs))
-    all_s, out = timed(lambda: hf.generate(input_ids=ids, max_new_tokens=max_new_tokens, **kwargs))
-    return all_s - first_s, out[:, ids.shape[1]:].tolist()
+    clock = _StepClock()
+    out = hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                      pad_token_id=0, max_new_tokens=max_new_tokens,
+                      logits_processor=LogitsProcessorList([clock]))
+    assert len(clock.times) == max_new_tokens, "generate stopped early"
+    return clock.times[-1] - clock.times[0], out[:, ids.shape[1]:].tolist()
 
 
 def ours_prefill(engine, prompt: list[int]) -> tuple[float, int]:
