@@ -174,15 +174,18 @@ def row_blocks(n: int) -> list[slice]:
     return [slice(i, min(n, i + ROW_BLOCK)) for i in range(0, n, ROW_BLOCK)]
 
 
-def by_row_blocks(fn: Callable[[slice], torch.Tensor], n: int,
+def by_row_blocks(fn: Callable[[slice], torch.Tensor], rows_of: torch.Tensor,
                   out: torch.Tensor | None = None) -> torch.Tensor:
-    """fn(rows) -> that block's result (rows, ...), for all n rows: one call when n fits one
-    block (a decode step), else block by block into `out` (made from the first block when None;
-    it may be an input whose rows fn has read by the time they are written).
+    """fn(rows) -> that block's result (rows, ...), for all rows of `rows_of`: one call where
+    they fit one block (a decode step) or live on a GPU, else block by block into `out` (made
+    from the first block when None; it may be an input whose rows fn has read by the time they
+    are written).
 
     For chains of elementwise steps and per-row reductions, whose rows do not depend on the
-    other rows: blocks keep a long prefill's temporaries in cache and give the same bits."""
-    blocks = row_blocks(n)
+    other rows: on the CPU, blocks keep a long prefill's temporaries in cache and give the same
+    bits (a GPU gains nothing from them and would pay a launch per block)."""
+    n = rows_of.shape[0]
+    blocks = row_blocks(n) if rows_of.device.type == "cpu" else [slice(0, n)]
     if len(blocks) == 1:
         return fn(blocks[0])
     for rows in blocks:

@@ -61,7 +61,7 @@ class SwiGLU(nn.Module):
         gate = linear(x, self.gate_proj.weight, self.gate_proj.bias)  # (T, I)
         up = linear(x, self.up_proj.weight, self.up_proj.bias)  # (T, I)
         act = by_row_blocks(lambda rows: kernels.pointwise(F.silu, gate[rows]).mul_(up[rows]),
-                            gate.shape[0], out=gate)  # (T, I)
+                            gate, out=gate)  # (T, I)
         return linear(act, self.down_proj.weight, self.down_proj.bias)  # (T, hidden)
 
 

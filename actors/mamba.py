@@ -126,10 +126,11 @@ def _start_state(x: Tensor, B: Tensor, initial_state: Tensor | None) -> Tensor:
     return x.new_zeros(x.shape[1], x.shape[2], B.shape[-1], dtype=torch.float32)  # (H, P, N)
 
 
-SCAN_BLOCK = 64  # longest chunk `MambaMixer.prefill` scans with (the model's own chunk size if shorter)
+SCAN_BLOCK = 64  # longest chunk `MambaMixer.prefill` scans with on the CPU (the model's own if shorter)
 # The chunked SSD is exact for any chunk length; the length only moves work between the
 # quadratic diagonal blocks and the recurrence over chunks. On the CPU, 64 took 227 ms where
-# `small`'s 128 took 335 (6 layers, 2,048 tokens, 1 thread; benchmarks/README "Stop 22").
+# `small`'s 128 took 335 (6 layers, 2,048 tokens, 1 thread; benchmarks/README "Stop 22"). A GPU
+# keeps the model's chunk size (not measured there; more chunks mean more launches).
 
 LOG_DECAY_FLOOR = -60.0  # log-decays below this count as 0 (exp(-60) ~ 1e-26)
 
@@ -420,8 +421,9 @@ class MambaMixer(nn.Module):
         x, B, C = self._split_xBC(xBC)  # (T, H, P), (T, G, N), (T, G, N)
         dt = discretize_dt(dt, self.dt_bias, c.time_step_limit, kernels.pointwise)  # (T, H) fp32
         A = self._A()
+        chunk = min(c.mamba_chunk_size, SCAN_BLOCK) if h.device.type == "cpu" else c.mamba_chunk_size
         y = scan_segments(segments, ssm_state, lambda rows, s0: ssd_chunked(
-            x[rows], dt[rows], A, B[rows], C[rows], min(c.mamba_chunk_size, SCAN_BLOCK), s0))  # (T, H, P)
+            x[rows], dt[rows], A, B[rows], C[rows], chunk, s0))  # (T, H, P)
         return self._output(y, x, z, kernels)
 
     def decode(self, h: Tensor, conv_state: Tensor, ssm_state: Tensor, slots: Tensor,
@@ -468,5 +470,5 @@ class MambaMixer(nn.Module):
             return gated_rms_norm(skip.view(skip.shape[0], -1), z[rows], self.norm.weight, group,
                                   c.rms_norm_eps, kernels.pointwise)
 
-        out = by_row_blocks(block, T)  # (T, I)
+        out = by_row_blocks(block, y)  # (T, I)
         return kernels.linear(out, self.out_proj.weight, self.out_proj.bias)  # (T, hidden)

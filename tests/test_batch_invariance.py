@@ -228,7 +228,7 @@ def _in_blocks(monkeypatch, block_rows: int, fn):
     from actors import batch
 
     monkeypatch.setattr(batch, "ROW_BLOCK", block_rows)
-    return batch.by_row_blocks(fn, 300)
+    return batch.by_row_blocks(fn, torch.empty(300, 1))  # (rows of a CPU tensor)
 
 
 def _model_chains(pointwise):
