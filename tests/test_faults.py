@@ -294,7 +294,12 @@ class TestOnCluster:
     def test_streams_keep_their_tokens_across_a_scheduler_restart(self):
         """Streaming clients keep the tokens they received; after the restart each request is
         resubmitted with them and continues where it was: every token arrives exactly once and
-        the streams equal the uninterrupted reference."""
+        the streams equal the uninterrupted reference.
+
+        The kill comes after worker 1's 8th step. A request on the other worker may finish
+        before it (seen once in CI: 5 of 6 resubmitted), and is rightly not resubmitted; so the
+        check is that the restarted scheduler got nothing but resubmissions (its stream still
+        equals the reference, as every other)."""
         specs = synthetic(32, requests=6, max_new_tokens=(60, 80))
         with serving(config({}, [kill(1, 8, "kill_scheduler")])) as client:
             handles = [client.submit(list(s.prompt_ids), s.sampling, s.request_id) for s in specs]
@@ -304,7 +309,8 @@ class TestOnCluster:
             assert_idle(client.check_idle())
         want = reference(specs)
         assert streams == [want[s.request_id] for s in specs]
-        assert stats["scheduler_restarted"] is True and stats["resubmitted"] == len(specs), stats
+        assert stats["scheduler_restarted"] is True, stats
+        assert 0 < stats["resubmitted"] == stats["submitted"] <= len(specs), stats
         assert stats["resubmitted_tokens"] > 0, stats  # they resumed from what they had received
         print(f"\nstreams across a scheduler restart: {stats['resubmitted_tokens']} tokens carried over by "
               f"{stats['resubmitted']} resubmitted requests")
