@@ -169,11 +169,6 @@ def cat_rows(parts: list[torch.Tensor]) -> torch.Tensor:
 ROW_BLOCK = 256  # rows an elementwise chain of a prefill runs at a time, so its temporaries stay in cache
 
 
-def row_blocks(n: int) -> list[slice]:
-    """Slices of at most `ROW_BLOCK` rows covering rows 0..n-1, in order."""
-    return [slice(i, min(n, i + ROW_BLOCK)) for i in range(0, n, ROW_BLOCK)]
-
-
 def by_row_blocks(fn: Callable[[slice], torch.Tensor], rows_of: torch.Tensor,
                   out: torch.Tensor | None = None) -> torch.Tensor:
     """fn(rows) -> that block's result (rows, ...), for all rows of `rows_of`: one call where
@@ -185,10 +180,10 @@ def by_row_blocks(fn: Callable[[slice], torch.Tensor], rows_of: torch.Tensor,
     other rows: on the CPU, blocks keep a long prefill's temporaries in cache and give the same
     bits (a GPU gains nothing from them and would pay a launch per block)."""
     n = rows_of.shape[0]
-    blocks = row_blocks(n) if rows_of.device.type == "cpu" else [slice(0, n)]
-    if len(blocks) == 1:
-        return fn(blocks[0])
-    for rows in blocks:
+    if n <= ROW_BLOCK or rows_of.device.type != "cpu":
+        return fn(slice(0, n))
+    for start in range(0, n, ROW_BLOCK):
+        rows = slice(start, min(n, start + ROW_BLOCK))
         part = fn(rows)
         if out is None:
             out = part.new_empty((n, *part.shape[1:]))

@@ -244,12 +244,12 @@ def _carry_states(local: Tensor, chunk_log_decay: Tensor, state: Tensor) -> tupl
     """
     c, G, N, K, P = local.shape
     decay = torch.exp(chunk_log_decay).view(c, G, 1, K, 1)  # (c, G, 1, K, 1)
-    starts = local.new_empty(local.shape)  # (c, G, N, K, P)
-    starts[0] = state.view(G, K, P, N).permute(0, 3, 1, 2)
-    for k in range(c - 1):
-        torch.mul(starts[k], decay[k], out=starts[k + 1]).add_(local[k])
-    final = (starts[c - 1] * decay[c - 1]).add_(local[c - 1])  # (G, N, K, P)
-    return starts, final.permute(0, 2, 3, 1).reshape(G * K, P, N).contiguous()  # (H, P, N)
+    states = local.new_empty((c + 1, G, N, K, P))  # entering each chunk, then the final one
+    states[0] = state.view(G, K, P, N).permute(0, 3, 1, 2)
+    for k in range(c):
+        torch.mul(states[k], decay[k], out=states[k + 1]).add_(local[k])
+    final = states[c].permute(0, 2, 3, 1).reshape(G * K, P, N).contiguous()  # (H, P, N)
+    return states[:c], final
 
 
 def ssd_step(ssm_state: Tensor, slots: Tensor, x: Tensor, dt: Tensor, A: Tensor, B: Tensor,
