@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from actors.accounting import PageLedger, PoolLedger, SlotLedger
+from actors.joins import JoinBox
 from raysched.config import ServeConfig
 from raysched.messages import FaultPoint, PrefillItem, StepPlan, StepResult, StepTokens, Usage, WorkerInfo
 from raysched.sampling import SamplingParams
@@ -62,13 +63,21 @@ def initial_state(seed: int, request_id: str) -> int:
 
 
 def draw(state: int, position: int, vocab_size: int) -> int:
-    """The token at `position` of a request whose state is `state`."""
-    return mix64(state ^ position) % vocab_size
+    """The token at `position` of a request whose state is `state`: mix64(state ^ position)
+    modulo the vocabulary (written out: this runs once per simulated token)."""
+    x = ((state ^ position) + 0x9E3779B97F4A7C15) & MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & MASK64
+    return (x ^ (x >> 31)) % vocab_size
 
 
 def advance(state: int, token: int) -> int:
-    """The state after feeding `token` (as a model's state folds in each token it reads)."""
-    return mix64(state ^ (token << 1) ^ 1)
+    """The state after feeding `token` (as a model's state folds in each token it reads):
+    mix64(state ^ (token << 1) ^ 1), written out as in `draw`."""
+    x = ((state ^ (token << 1) ^ 1) + 0x9E3779B97F4A7C15) & MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & MASK64
+    return x ^ (x >> 31)
 
 
 class SnapshotError(ValueError):
@@ -146,26 +155,40 @@ class SimEngine:
             self._sample(seq, out)
         return fed
 
-    def decode(self, num_steps: int, out: StepResult | None = None) -> StepResult:
+    def decode(self, num_steps: int, out: StepResult | None = None) -> dict[str, list[int]]:
+        """`num_steps` decode steps of every running sequence (a sequence that gets no KV room
+        for its next token is listed in `out.stalled` and skipped); the tokens made, which
+        `out.new_tokens` gets too."""
         out = out if out is not None else StepResult()
+        made: dict[str, list[int]] = {}
         for _ in range(num_steps):
             for seq in list(self.running.values()):
-                if not self.pool.extend(seq.request_id, len(seq.token_ids)):
-                    if seq.request_id not in out.stalled:
-                        out.stalled.append(seq.request_id)
+                rid = seq.request_id
+                if not self.pool.extend(rid, len(seq.token_ids)):
+                    if rid not in out.stalled:
+                        out.stalled.append(rid)
                     continue
-                self._sample(seq, out)
-        return out
+                token = self._sample(seq, out)
+                if rid in made:
+                    made[rid].append(token)
+                else:
+                    made[rid] = [token]
+        return made
 
-    def _sample(self, seq: SimSequence, out: StepResult) -> None:
+    def _sample(self, seq: SimSequence, out: StepResult) -> int:
         token = draw(seq.state, seq.num_generated, self.sim.vocab_size)
         seq.state = advance(seq.state, token)
         seq.token_ids.append(token)
-        out.new_tokens.setdefault(seq.request_id, []).append(token)
+        toks = out.new_tokens.get(seq.request_id)
+        if toks is None:
+            out.new_tokens[seq.request_id] = [token]
+        else:
+            toks.append(token)
         reason = seq.sampling.finish_reason(token, seq.num_generated)
         if reason is not None:
             out.finished[seq.request_id] = reason
             self.release(seq.request_id)
+        return token
 
     def release(self, request_id: str) -> None:
         self.running.pop(request_id)
@@ -206,6 +229,7 @@ class SimWorker:
         self.last_step_ms = 0.0  # the modeled time of the last step call
         self.dead = False
         self._interrupted = 0  # the `StepPlan.call_id` whose decoding is to end early
+        self._joins = JoinBox()  # requests sent to start inside a long call (`join`)
 
     # ------------------------------------------------------------------ queries
     def info(self) -> WorkerInfo:
@@ -213,7 +237,7 @@ class SimWorker:
         prefill_tps = 1000.0 / sim.prefill_ms_per_token if sim.prefill_ms_per_token else 1e9
         return WorkerInfo(self.index, self.node_id, "sim", self.engine.fingerprint, sim.vocab_size,
                           sim.max_context, self.usage(), sim.kv_bytes_per_token, sim.state_bytes,
-                          NOMINAL_COPY_BYTES_PER_S, prefill_tps)
+                          NOMINAL_COPY_BYTES_PER_S, prefill_tps, joins=True)
 
     def usage(self) -> Usage:
         return self.engine.pool.usage()
@@ -246,6 +270,22 @@ class SimWorker:
         """End step call `call_id`'s decoding after the step under way (`Worker.interrupt`)."""
         self._interrupted = call_id
 
+    def join(self, call_id: int, items: list[PrefillItem]) -> None:
+        """Start `items` inside step call `call_id` (`StepPlan.joins`) before its next decode step
+        (`Worker.join`); beside the calls, not in their order."""
+        self._joins.put(call_id, items)
+
+    def _take_joins(self, plan: StepPlan, result: StepResult) -> int:
+        """Prefill what was sent to join this call; returns the prompt tokens fed."""
+        items = self._joins.take(plan)
+        if not items:
+            return 0
+        refused = len(result.not_admitted)
+        fed = self.engine.prefill(items, result)
+        late = set(result.not_admitted[refused:])
+        result.joined.extend(item.request_id for item in items if item.request_id not in late)
+        return fed
+
     def _timeline(self, plan: StepPlan, *snapshots: Any) -> list[tuple[float, StepTokens | StepResult]]:
         return list(self._run(plan, *snapshots))
 
@@ -265,22 +305,25 @@ class SimWorker:
             sent_ms = sim.step_ms(fed, 0, rows)
             yield sent_ms, StepTokens(first)
         one_step = dataclasses.replace(plan, decode_steps=1, fault=None)  # (the fault fires here)
+        joined_ms = 0.0  # the modeled time of the prefills of joins
         for k in range(plan.decode_steps):
             if plan.interrupted_by(self._interrupted):
                 steps = k
                 break
             finished = len(result.finished)
-            toks = self._decode_step(plan, one_step, k, result)
+            toks, join_fed = self._decode_step(plan, one_step, k, result)
+            joined_ms += sim.step_ms(join_fed, 0, 0)
             if toks:
-                ms = sim.step_ms(0 if sent_ms else fed, 1, rows)
+                ms = sim.step_ms(join_fed + (0 if sent_ms else fed), 1, rows)
                 sent_ms += ms
                 yield ms, StepTokens(toks)
             if plan.end_at_finish and len(result.finished) > finished:
                 steps = k + 1
                 break
+        result.not_admitted.extend(self._joins.close(plan))
         if plan.fault is not None and plan.fault.after_decode_steps >= steps:
             self._die_at(plan.fault, "kill_in_step")  # after the call's last step
-        self.last_step_ms = sim.step_ms(fed, steps, rows)
+        self.last_step_ms = sim.step_ms(fed, steps, rows) + joined_ms
         result.allocated = {rid: self.engine.pool.kv.num_request_tokens(rid) for rid in self.engine.running}
         result.usage = self.usage()
         result.busy_s = self.last_step_ms / 1000.0
@@ -297,15 +340,20 @@ class SimWorker:
         fed = self.engine.prefill(list(plan.prefill), result)
         return fed, len(self.engine.running)
 
-    def _decode_step(self, plan: StepPlan, one_step: StepPlan, k: int, result: StepResult) -> dict[str, list[int]]:
+    def _decode_step(self, plan: StepPlan, one_step: StepPlan, k: int,
+                     result: StepResult) -> tuple[dict[str, list[int]], int]:
         """Decode step `k` of the call (`one_step`: its plan for one step, without the fault: a
-        `kill_in_step` fault fires here, before the step it names); the tokens it made."""
+        `kill_in_step` fault fires here, before the step it names), after starting what joined
+        the call (`join`); the tokens it made (a joined request's first with them), and the
+        prompt tokens the joins fed."""
         if plan.fault is not None and plan.fault.after_decode_steps == k:
             self._die_at(plan.fault, "kill_in_step")
-        before = {rid: len(toks) for rid, toks in result.new_tokens.items()}
-        self._decode(one_step, result)
-        return {rid: toks[before.get(rid, 0):] for rid, toks in result.new_tokens.items()
-                if len(toks) > before.get(rid, 0)}
+        joined = len(result.joined)
+        fed = self._take_joins(plan, result)
+        made = self._decode(one_step, result)
+        for rid in result.joined[joined:]:  # their first tokens, from the prefill
+            made[rid] = result.new_tokens[rid][:1] + made.get(rid, [])
+        return made, fed
 
     def take_parked(self, keys: list[tuple[str, str]]) -> Any:
         raise KeyError(f"a simulated worker parks no states; asked for {keys}")
@@ -332,7 +380,7 @@ class SimWorker:
         return False
 
     # ------------------------------------------------------------------ hooks (see actors.faults)
-    def _decode(self, plan: StepPlan, result: StepResult | None = None) -> StepResult:
+    def _decode(self, plan: StepPlan, result: StepResult | None = None) -> dict[str, list[int]]:
         return self.engine.decode(plan.decode_steps, result)
 
     def _restore_one(self, plan: StepPlan, rid: str, snap: Any, result: StepResult) -> bool | None:
@@ -403,10 +451,11 @@ class SimHost:
     def submit(self, items: list[tuple]) -> None:
         """What the scheduler sent together (`raysched.workers.HostChannel`), in its order:
         ("step", worker index, sequence number, the step's arguments), started here, its reply
-        kept for `collect`; ("interrupt", worker index, call id), done at once."""
+        kept for `collect`; ("interrupt", worker index, call id) and ("join", worker index, call
+        id, items), done at once."""
         for kind, index, *rest in items:
-            if kind == "interrupt":
-                self.interrupt(index, *rest)
+            if kind in ("interrupt", "join"):
+                getattr(self, kind)(index, *rest)
                 continue
             task = asyncio.get_running_loop().create_task(self._reply(index, *rest))
             self._running.add(task)
@@ -464,6 +513,12 @@ class SimHost:
         worker = self.workers.get(index)
         if worker is not None:  # (not added yet: it has no call to end)
             worker.interrupt(call_id)
+
+    def join(self, index: int, call_id: int, items: list[PrefillItem]) -> None:
+        """`SimWorker.join`, at once (as `interrupt`)."""
+        worker = self.workers.get(index)
+        if worker is not None and not worker.dead:
+            worker.join(call_id, items)
 
     async def _wait_turn(self, index: int, seq: int) -> None:
         async with self._changed:

@@ -23,6 +23,7 @@ import ray
 import torch
 
 from actors.engine import Engine, Sequence, StepOutput, build_engine
+from actors.joins import JoinBox
 from actors.model import matrix_kernel
 from actors.snapshot import KVBlock, Snapshot, SnapshotError
 from raysched.config import ServeConfig
@@ -43,6 +44,7 @@ class Worker:
         self._parked: dict[tuple[str, str, int], Snapshot | KVBlock] = {}  # ParkedPoint keys ->
         #   copies, until taken or discarded
         self._interrupted = 0  # the `StepPlan.call_id` whose decoding is to end early
+        self._joins = JoinBox()  # requests sent to start inside a long call (`join`)
 
     # ------------------------------------------------------------------ queries
     def info(self) -> WorkerInfo:
@@ -52,7 +54,7 @@ class Worker:
         return WorkerInfo(self.index, _node_id(), str(e.device), e.fingerprint, e.config.vocab_size,
                           e.config.max_position_embeddings, self.usage(),
                           e.config.kv_bytes_per_token(itemsize), e.config.state_bytes_per_slot(itemsize),
-                          copy_bps, prefill_tps, matrix_kernel(e.model))
+                          copy_bps, prefill_tps, matrix_kernel(e.model), joins=True)
 
     def usage(self) -> Usage:
         return self.engine.usage()
@@ -125,6 +127,11 @@ class Worker:
                     yield StepTokens(decoded.new_tokens)
                 if plan.interrupted_by(self._interrupted) or (plan.end_at_finish and decoded.finished):
                     break  # the scheduler needs a decision: the steps that ran are the reply
+                joined = self._take_joins(plan, result)  # they decode from the next step on
+                out.merge(joined)
+                if joined.new_tokens:
+                    yield StepTokens(joined.new_tokens)
+        out.not_admitted.extend(self._joins.close(plan))
         self._park_finished(plan, result)
         yield self._result(result, out, time.perf_counter() - t0)
 
@@ -133,6 +140,24 @@ class Worker:
         way; nothing if that call is over. The actor runs this call beside the step call (its own
         concurrency group, `raysched.workers`): it only sets a number the step loop reads."""
         self._interrupted = call_id
+
+    def join(self, call_id: int, items: list[PrefillItem]) -> None:
+        """Start `items` inside step call `call_id` (a long call sent with `StepPlan.joins`):
+        the call prefills them between two of its decode steps (by the plan's chunk and budget),
+        and they decode with its other requests from the next step on; its reply lists them in
+        `StepResult.joined` (one that did not fit, or came after its decoding ended, in
+        `not_admitted`). Runs beside the step call, as `interrupt` does."""
+        self._joins.put(call_id, items)
+
+    def _take_joins(self, plan: StepPlan, result: StepResult) -> StepOutput:
+        """Prefill what was sent to join the call `plan` since the last decode step."""
+        items = self._joins.take(plan)
+        if not items:
+            return StepOutput()
+        joined = self.engine.prefill([_sequence(item) for item in items], plan.prefill_chunk_tokens or None,
+                                     plan.prefill_budget_tokens or None)
+        result.joined.extend(item.request_id for item in items if item.request_id not in joined.not_admitted)
+        return joined
 
     def take_parked(self, keys: list[tuple[str, str, int]]) -> Snapshot | KVBlock | tuple:
         """Hand over copies listed in `StepResult.parked` (points and the blocks they offer, by

@@ -54,6 +54,7 @@ class Setup:
     fold_calls: int = 8  # with fold_successor: most calls' steps one call runs (2: one successor)
     workers_per_process: int = 16  # simulated workers per host process
     batch_calls: bool = True  # a host's step calls travel in batches (`sim.batch_calls`)
+    join_long_calls: bool = True  # a waiting request starts inside a long call (`scheduler.join_long_calls`)
 
 
 FULL = Setup(sizes=(8, 32, 128, 256), step_ms=(10.0, 30.0), slots=8, duration_s=30.0, warmup_s=10.0,
@@ -82,7 +83,7 @@ def serve_config(workers: int, step_ms: float, setup: Setup):
         "pool": {"kv_tokens": 16384, "state_slots": setup.slots},
         "scheduler": {"decode_steps_per_call": setup.decode_steps_per_call,
                       "stream_each_step": setup.stream_each_step, "fold_successor": setup.fold_successor,
-                      "fold_calls": setup.fold_calls},
+                      "fold_calls": setup.fold_calls, "join_long_calls": setup.join_long_calls},
         "state_cache": {"enabled": False},
         "sim": {"decode_ms": step_ms, "workers_per_process": setup.workers_per_process,
                 "batch_calls": setup.batch_calls, "vocab_size": 32000, "max_context": 32768}})
@@ -165,6 +166,8 @@ def run_point(workers: int, step_ms: float, setup: Setup, seed: int = 0) -> dict
             "gc_pause_total_s": (stats.get("gc") or {}).get("pause_total_s"),
             "calls": stats["calls"], "pipelined_calls": stats["pipelined_calls"],
             "folded_calls": stats["folded_calls"], "interrupted_calls": stats["interrupted_calls"],
+            "joins": stats["joins"], "joins_refused": stats["joins_refused"],
+            "joins_late": stats["joins_late"],
             **_client_overheads(streams, step_ms)}
 
 
@@ -264,7 +267,8 @@ def main_points(out: Path, sizes: tuple[int, ...], step_ms: tuple[float, ...], d
               "cpus": os.cpu_count(), "targets": _targets(rows)}
     _print(result)
     tag = (("" if setup.stream_each_step else "-per-call") + ("" if setup.fold_successor else "-unfolded")
-           + f"-fold{setup.fold_calls}" + ("" if setup.batch_calls else "-unbatched"))
+           + f"-fold{setup.fold_calls}" + ("" if setup.batch_calls else "-unbatched")
+           + ("" if setup.join_long_calls else "-nojoin"))
     write_json(out, f"scale-{'-'.join(map(str, sizes))}-{'-'.join(f'{m:g}' for m in step_ms)}{tag}", result)
     return result
 

@@ -431,6 +431,10 @@ class SchedulerConfig:
     #   scheduler interrupts it (a request waits for room, an abort, a drain, a migration)
     interrupt_after_ms: float = 20.0  # a request that has waited this long for room interrupts
     #   long calls; sooner, a call that ends anyway starts it (with many workers, one soon does)
+    join_long_calls: bool = True  # a request that has waited `join_after_ms` starts inside a long
+    #   call with room (`Worker.join`: no interrupt, the worker decodes on), on workers that take
+    #   joins (`WorkerInfo.joins`) and without prefix reuse
+    join_after_ms: float = 2.0  # how long a request waits for a call that ends before it joins one
     stream_each_step: bool = True  # a request whose client streams it gets each decode step's
     #   tokens as that step completes (its worker's calls stream); False: once per call
     force_retract_every: int = 0  # testing: 0 = off; else retract one request per worker at the
@@ -458,6 +462,8 @@ class SchedulerConfig:
         "fold_successor": check_bool,
         "fold_calls": check_fold_calls,
         "interrupt_after_ms": check_non_negative_number,
+        "join_long_calls": check_bool,
+        "join_after_ms": check_non_negative_number,
         "stream_each_step": check_bool,
         "force_retract_every": check_non_negative_int,
         "max_retractions": check_non_negative_int,

@@ -50,6 +50,9 @@ class StepPlan:
     #   under way (the scheduler needs a decision); its reply then covers the steps that ran
     end_at_finish: bool = False  # end the decoding after a step in which a request finished (a
     #   long call: its client hears at once, and its room is the scheduler's to give)
+    joins: bool = False  # a long call that takes `Worker.join(call_id, items)` before each decode
+    #   step: new requests start inside it (`StepResult.joined`), where it would otherwise be
+    #   interrupted for them; items it did not take by its end come back in `not_admitted`
 
     def is_empty(self) -> bool:
         return not (self.drop or self.resume or self.prefill or self.decode_steps)
@@ -114,6 +117,7 @@ class StepResult:
     #   used (lost, refused): it was prefilled in full instead
     parked: list[ParkedPoint] = field(default_factory=list)  # points copied this call, waiting
     #   for `Worker.take_parked` (or `discard_parked`)
+    joined: list[str] = field(default_factory=list)  # ids started by `Worker.join` in this call
 
     def record_restore(self, request_id: str, restore: Callable[[], bool], refused: type[Exception],
                        lost: type[Exception]) -> bool | None:
@@ -167,3 +171,4 @@ class WorkerInfo:
     prefill_tokens_per_s: float = 0.0
     kernel: str = ""  # the kernels that decide its bits ("rowdot avx2+fma; mkl <GEMM fingerprint>; aten
     #   AVX2", "cuda"): a request moved between workers that differ here continues up to rounding only
+    joins: bool = False  # takes `join` into a long call (`StepPlan.joins`; the simulated worker)

@@ -29,6 +29,9 @@ class Counters:
     calls: int = 0
     pipelined_calls: int = 0  # successors sent as a second call before the first returned
     folded_calls: int = 0  # calls that ran their successor's decode steps too (`fold_successor`)
+    joins: int = 0  # requests sent to start inside a long call (`scheduler.join_long_calls`)
+    joins_refused: int = 0  # of those, the ones the call had no room for (they wait again)
+    joins_late: int = 0  # of those, the ones that came after the call's decoding ended (the same)
     retractions: int = 0
     retractions_snapshot: int = 0
     retractions_recompute: int = 0

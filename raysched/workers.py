@@ -74,6 +74,10 @@ class Worker:
     def interrupt(self, call_id: int) -> None:
         self._impl.interrupt(call_id)  # beside a running step call (see `spawn_worker`)
 
+    @ray.method(concurrency_group="control")
+    def join(self, call_id: int, items: list) -> None:
+        self._impl.join(call_id, items)
+
     def take_parked(self, keys: list[tuple[str, str, int]]) -> Any:
         return self._impl.take_parked(keys)
 
@@ -178,6 +182,9 @@ class SimHost:
     def interrupt(self, index: int, call_id: int) -> None:
         self._impl.interrupt(index, call_id)
 
+    def join(self, index: int, call_id: int, items: list) -> None:
+        self._impl.join(index, call_id, items)
+
     def kill(self, index: int) -> None:
         self._impl.kill(index)
 
@@ -193,12 +200,12 @@ class _SimMethod:
 
     def remote(self, *args: Any) -> Any:
         h = self.handle
-        if h.channel is not None and self.name in ("step", "interrupt") and _in_event_loop():
+        if h.channel is not None and self.name in ("step", "interrupt", "join") and _in_event_loop():
             if self.name == "step":
                 return h.channel.step(h.index, next(h.calls), args)
-            return h.channel.interrupt(h.index, *args)
-        if self.name == "interrupt":  # beside the call it ends, not in the worker's order
-            return h.host.interrupt.remote(h.index, *args)
+            return h.channel.post(self.name, h.index, *args)
+        if self.name in ("interrupt", "join"):  # beside the call it acts on, not in the worker's order
+            return getattr(h.host, self.name).remote(h.index, *args)
         if self.name == "step_stream":  # a streaming generator, as the worker actor's
             return h.host.stream.options(num_returns="streaming").remote(h.index, next(h.calls), *args)
         call = h.host.call.options(num_returns=self.num_returns) if self.num_returns != 1 else h.host.call
@@ -209,7 +216,7 @@ class SimWorkerHandle:
     """A simulated worker: host actor + index; its methods are those of the worker actor."""
 
     METHODS = ("info", "usage", "running_ids", "is_idle", "retract", "retract_pending", "step", "step_stream",
-               "interrupt", "take_parked", "discard_parked", "migrate_out", "reserve", "migrate_in", "commit", "unreserve")
+               "interrupt", "join", "take_parked", "discard_parked", "migrate_out", "reserve", "migrate_in", "commit", "unreserve")
 
     def __init__(self, host: Any, index: int, channel: HostChannel | None = None) -> None:
         self.host, self.index, self.channel = host, index, channel
@@ -228,11 +235,12 @@ class HostChannel:
     What the event loop starts in one turn leaves in one `SimHost.submit`; one `SimHost.collect`
     at a time waits for replies and brings back all that are ready. A step call gets a future
     with its `StepResult` or the exception it raised (the host's death fails every call waiting
-    on it); an interrupt is sent and forgotten, as `Fleet.interrupt` treats it."""
+    on it); an interrupt or a join is sent and forgotten, as `Fleet.interrupt` treats it."""
 
     def __init__(self, host: Any) -> None:
         self.host = host
         self.outbox: list[tuple] = []  # ("step", index, seq, args) | ("interrupt", index, call_id)
+        #   | ("join", index, call_id, items)
         self.waiting: dict[tuple[int, int], asyncio.Future] = {}  # (index, seq) -> its reply
         self.collector: asyncio.Task | None = None
 
@@ -244,8 +252,9 @@ class HostChannel:
             self.collector = loop.create_task(self._collect())
         return reply
 
-    def interrupt(self, index: int, call_id: int) -> asyncio.Future:
-        self._post(("interrupt", index, call_id))
+    def post(self, kind: str, index: int, *args: Any) -> asyncio.Future:
+        """An interrupt or a join (`SimHost.submit`), sent and forgotten: a done future."""
+        self._post((kind, index, *args))
         done = asyncio.get_running_loop().create_future()
         done.set_result(None)
         return done

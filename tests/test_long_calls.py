@@ -25,6 +25,52 @@ FIRST = [spec("a", [5, 9, 13, 2, 7], 160), spec("b", [3, 1, 4, 1, 5, 9, 2, 6], 1
 LATER = [spec("c", [8, 6, 7, 5, 3, 0, 9], 24), spec("d", [2, 7, 1, 8], 20, temperature=0.8)]
 
 
+def test_a_request_that_joins_a_long_call_gets_the_logits_of_an_uninterrupted_run():
+    """`Worker.join` on the real engine (in process): a long call that takes joins prefills the
+    joined request between two of its decode steps, and it decodes in the call's batch from then
+    on. Every logit of both requests, across that call and the next, is `torch.equal` to an
+    uninterrupted run of the two (its own engine, the reference).
+    Control: the same check on a join whose prompt differs in its last token fails."""
+    import torch
+
+    from actors.engine import Sequence, build_engine
+    from actors.worker import Worker
+    from raysched.config import load_serve_config
+    from raysched.messages import PrefillItem, StepPlan
+
+    specs = [FIRST[0], LATER[1]]  # greedy; sampled (the counter-based sampler)
+    for s in specs:
+        assert s.sampling.max_new_tokens <= 160
+    items = [PrefillItem(s.request_id, s.prompt_ids, len(s.prompt_ids), s.sampling.to_dict()) for s in specs]
+
+    def joined_run(late: PrefillItem) -> Worker:
+        w = Worker(load_serve_config({"model": "tiny", "workers": 1, "pool": {"kv_tokens": 1024, "state_slots": 4},
+                                      "state_cache": {"enabled": False}}), 0)
+        w.engine.record_logits = True
+        stream = w.step_stream(StepPlan(prefill=(items[0],), decode_steps=12, call_id=1, joins=True))
+        next(stream), next(stream), next(stream)  # the prefill's token, decode steps 0 and 1
+        w.join(1, [late])
+        *_, result = stream
+        assert result.joined == [late.request_id] and len(result.new_tokens[late.request_id]) == 11
+        while w.engine.running:
+            w.step(StepPlan(decode_steps=40, call_id=2))
+        return w
+
+    ref = build_engine("tiny", device="cpu", record_logits=True, kv_tokens=1024, state_slots=4)
+    ref.prefill([Sequence(s.request_id, list(s.prompt_ids), len(s.prompt_ids), s.sampling) for s in specs])
+    while ref.running:
+        ref.decode(1)
+    got = joined_run(items[1]).engine
+    for s in specs:
+        rid = s.request_id
+        assert len(got.logits[rid]) == len(ref.logits[rid]) == s.sampling.max_new_tokens
+        assert all(torch.equal(x, y) for x, y in zip(got.logits[rid], ref.logits[rid])), rid
+    other = PrefillItem("d", items[1].token_ids[:-1] + (items[1].token_ids[-1] + 1,), items[1].prompt_len,
+                        items[1].sampling)
+    changed = joined_run(other).engine.logits["d"]
+    assert not all(torch.equal(x, y) for x, y in zip(changed, ref.logits["d"]))
+
+
 @pytest.fixture(scope="module")
 def local_ray():
     ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=120 << 20)
@@ -32,14 +78,18 @@ def local_ray():
     ray.shutdown()
 
 
-@pytest.mark.parametrize("fold_calls", [8, 2], ids=["long-calls", "control-one-successor"])
-def test_requests_arriving_during_a_long_call_interrupt_it_and_every_token_stays_exact(local_ray, fold_calls):
+@pytest.mark.parametrize("fold_calls, join", [(8, False), (8, True), (2, False)],
+                         ids=["long-calls", "joins", "control-one-successor"])
+def test_requests_arriving_during_a_long_call_interrupt_it_and_every_token_stays_exact(local_ray, fold_calls, join):
     """Two long requests decode on one worker in long calls (32 steps: nothing waits); two more
     arrive mid-call, the worker has free slots, so the call is interrupted and they start at
-    once. Every request ends with the reference's tokens, and the pools end empty. Control: `fold_calls: 2` folds one successor (8 steps),
-    never a long call: nothing is interrupted, the same tokens."""
+    once; with `join_long_calls`, they start inside the call instead (`Worker.join`), which runs
+    on. Every request ends with the reference's tokens, and the pools end empty. Control:
+    `fold_calls: 2` folds one successor (8 steps), never a long call: nothing is interrupted or
+    joined, the same tokens."""
     raw = {"model": "tiny", "workers": 1, "pool": {"kv_tokens": 1024, "state_slots": 4},
-           "scheduler": {"decode_steps_per_call": 4, "fold_calls": fold_calls, "interrupt_after_ms": 0},
+           "scheduler": {"decode_steps_per_call": 4, "fold_calls": fold_calls, "interrupt_after_ms": 0,
+                         "join_long_calls": join, "join_after_ms": 0},
            "state_cache": {"enabled": False}}
     with serving(raw) as client:
         handles = {s.request_id: client.submit(list(s.prompt_ids), s.sampling, s.request_id) for s in FIRST}
@@ -53,7 +103,9 @@ def test_requests_arriving_during_a_long_call_interrupt_it_and_every_token_stays
     want = reference(FIRST + LATER)
     assert {rid: r["token_ids"] for rid, r in records.items()} == want
     assert_idle(idle)
-    if fold_calls == 8:
-        assert stats["interrupted_calls"] >= 1 and stats["folded_calls"] >= 1
+    if join:
+        assert stats["joins"] >= 1 and stats["interrupted_calls"] == 0 and stats["folded_calls"] >= 1
+    elif fold_calls == 8:
+        assert stats["interrupted_calls"] >= 1 and stats["joins"] == 0 and stats["folded_calls"] >= 1
     else:
-        assert stats["interrupted_calls"] == 0 and stats["folded_calls"] >= 1
+        assert stats["interrupted_calls"] == 0 and stats["joins"] == 0 and stats["folded_calls"] >= 1

@@ -25,8 +25,9 @@ from raysched.sampling import RequestError, SamplingParams
 from raysched.scheduler.dispatch import Dispatcher
 from raysched.scheduler.faults import FaultSeam
 from raysched.scheduler.fleet import Fleet
+from raysched.scheduler.joins import OpenCall
 from raysched.scheduler.migration import Migrator
-from raysched.scheduler.planner import Decision, decode_need
+from raysched.scheduler.planner import Decision, WorkerView, decode_need
 from raysched.scheduler.recovery import Recovery
 from raysched.scheduler.retraction import RetractionLedger
 from raysched.scheduler.prefix_cache import PrefixCache
@@ -94,17 +95,22 @@ class FakeWorker:
         self.snapshots: dict[str, list] = {}
         self.calls: list[StepPlan] = []
         self.interrupts: list[int] = []
+        self.joins: list[tuple[int, list[str]]] = []  # (call id, request ids) sent by `Worker.join`
         self.dead = False
         self.die_after_pieces: int | None = None  # a streamed call fails after this many pieces
 
     def handle(self) -> Any:
         return type("Handle", (), {name: Call(getattr(self, name)) for name in
                                    ("info", "step", "step_stream", "retract_pending", "take_parked", "is_idle",
-                                    "interrupt")})()
+                                    "interrupt", "join")})()
 
     def interrupt(self, call_id: int) -> None:
         """Recorded only: a fake call runs to its end when it is sent."""
         self.interrupts.append(call_id)
+
+    def join(self, call_id: int, items: list) -> None:
+        """Recorded only, as `interrupt`."""
+        self.joins.append((call_id, [item.request_id for item in items]))
 
     def usage(self) -> Usage:
         used = sum(len(h[0]) - 1 for h in self.held.values())
@@ -956,6 +962,74 @@ def test_a_request_interrupts_long_calls_only_after_interrupt_after_ms() -> None
     assert asyncio.run(scenario(400.0)) == [0, 0, 1, 2]
     assert asyncio.run(scenario(400.0, taken=True)) == [0, 0, 0, 1]
     assert asyncio.run(scenario(0.0)) == [1, 2, 2, 2]
+
+
+def test_an_open_call_keeps_its_own_requests_room_and_takes_the_head_of_the_queue_that_fits() -> None:
+    """`OpenCall.of`: a long call's room for joins is the pools its worker reported, less what its
+    own requests need for all of its steps (page-rounded; one it starts holds nothing yet and
+    takes a slot). `take` hands out that room first come, first served: it stops at the first
+    request that does not fit, even when a later one would. The reference is worked out by hand
+    below. Controls: a cap of 0 takes nothing; `settle` names only what the reply lists nowhere."""
+    def req(rid: str, prompt: int, max_new: int) -> Request:
+        return Request(rid, tuple(range(1, prompt + 1)), SamplingParams(max_new_tokens=max_new))
+
+    running, starting = req("run", 10, 100), req("new", 4, 8)
+    view = WorkerView(0, free_tokens=200, free_slots=3, total_tokens=256, total_slots=4, page_size=8,
+                      running=[running, starting], allocated={"run": 16})
+    call = OpenCall.of(view, call_id=5, steps=24)
+    # run: 10 + 24 tokens = 5 pages (40), holds 16 -> 24 more; new: 4 + 8 = 2 pages (16), and a slot
+    assert (call.free_tokens, call.free_slots) == (200 - 24 - 16, 2)
+    queue = [req("a", 100, 200), req("b", 60, 200), req("c", 2, 2)]  # need 128, 88, 8 tokens
+    assert call.take(queue, 8, cap=0) == []
+    assert [r.request_id for r in call.take(queue, 8, cap=4)] == ["a"]  # b does not fit: c waits too
+    assert (call.free_tokens, call.free_slots) == (160 - 128, 1)
+    assert [r.request_id for r in call.take(queue[2:], 8, cap=4)] == ["c"]
+    assert call.free_slots == 0 and call.take([req("d", 1, 1)], 8, cap=4) == []
+    assert call.settle(joined=["a"], not_admitted=[]) == ["c"]
+    assert call.settle(joined=["a"], not_admitted=["c"]) == []
+
+
+@pytest.mark.parametrize("join", [True, False], ids=["joins", "control-interrupts"])
+def test_a_waiting_request_joins_a_long_call_with_room_instead_of_interrupting_it(join: bool) -> None:
+    """`join_long_calls`: a request that waited `join_after_ms` (0) while both workers are in long
+    calls that take joins goes into the roomier call (`Worker.join` with that call's id) and runs
+    there from then on; nothing is interrupted. A streamed request skips the roomier call, which
+    does not stream, for the one that does. The replies settle them: one listed as joined is its
+    call's admission; one in neither list (it came after the call's decoding ended) is queued
+    again at the head. Control: `join_long_calls: false` interrupts the roomier call instead."""
+    async def scenario() -> None:
+        config = ServeConfig(workers=2, scheduler=SchedulerConfig(interrupt_after_ms=0, join_after_ms=0,
+                                                                  join_long_calls=join))
+        fakes = [FakeWorker(0), FakeWorker(1)]
+        p = parts(config, fakes)
+        fleet, table, dispatch, counters = p["fleet"], p["table"], p["dispatch"], p["counters"]
+        w0, w1 = fleet.slots
+        w1.view.free_slots = 1
+        for w, call_id, streams in ((w0, 7, False), (w1, 9, True)):
+            fleet.start_long_call(w, call_id)
+            w.open_call = OpenCall.of(w.view, call_id, 24, streams)
+        plain = table.submit([1, 2, 3], {"max_new_tokens": 4}, LIMITS)
+        streamed = table.submit([4, 5], {"max_new_tokens": 4}, LIMITS)
+        streamed.streaming = True
+        fleet.notify()
+        if not join:
+            assert fakes[0].interrupts == [7] and fakes[0].joins == fakes[1].joins == []
+            assert plain.state is State.WAITING and counters.joins == 0
+            return
+        assert fakes[0].joins == [(7, [plain.request_id])] and fakes[1].joins == [(9, [streamed.request_id])]
+        assert fakes[0].interrupts == fakes[1].interrupts == [] and not table.waiting
+        assert (plain.worker, streamed.worker) == (0, 1) and plain in w0.view.running
+        assert w0.view.free_slots == 3 and counters.joins == 2
+        decision, result = Decision(), StepResult(joined=[plain.request_id])
+        dispatch.settle_joins(w0, decision, result)
+        assert decision.admit == [plain] and result.not_admitted == [] and w0.open_call is None
+        late = StepResult()
+        dispatch.settle_joins(w1, Decision(), late)
+        dispatch.put_back(w1, late)
+        assert late.not_admitted == [streamed.request_id] and counters.joins_late == 1
+        assert list(table.waiting) == [streamed] and streamed not in w1.view.running
+
+    asyncio.run(scenario())
 
 
 def test_the_scheduler_process_collects_less_often_and_records_each_pause():

@@ -134,6 +134,40 @@ def test_sim_fleet_on_ray_loses_no_token_through_retractions_and_faults(tmp_path
     assert idle["workers_idle"] and idle["tables"]["requests"] == 0
 
 
+def test_a_worker_that_dies_in_a_long_call_with_joined_requests_loses_no_token() -> None:
+    """Two requests decode on one simulated worker in a long call (32 steps of 20 ms); two more
+    arrive during it and join it (`join_long_calls`, no interrupt); the worker dies at the call's
+    decode step 28 (`kill_in_step`, folded). All four are recovered from it, on the replacement,
+    and end with the tokens of an uninterrupted run (the reference); the pools end empty."""
+    import time
+
+    import raysched
+
+    faults = [{"kind": "kill_in_step", "worker": 0, "after_steps": 1, "folded": True, "after_decode_steps": 28}]
+    cfg = sim_config(workers=1, faults=faults, state_cache={"enabled": False}, object_store_memory=80 << 20,
+                     scheduler={"decode_steps_per_call": 4, "fold_calls": 8, "join_after_ms": 0,
+                                "interrupt_after_ms": 60_000},
+                     sim={**SIM, "decode_ms": 20.0, "workers_per_process": 1})
+    client = raysched.launch(cfg)
+    try:
+        first = [client.submit([3, 1, i], {"max_new_tokens": 60}) for i in range(2)]
+        deadline = time.monotonic() + 60
+        while client.stats()["tokens"] < 10 and time.monotonic() < deadline:  # the admission call is back
+            time.sleep(0.01)
+        later = [client.submit([3, 1, i], {"max_new_tokens": 30}) for i in range(2, 4)]
+        records = [h.result(timeout=120) for h in first + later]
+        stats = client.stats()
+        idle = client.check_idle()
+    finally:
+        client.shutdown()
+    for r in records:
+        assert r["token_ids"] == run_alone(r["request_id"], list(r["prompt_ids"]), len(r["token_ids"])), r
+        assert len(r["token_ids"]) == (60 if r["prompt_ids"][-1] < 2 else 30)
+    assert stats["joins"] >= 2 and stats["interrupted_calls"] == 0 and stats["worker_failures"] == 1
+    assert stats["recovered"] == 4  # the joined ones too were on worker 0 when it died
+    assert idle["workers_idle"] and idle["tables"]["requests"] == 0
+
+
 def test_simulated_worker_offers_every_public_method_of_the_real_one() -> None:
     import inspect
 
@@ -228,6 +262,32 @@ def test_a_long_call_ends_at_the_step_a_request_finishes() -> None:
     assert len(full.new_tokens["long"]) == 21
 
 
+def test_a_request_joins_a_long_call_between_decode_steps_and_continues_exactly() -> None:
+    """`join(call_id, items)` while a long call that takes joins (`StepPlan.joins`) streams: the
+    call starts the item before its next decode step and decodes it with its own request; its
+    reply lists it in `joined`, its streamed tokens are those of an uninterrupted run (the
+    reference), and a next call continues it exactly. Controls: a join for an earlier call's id
+    comes back as not admitted; one after the call's decoding ended is dropped (in no list); a
+    call without `joins` takes none."""
+    reference = run_alone("j", [4, 4, 4], 30)
+    w = SimWorker(sim_config(sim={**SIM, "decode_ms": 10.0}), 0)
+    stream = w.step_stream(StepPlan(prefill=(item("r", [5, 6, 7], 40),), decode_steps=10, call_id=3, joins=True))
+    next(stream), next(stream)  # the prefill's token, decode step 0
+    w.join(2, [item("x", [1], 5)])
+    w.join(3, [item("j", [4, 4, 4], 30)])
+    *pieces, result = stream
+    assert result.joined == ["j"] and result.not_admitted == ["x"] and "x" not in w.running_ids()
+    assert [tok for p in pieces for tok in p.new_tokens.get("j", [])] == reference[:10]  # 1 + 9 steps
+    assert result.new_tokens["j"] == reference[:10] and len(result.new_tokens["r"]) == 11
+    w.join(3, [item("late", [2], 5)])
+    more = w.step(StepPlan(decode_steps=20, call_id=4, joins=True))
+    assert reference[:10] + more.new_tokens["j"] == reference and more.finished["j"] == "length"
+    assert not more.joined and not more.not_admitted and "late" not in w.running_ids()
+    w.join(5, [item("y", [3], 5)])
+    plain = w.step(StepPlan(decode_steps=2, call_id=5))
+    assert plain.not_admitted == ["y"] and not plain.joined and "y" not in w.running_ids()
+
+
 class _InProcess:
     """A host actor's handle without Ray: `handle.method.remote(*args)` runs the method here
     (a coroutine's result is awaited by the caller, as a Ray reference would be)."""
@@ -266,7 +326,7 @@ def test_a_host_channel_batches_a_loop_turns_calls_and_routes_every_reply() -> N
         host.workers[2].dead = True
         plans = {i: StepPlan(prefill=(item(f"r{i}", [1, 2, i], 30),), decode_steps=30, call_id=1) for i in range(3)}
         replies = {i: channel.step(i, 0, (plans[i],)) for i in range(3)}
-        channel.interrupt(1, 1)
+        channel.post("interrupt", 1, 1)
         await asyncio.sleep(0)
         assert [name for name, _ in log if name == "submit"] == ["submit"]
         assert [kind for kind, *_ in log[0][1][0]] == ["step", "step", "step", "interrupt"]

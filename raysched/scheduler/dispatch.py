@@ -31,6 +31,7 @@ from raysched.messages import SNAPSHOT_LOST, PrefillItem, StepPlan, StepResult
 from raysched.request import Request, State, enqueue
 from raysched.scheduler.faults import FaultSeam
 from raysched.scheduler.fleet import Fleet, WorkerSlot
+from raysched.scheduler.joins import OpenCall
 from raysched.scheduler.planner import Decision, decode_need, plan_for_role
 from raysched.scheduler.prefix_cache import PrefixCache
 from raysched.scheduler.recovery import Recovery
@@ -140,6 +141,8 @@ class Dispatcher:
             self.fleet.start_long_call(w, step.call_id)
         retract_calls = [self.ledger.send(w, r) for r in snap_victims]  # queued: others may resume them
         calls = [self.send_step(w, step, *[[r.snapshot_ref] for r in resume_snap], *[e.refs for _, e in prefixes])]
+        if step.joins:  # waiting requests may start inside it (`join_waiting`)
+            w.open_call = OpenCall.of(w.view, step.call_id, decision.decode_steps, streams=calls[0][1])
         self.ledger.count_resume_bytes(w, resume_snap)
         if not folded and self.can_pipeline(w, decision):  # the worker never waits for us
             calls.append(self.send_step(w, self.successor_plan(w, decision.decode_steps)))
@@ -150,6 +153,7 @@ class Dispatcher:
             self.counters.decision_cpu_s.append(time.thread_time() - t0[1])
         result, streamed = await self.receive(calls[0])
         self.fleet.end_long_call(w)
+        self.settle_joins(w, decision, result)
         self.apply(w, decision, result, resume_snap, streamed)  # its last tokens go out now,
         if len(calls) == 2:  # while the pipelined call runs
             result, streamed = await self.receive(calls[1])
@@ -210,7 +214,8 @@ class Dispatcher:
                         fault=self.faults.step_point(w, w.view.calls, decision.decode_steps, cross_node,
                                                      folded=folded > 0),
                         prefill_chunk_tokens=cfg.prefill_chunk_tokens, prefill_budget_tokens=cfg.prefill_budget_tokens,
-                        call_id=w.view.calls + 1, end_at_finish=folded > 2)
+                        call_id=w.view.calls + 1, end_at_finish=folded > 2,
+                        joins=folded > 2 and self.joins_taken(w))
 
     def successor_plan(self, w: WorkerSlot, decode_steps: int) -> StepPlan:
         """The pipelined call: decode on, nothing else."""
@@ -255,33 +260,97 @@ class Dispatcher:
         return lo
 
     def interrupt_for_waiting(self) -> None:
-        """Requests may wait (`Fleet.notify`): once the oldest has waited
-        `scheduler.interrupt_after_ms`, interrupt long calls for those that waited that long
+        """Requests may wait (`Fleet.notify`): once the oldest has waited `join_after_ms`, send
+        those that waited that long into long calls with room (`join_waiting`), and once it has
+        waited `interrupt_after_ms`, interrupt long calls for those still waiting
         (`interrupt_round`; sooner, a call that ends anyway may start them: with many workers one
-        ends every few ms, and each interrupt costs a call)."""
+        ends every few ms, and each interrupt costs a call and the worker's wait for the next)."""
         if self.round_due is None:
-            self.schedule_round(after_s=float("-inf"))
+            self.schedule_round(last_s=float("-inf"))
 
-    def schedule_round(self, after_s: float) -> None:
-        """Run `interrupt_round` when the oldest queued request that arrived after `after_s` has
-        waited `interrupt_after_ms` (now, if it has)."""
-        arrivals = [r.arrival_s for r in (*self.table.waiting, *self.table.retracted) if r.arrival_s > after_s]
-        if not arrivals:
+    def waits_s(self) -> tuple[float, float]:
+        """(how long a request waits before it joins a long call, before it interrupts one)."""
+        cfg = self.config.scheduler
+        interrupt_s = cfg.interrupt_after_ms / 1000.0
+        return (min(cfg.join_after_ms / 1000.0, interrupt_s) if self.joining() else interrupt_s), interrupt_s
+
+    def schedule_round(self, last_s: float) -> None:
+        """Run `interrupt_round` when a queued request reaches its next wait (`waits_s`) that
+        the round at `last_s` did not see it reach (now, if one has)."""
+        join_s, interrupt_s = self.waits_s()
+        dues = [r.arrival_s + (join_s if r.arrival_s > last_s - join_s else interrupt_s)
+                for r in (*self.table.waiting, *self.table.retracted) if r.arrival_s > last_s - interrupt_s]
+        if not dues:
             return
-        wait_s = min(arrivals) + self.config.scheduler.interrupt_after_ms / 1000.0 - time.monotonic()
+        wait_s = min(dues) - time.monotonic()
         if wait_s > 0:
             self.round_due = asyncio.get_running_loop().call_later(wait_s, self.interrupt_round)
         else:
             self.interrupt_round()
 
     def interrupt_round(self) -> None:
-        """Interrupt long calls for the requests that waited `interrupt_after_ms` (`interrupt_for`),
-        and set the round for the next one to get there."""
+        """Join the requests that waited `join_after_ms` into long calls (`join_waiting`),
+        interrupt long calls for those that waited `interrupt_after_ms` (`interrupt_for`), and
+        set the round for the next one to get there."""
         self.round_due = None
-        ripe_s = time.monotonic() - self.config.scheduler.interrupt_after_ms / 1000.0
+        now = time.monotonic()
+        join_s, interrupt_s = self.waits_s()
+        if self.joining():
+            self.join_waiting([r for r in self.table.waiting if r.arrival_s <= now - join_s])
+        ripe_s = now - interrupt_s
         self.interrupt_for([r for r in self.table.waiting if r.arrival_s <= ripe_s],
                            [r for r in self.table.retracted if r.arrival_s <= ripe_s])
-        self.schedule_round(after_s=ripe_s)
+        self.schedule_round(last_s=now)
+
+    # ------------------------------------------------------------------ joins (see `joins`)
+    def joining(self) -> bool:
+        """Do long calls take joins here: `scheduler.join_long_calls`, and no prefix reuse (a
+        joined request starts from nothing: it has no parked state to restore)."""
+        return self.config.scheduler.join_long_calls and self.cache.index is None
+
+    def joins_taken(self, w: WorkerSlot) -> bool:
+        """Will a long call to `w` take joins (`StepPlan.joins`)?"""
+        return self.joining() and w.info.joins and self.config.roles is None
+
+    def join_waiting(self, ripe: list[Request]) -> None:
+        """Send `ripe` (waiting requests, in queue order) into long calls that have room for
+        them, roomiest first, while no retracted request waits (those go first, as in the
+        planner). Each taken request is running on that worker from now on."""
+        if not ripe or self.table.retracted:
+            return
+        cap = self.config.scheduler.max_batch_size or 1 << 30
+        open_calls = sorted((o for o in self.fleet.long_calls.values() if not o.draining
+                             and o.open_call is not None and o.open_call.call_id == o.long_call),
+                            key=lambda o: -o.open_call.free_slots)
+        for o in open_calls:
+            call = o.open_call
+            taken = call.take(ripe if call.streams else [r for r in ripe if not r.streaming],
+                              o.view.page_size, cap - len(o.view.running))
+            if not taken:
+                continue
+            for r in taken:
+                self.table.waiting.remove(r)
+            ripe = [r for r in ripe if r not in taken]
+            call.debit(o.view, taken)
+            self.mark_running(o, taken)
+            self.counters.joins += len(taken)
+            self.fleet.forget(o.handle.join.remote(call.call_id, [prefill_item(r) for r in taken]))
+            if not ripe:
+                return
+
+    def settle_joins(self, w: WorkerSlot, decision: Decision, result: Any) -> None:
+        """`w`'s long call replied: the requests sent to join it count as this call's admissions
+        (applied with it); those it dropped (they came after its decoding ended) are listed
+        as not admitted, so that `put_back` queues them again."""
+        call, w.open_call = w.open_call, None
+        if call is None or not call.sent:
+            return
+        decision.admit.extend(call.sent)
+        if isinstance(result, StepResult):
+            late = call.settle(result.joined, result.not_admitted)
+            self.counters.joins_refused += sum(1 for r in call.sent if r.request_id in result.not_admitted)
+            self.counters.joins_late += len(late)
+            result.not_admitted.extend(late)
 
     def interrupt_for(self, waiting: list[Request], retracted: list[Request]) -> None:
         """End enough long calls that workers can start `waiting` and resume `retracted`.

@@ -38,6 +38,7 @@ class WorkerSlot:
     task: asyncio.Task | None = None
     long_call: int = 0  # the call id of its call in flight that folds more than one successor
     #   (`Fleet.interrupt` ends it early); 0: none, or interrupted already
+    open_call: Any = None  # `joins.OpenCall` of its long call if that takes joins, until its reply
 
     @classmethod
     def from_info(cls, handle: Any, info: WorkerInfo, role: Role = Role.BOTH) -> WorkerSlot:
@@ -136,12 +137,17 @@ class Fleet:
         decides again: something needs a decision there. False if it has none in flight."""
         if not w.long_call:
             return False
-        sent = asyncio.get_running_loop().create_task(quietly(w.handle.interrupt.remote(w.long_call)))
-        self._sent.add(sent)  # read, so that one sent to a worker that just died logs nothing
-        sent.add_done_callback(self._sent.discard)
+        self.forget(w.handle.interrupt.remote(w.long_call))
         self.end_long_call(w)
         self.interrupts += 1
         return True
+
+    def forget(self, ref: Any) -> None:
+        """Read a call's reply in the background (one sent to a worker that just died logs
+        nothing)."""
+        sent = asyncio.get_running_loop().create_task(quietly(ref))
+        self._sent.add(sent)
+        sent.add_done_callback(self._sent.discard)
 
     def interrupt_all(self) -> None:
         for w in list(self.long_calls.values()):
