@@ -67,12 +67,13 @@ class PageLedger:
     def extend(self, request_id: str, total_tokens: int) -> bool:
         """Grow a request to `total_tokens` tokens. False (nothing taken) if pages run out."""
         pages = self._owned(request_id)
-        need = self.pages_needed(request_id, total_tokens)
-        if need > len(self._free_pages):
-            return False
-        if need:
-            taken = list(reversed(self._free_pages[-need:]))  # the lowest free pages sit at the end
-            del self._free_pages[-need:]
+        need = -(-total_tokens // self.page_size) - len(pages)  # `pages_needed` (this runs per token)
+        if need > 0:
+            free = self._free_pages
+            if need > len(free):
+                return False
+            taken = free[-need:][::-1]  # the lowest free pages sit at the end
+            del free[-need:]
             self._on_pages(request_id, len(pages), taken)
             pages.extend(taken)
         if total_tokens > self._lens[request_id]:

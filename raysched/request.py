@@ -67,6 +67,11 @@ class Request:
         return self.prompt_ids + tuple(self.output_ids)
 
     @property
+    def num_tokens(self) -> int:
+        """len(token_ids), without building them."""
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
     def num_generated(self) -> int:
         return len(self.output_ids)
 

@@ -159,6 +159,15 @@ def test_bool_for_int_is_rejected() -> None:
         load_serve_config({"pool": {"state_slots": True}})
 
 
+def test_join_keys_are_validated() -> None:
+    cfg = load_serve_config({"scheduler": {"join_long_calls": False, "join_after_ms": 0}})
+    assert cfg.scheduler.join_long_calls is False and cfg.scheduler.join_after_ms == 0
+    with pytest.raises(ConfigError, match="scheduler.join_after_ms must be a finite number >= 0, got -1"):
+        load_serve_config({"scheduler": {"join_after_ms": -1}})
+    with pytest.raises(ConfigError, match="scheduler.join_long_calls must be true or false, got 'yes'"):
+        load_serve_config({"scheduler": {"join_long_calls": "yes"}})
+
+
 def test_int_for_bool_is_rejected() -> None:
     with pytest.raises(ConfigError, match="scheduler.debug_drop_state must be true or false, got 1"):
         load_serve_config({"scheduler": {"debug_drop_state": 1}})

@@ -319,8 +319,8 @@ class Dispatcher:
         if not ripe or self.table.retracted:
             return
         cap = self.config.scheduler.max_batch_size or 1 << 30
-        open_calls = sorted((o for o in self.fleet.long_calls.values() if not o.draining
-                             and o.open_call is not None and o.open_call.call_id == o.long_call),
+        open_calls = sorted((o for o in self.fleet.long_calls.values() if o.open_call is not None
+                             and o.open_call.free_slots > 0 and o.open_call.call_id == o.long_call and not o.draining),
                             key=lambda o: -o.open_call.free_slots)
         for o in open_calls:
             call = o.open_call
@@ -451,7 +451,7 @@ class Dispatcher:
         this call's tokens joined it; turn-cache hits count only the suffix they prefill)."""
         for r in decision.admit + [r for r in decision.resume if r.recompute]:
             if r.request_id not in result.not_admitted:
-                fed = len(r.token_ids) - streamed.get(r.request_id, 0) - result.cached.get(r.request_id, 0)
+                fed = r.num_tokens - streamed.get(r.request_id, 0) - result.cached.get(r.request_id, 0)
                 self.counters.on_prefill(w.view.role.value, fed)
 
     def add_tokens(self, new_tokens: dict[str, list[int]], now: float, skip: dict[str, int] | None = None) -> None:

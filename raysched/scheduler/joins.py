@@ -46,14 +46,14 @@ class OpenCall:
         for r in view.running:
             held = view.allocated.get(r.request_id)
             new += held is None
-            target = pages(len(r.token_ids) + min(steps, max(r.remaining, 0)), ps) * ps
+            target = pages(r.num_tokens + min(steps, max(r.remaining, 0)), ps) * ps
             need += max(0, target - pages(held or 0, ps) * ps)
         slots = min(view.free_slots - new, view.total_slots - len(view.running))
         return cls(call_id, steps, view.free_tokens - need, slots, streams)
 
     def need(self, r: Request, page_size: int) -> int:
         """KV tokens `r` takes here: its prompt and the call's steps (page-rounded)."""
-        return pages(len(r.token_ids) + min(self.steps, max(r.remaining, 0)), page_size) * page_size
+        return pages(r.num_tokens + min(self.steps, max(r.remaining, 0)), page_size) * page_size
 
     def take(self, waiting: Iterable[Request], page_size: int, cap: int) -> list[Request]:
         """The requests at the head of `waiting` that fit, in order (first come, first served:

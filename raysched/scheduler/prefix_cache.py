@@ -207,7 +207,7 @@ class PrefixCache:
         wanted: list[tuple] = []
         for p in parked:
             req = self.table.requests.get(p.request_id)
-            if req is None or req.state is not State.RUNNING or len(req.token_ids) <= p.num_tokens:
+            if req is None or req.state is not State.RUNNING or req.num_tokens <= p.num_tokens:
                 continue
             tokens = req.token_ids[:p.num_tokens]
             missing = self._missing_blocks(tokens, p)
