@@ -969,7 +969,8 @@ def test_an_open_call_keeps_its_own_requests_room_and_takes_the_head_of_the_queu
     own requests need for all of its steps (page-rounded; one it starts holds nothing yet and
     takes a slot). `take` hands out that room first come, first served: it stops at the first
     request that does not fit, even when a later one would. The reference is worked out by hand
-    below. Controls: a cap of 0 takes nothing; `settle` names only what the reply lists nowhere."""
+    below. Under `admission: reserve` every request's room is its whole budget, as the planner
+    keeps it. Controls: a cap of 0 takes nothing; `settle` names only what the reply lists nowhere."""
     def req(rid: str, prompt: int, max_new: int) -> Request:
         return Request(rid, tuple(range(1, prompt + 1)), SamplingParams(max_new_tokens=max_new))
 
@@ -987,6 +988,10 @@ def test_an_open_call_keeps_its_own_requests_room_and_takes_the_head_of_the_queu
     assert call.free_slots == 0 and call.take([req("d", 1, 1)], 8, cap=4) == []
     assert call.settle(joined=["a"], not_admitted=[]) == ["c"]
     assert call.settle(joined=["a"], not_admitted=["c"]) == []
+    reserve = OpenCall.of(view, call_id=5, steps=24, reserve=True)  # `admission: reserve`: whole budgets
+    # run: 10 + 100 tokens = 14 pages (112), holds 16 -> 96 more; new: 16 as above
+    assert reserve.free_tokens == 200 - 96 - 16 and reserve.take(queue, 8, cap=4) == []  # a needs 300
+    assert [r.request_id for r in reserve.take(queue[2:], 8, cap=4)] == ["c"]
 
 
 @pytest.mark.parametrize("join", [True, False], ids=["joins", "control-interrupts"])

@@ -142,7 +142,8 @@ class Dispatcher:
         retract_calls = [self.ledger.send(w, r) for r in snap_victims]  # queued: others may resume them
         calls = [self.send_step(w, step, *[[r.snapshot_ref] for r in resume_snap], *[e.refs for _, e in prefixes])]
         if step.joins:  # waiting requests may start inside it (`join_waiting`)
-            w.open_call = OpenCall.of(w.view, step.call_id, decision.decode_steps, streams=calls[0][1])
+            w.open_call = OpenCall.of(w.view, step.call_id, decision.decode_steps, streams=calls[0][1],
+                                      reserve=self.config.scheduler.admission == "reserve")
         self.ledger.count_resume_bytes(w, resume_snap)
         if not folded and self.can_pipeline(w, decision):  # the worker never waits for us
             calls.append(self.send_step(w, self.successor_plan(w, decision.decode_steps)))

@@ -36,24 +36,27 @@ class OpenCall:
     free_tokens: int
     free_slots: int
     streams: bool = False  # the call streams each step's tokens (a streamed request joins only such a call)
+    reserve: bool = False  # `admission: reserve`: a request's room is its whole budget, not the call's steps
     sent: list[Request] = field(default_factory=list)  # requests sent to join it, in order
 
     @classmethod
-    def of(cls, view: WorkerView, call_id: int, steps: int, streams: bool = False) -> OpenCall:
+    def of(cls, view: WorkerView, call_id: int, steps: int, streams: bool = False, reserve: bool = False) -> OpenCall:
         """The room of `view`'s call `call_id` of `steps` decode steps, whose requests are
         `view.running` (those it starts hold nothing yet in `view.allocated`)."""
-        ps, need, new = view.page_size, 0, 0
+        call = cls(call_id, steps, view.free_tokens, 0, streams, reserve)
+        ps, new = view.page_size, 0
         for r in view.running:
             held = view.allocated.get(r.request_id)
             new += held is None
-            target = pages(r.num_tokens + min(steps, max(r.remaining, 0)), ps) * ps
-            need += max(0, target - pages(held or 0, ps) * ps)
-        slots = min(view.free_slots - new, view.total_slots - len(view.running))
-        return cls(call_id, steps, view.free_tokens - need, slots, streams)
+            call.free_tokens -= max(0, call.need(r, ps) - pages(held or 0, ps) * ps)
+        call.free_slots = min(view.free_slots - new, view.total_slots - len(view.running))
+        return call
 
     def need(self, r: Request, page_size: int) -> int:
-        """KV tokens `r` takes here: its prompt and the call's steps (page-rounded)."""
-        return pages(r.num_tokens + min(self.steps, max(r.remaining, 0)), page_size) * page_size
+        """KV tokens `r` holds by the call's end: its tokens and the call's steps (with `reserve`,
+        its whole remaining budget), page-rounded."""
+        more = max(r.remaining, 0) if self.reserve else min(self.steps, max(r.remaining, 0))
+        return pages(r.num_tokens + more, page_size) * page_size
 
     def take(self, waiting: Iterable[Request], page_size: int, cap: int) -> list[Request]:
         """The requests at the head of `waiting` that fit, in order (first come, first served:
