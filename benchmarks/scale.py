@@ -51,8 +51,9 @@ class Setup:
     decode_steps_per_call: int = 4
     stream_each_step: bool = True  # each decode step's tokens sent as it completes (False: per call)
     fold_successor: bool = True  # a successor needing no decision runs in the same call (False: pipelined)
-    fold_calls: int = 8  # with fold_successor: most calls' steps one call runs (2: one successor)
-    workers_per_process: int = 16  # simulated workers per host process
+    fold_calls: int = 16  # with fold_successor: most calls' steps one call runs (2: one successor)
+    workers_per_process: int = 64  # simulated workers per host process (fewer processes: less of the
+    #   simulation's own cost on a machine of a few cores)
     batch_calls: bool = True  # a host's step calls travel in batches (`sim.batch_calls`)
     join_long_calls: bool = True  # a waiting request starts inside a long call (`scheduler.join_long_calls`)
 

@@ -426,7 +426,7 @@ class SchedulerConfig:
     decode_steps_per_call: int = 4  # decode steps a worker runs per scheduler decision
     fold_successor: bool = True  # a call whose successor needs no decision runs the successor's
     #   steps too (one Ray call instead of two); False: the successor is a second, pipelined call
-    fold_calls: int = 8  # with fold_successor: a call runs up to this many calls' decode steps
+    fold_calls: int = 16  # with fold_successor: a call runs up to this many calls' decode steps
     #   while none of them needs a decision; one that runs more than 2 ends early when the
     #   scheduler interrupts it (a request waits for room, an abort, a drain, a migration)
     interrupt_after_ms: float = 20.0  # a request that has waited this long for room interrupts

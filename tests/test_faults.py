@@ -104,7 +104,7 @@ SCENARIOS = {
     # a folded call runs 2 x 4 decode steps: dies after 6, past where an unfolded call ends
     "in-folded-step": Scenario({"fold_calls": 2}, [kill(1, 2, "kill_in_step", after_decode_steps=6, folded=True)], 30,
                                pool=ROOMY, requests=8),
-    # a long call (up to `fold_calls` 8 x 4 steps; no rebalancing, whose moves keep calls short)
+    # a long call (up to `fold_calls` 16 x 4 steps; no rebalancing, whose moves keep calls short)
     # dies after 20 of its steps
     "in-long-call": Scenario({"fold_calls": 8, "rebalance": {"enabled": False}}, [kill(0, 2, "kill_in_step", after_decode_steps=20, folded=True)], 31,
                              pool=ROOMY, requests=6),
@@ -145,7 +145,7 @@ class TestOnCluster:
             if spec.get("pipelined"):
                 assert record["pipelined"] is True, record
             if spec.get("folded"):  # one successor (8 steps), or a long call (more)
-                long = case.scheduler.get("fold_calls", 8) > 2
+                long = case.scheduler.get("fold_calls", 16) > 2
                 assert record["folded"] is True and (record["decode_steps"] > 8 if long else record["decode_steps"] == 8), record
             if spec["kind"] == "kill_in_step":
                 assert record["decode_steps"] >= spec.get("after_decode_steps", 0), record  # died inside it
