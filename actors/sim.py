@@ -2,7 +2,7 @@
 accounting, no model, no torch.
 
 A `SimWorker` answers the same calls as `actors.worker.Worker` (info, usage, running_ids,
-is_idle, retract, retract_pending, step, step_stream, take_parked) with the same pool bookkeeping
+is_idle, retract, retract_pending, step, step_stream, interrupt, join, take_parked, ...) with the same pool bookkeeping
 (`actors.accounting.PoolLedger`: KV pages and one state slot per request), so it runs out of room,
 stalls, is retracted and resumed exactly as a real worker of that size would. What it does not do
 is compute:

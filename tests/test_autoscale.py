@@ -245,14 +245,24 @@ def serving(**autoscale):
 @pytest.mark.usefixtures("local_ray", "one_torch_thread")
 class TestOnRay:
     def test_a_burst_grows_the_set_and_idle_shrinks_it_back_with_nothing_lost(self):
+        import threading
+
         from raysched.runner import run_workload
         from tests.conftest import wait_until
         from tests.exactness import assert_exactly_once, assert_idle, synthetic
 
-        specs = synthetic(seed=5, requests=32, max_new_tokens=(70, 110))  # ~25 s on one worker: outlasts a start
+        specs = synthetic(seed=5, requests=32, max_new_tokens=(70, 110))
+        burst, after_grow = specs[:16], specs[16:]
         with serving(scale_up_waiting=2, scale_up_after_s=0.3, scale_down_idle_s=1.0) as client:
             t0 = time.monotonic()
-            report = run_workload(client, specs, progress=False)
+            reports: list[dict] = []
+            first = threading.Thread(target=lambda: reports.append(run_workload(client, burst, progress=False)))
+            first.start()  # the burst queues past the 2 slots: the policy grows the set
+            # A fast CPU may serve the burst before a worker starts (~6 s): the rest of the
+            # requests come once the added worker is up, so that it has work whatever the speed.
+            wait_until(lambda: client.stats()["workers_alive"] == 2, 120, "the set to grow to two workers")
+            reports.append(run_workload(client, after_grow, progress=False))
+            first.join(timeout=300)
             served_s = time.monotonic() - t0
             stats = client.stats()
             assert stats["autoscale_grows"] == 1 and len(stats["workers"]) == 2, stats["workers"]
@@ -260,6 +270,7 @@ class TestOnRay:
             after = client.stats()
             assert after["autoscale_shrinks"] == 1 and after["autoscale_grows"] == 1, after
             assert_idle(client.check_idle())
+        report = {"requests": [r for rep in reports for r in rep["requests"]]}
         assert_exactly_once(report, specs)
         on_added = [r["request_id"] for r in report["requests"] if 1 in r["workers"]]
         assert on_added, "the added worker served no request"
