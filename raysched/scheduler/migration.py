@@ -152,7 +152,11 @@ class Migrator:
                 fault = self.faults.migration_point(src, "kill_migration_source", rid, out["stages"])
                 blocks, info = src.handle.migrate_out.options(num_returns=2).remote(
                     rid, sent, cfg.block_tokens, False, fault)
-                nbytes, end, held = await self._call(src, info, req, out, dst)
+                try:
+                    nbytes, end, held = await self._call(src, info, req, out, dst)
+                except Abandoned:  # (e.g. r left the source meanwhile): its blocks' ref holds the same
+                    self.fleet.forget(blocks)  # error; read it, so that Ray does not print it as unread
+                    raise
                 if end > sent:
                     fault = self.faults.migration_point(dst, "kill_migration_dest", rid, out["stages"])
                     if not await self._call(dst, dst.handle.migrate_in.remote(rid, [blocks], fault), req, out, dst):
