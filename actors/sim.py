@@ -280,10 +280,10 @@ class SimWorker:
         items = self._joins.take(plan)
         if not items:
             return 0
-        refused = len(result.not_admitted)
+        before = len(result.not_admitted)
         fed = self.engine.prefill(items, result)
-        late = set(result.not_admitted[refused:])
-        result.joined.extend(item.request_id for item in items if item.request_id not in late)
+        no_room = set(result.not_admitted[before:])
+        result.joined.extend(item.request_id for item in items if item.request_id not in no_room)
         return fed
 
     def _timeline(self, plan: StepPlan, *snapshots: Any) -> list[tuple[float, StepTokens | StepResult]]:
