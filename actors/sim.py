@@ -312,7 +312,8 @@ class SimWorker:
                 break
             finished = len(result.finished)
             toks, join_fed = self._decode_step(plan, one_step, k, result)
-            joined_ms += sim.step_ms(join_fed, 0, 0)
+            if join_fed:
+                joined_ms += sim.step_ms(join_fed, 0, 0)
             if toks:
                 ms = sim.step_ms(join_fed + (0 if sent_ms else fed), 1, rows)
                 sent_ms += ms

@@ -171,4 +171,4 @@ class WorkerInfo:
     prefill_tokens_per_s: float = 0.0
     kernel: str = ""  # the kernels that decide its bits ("rowdot avx2+fma; mkl <GEMM fingerprint>; aten
     #   AVX2", "cuda"): a request moved between workers that differ here continues up to rounding only
-    joins: bool = False  # takes `join` into a long call (`StepPlan.joins`; the simulated worker)
+    joins: bool = False  # takes `join` into a long call (`StepPlan.joins`; both workers of this repository do)

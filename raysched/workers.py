@@ -189,6 +189,9 @@ class SimHost:
         self._impl.kill(index)
 
 
+BESIDE_CALLS = ("interrupt", "join")  # a worker's methods that act on its call in flight, not after it
+
+
 class _SimMethod:
     """`handle.<method>` of a simulated worker: `.remote(*args)`, `.options(num_returns=n)`."""
 
@@ -200,11 +203,11 @@ class _SimMethod:
 
     def remote(self, *args: Any) -> Any:
         h = self.handle
-        if h.channel is not None and self.name in ("step", "interrupt", "join") and _in_event_loop():
+        if h.channel is not None and (self.name == "step" or self.name in BESIDE_CALLS) and _in_event_loop():
             if self.name == "step":
                 return h.channel.step(h.index, next(h.calls), args)
             return h.channel.post(self.name, h.index, *args)
-        if self.name in ("interrupt", "join"):  # beside the call it acts on, not in the worker's order
+        if self.name in BESIDE_CALLS:  # beside the call it acts on, not in the worker's order
             return getattr(h.host, self.name).remote(h.index, *args)
         if self.name == "step_stream":  # a streaming generator, as the worker actor's
             return h.host.stream.options(num_returns="streaming").remote(h.index, next(h.calls), *args)

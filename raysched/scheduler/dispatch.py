@@ -331,7 +331,8 @@ class Dispatcher:
                 continue
             for r in taken:
                 self.table.waiting.remove(r)
-            ripe = [r for r in ripe if r not in taken]
+            gone = {id(r) for r in taken}  # (by identity: a Request compares all its fields)
+            ripe = [r for r in ripe if id(r) not in gone]
             call.debit(o.view, taken)
             self.mark_running(o, taken)
             self.counters.joins += len(taken)
