@@ -5,5 +5,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash .ci/setup
-exec .venv/bin/raysched run --config examples/serve.yaml --workload examples/workload.yaml \
+exec .venv/bin/raysched run --config examples/demo.yaml --workload examples/workload.yaml \
   --report demo-report.json "$@"

@@ -21,7 +21,7 @@ from raysched.sampling import SamplingParams
 from raysched.workload import load_workload
 from tests import user_cli
 from tests.conftest import reference_tokens
-from tests.user_cli import SERVE_YAML, WORKLOAD_YAML
+from tests.user_cli import DEMO_YAML, SERVE_YAML, WORKLOAD_YAML
 
 TINY_VOCAB = 512
 RECORD_KEYS = {"prompt_ids", "token_ids", "workers", "retractions", "ttft_s", "latency_s"}
@@ -41,7 +41,7 @@ def summary_count(stdout: str, name: str) -> int:
 
 def run_demo(report: Path) -> tuple[subprocess.CompletedProcess, float]:
     t0 = time.monotonic()
-    proc = raysched("run", "--config", SERVE_YAML, "--workload", WORKLOAD_YAML, "--report", report, "--quiet")
+    proc = raysched("run", "--config", DEMO_YAML, "--workload", WORKLOAD_YAML, "--report", report, "--quiet")
     return proc, time.monotonic() - t0
 
 
@@ -117,7 +117,7 @@ def test_run_survives_the_death_of_its_scheduler(tmp_path: Path) -> None:
     """`raysched run` with a kill_scheduler fault: Ray restarts the scheduler, the run resubmits
     what was pending, and every request finishes once with the reference tokens."""
     config = tmp_path / "serve.yaml"
-    config.write_text(SERVE_YAML.read_text().replace(
+    config.write_text(DEMO_YAML.read_text().replace(
         "faults: []", "faults: [{kind: kill_scheduler, worker: 0, after_steps: 6}]"))
     report_path = tmp_path / "out.json"
     proc = raysched("run", "--config", config, "--workload", WORKLOAD_YAML, "--report", report_path, "--quiet",
@@ -146,7 +146,7 @@ def test_generate_prints_the_documented_json() -> None:
 
 def test_unknown_config_key_exits_2_naming_the_key(tmp_path: Path) -> None:
     bad = tmp_path / "serve.yaml"
-    bad.write_text(SERVE_YAML.read_text().replace("  kv_tokens: 160", "  kv_tokenz: 160"))
+    bad.write_text(SERVE_YAML.read_text().replace("  kv_tokens: 8192", "  kv_tokenz: 8192"))
     proc = raysched("run", "--config", bad, "--workload", WORKLOAD_YAML, timeout_s=60)
     assert proc.returncode == 2
     assert "unknown key 'pool.kv_tokenz'" in proc.stderr and "did you mean 'kv_tokens'" in proc.stderr

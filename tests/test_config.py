@@ -51,11 +51,33 @@ def test_brief_example_yaml_loads_with_defaults_for_the_rest(tmp_path: Path) -> 
     assert cfg.faults == ()
 
 
-def test_demo_serve_yaml_loads_with_small_pools() -> None:
-    cfg = load_serve_config(REPO / "examples" / "serve.yaml")
+def test_demo_yaml_loads_with_small_pools() -> None:
+    cfg = load_serve_config(REPO / "examples" / "demo.yaml")
     assert (cfg.model, cfg.workers) == ("tiny", 2)
     assert (cfg.pool.kv_tokens, cfg.pool.state_slots) == (160, 4)
     assert (cfg.scheduler.retract, cfg.scheduler.decode_steps_per_call) == ("snapshot", 4)
+
+
+def _kv_tokens_needed(model: str, chars: int, max_tokens: int = 16) -> int:
+    """KV tokens one request of `chars` characters of English text and `max_tokens` needs (the
+    server's own sum: prompt + max_tokens - 1, the last token's K/V is never written)."""
+    from raysched.tokenizer import require_tokenizer
+
+    words = "the scheduler moves each request with its whole state to any worker of the cluster".split()
+    text = " ".join(words[i % len(words)] for i in range(chars))[:chars]
+    return len(require_tokenizer(model).encode(text)) + max_tokens - 1
+
+
+@pytest.mark.parametrize("name", ["serve", "demo"], ids=["serve-holds-it", "control-demo-does-not"])
+def test_serve_yaml_holds_a_2000_character_prompt_and_the_demo_yaml_does_not(name: str) -> None:
+    """The README's serve config takes a real prompt (2,000 characters, with room for four such
+    requests per worker and prefix reuse on); the demo's pools are sized to overflow."""
+    cfg = load_serve_config(REPO / "examples" / f"{name}.yaml")
+    need = _kv_tokens_needed(cfg.model, 2000)
+    if name == "serve":
+        assert 4 * need <= cfg.pool.kv_tokens and cfg.pool.state_slots >= 8 and cfg.state_cache.enabled, need
+    else:
+        assert need > cfg.pool.kv_tokens, need
 
 
 def test_path_given_as_str_loads(tmp_path: Path) -> None:

@@ -27,7 +27,8 @@ REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 _SCRIPT = BIN / "raysched"  # the console script, as a user runs it
 RAYSCHED = [str(_SCRIPT)] if _SCRIPT.exists() else [sys.executable, "-m", "raysched.cli"]
-SERVE_YAML = REPO / "examples" / "serve.yaml"
+SERVE_YAML = REPO / "examples" / "serve.yaml"  # the README's serve config (pools for real prompts)
+DEMO_YAML = REPO / "examples" / "demo.yaml"  # the demo's small pools: requests retract and move
 WORKLOAD_YAML = REPO / "examples" / "workload.yaml"
 STORE_BYTES = 100 << 20  # object store of a test head (the smallest Ray accepts is 75 MiB)
 
