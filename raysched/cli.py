@@ -208,14 +208,53 @@ def format_status(workers: list[dict], stats: dict) -> None:
     t = stats["tables"]
     print(f"queues: waiting {t['waiting']}  running {t['running']}  retracted {t['retracted']}  "
           f"snapshots held {t['snapshots_held']}")
-    keys = ("submitted", "finished", "aborted", "failed", "tokens", "retractions", "resumes", "migrations",
-            "snapshot_bytes", "worker_failures", "workers_replaced")
-    print("counters: " + "  ".join(f"{k} {stats.get(k)}" for k in keys))
+    shown = {"tables", "workers", "uptime_s", "workers_alive"}
+    for title, keys in STATUS_GROUPS:
+        shown.update(keys)
+        _print_counters(title, [k for k in keys if k in stats], stats)
+    _print_counters("more", sorted(k for k, v in stats.items() if k not in shown and _is_counter(v)), stats)
     if stats.get("handovers") or stats.get("prefill_tokens_by_role"):
         print(f"roles: prefill tokens {stats.get('prefill_tokens_by_role')}  hand-overs {stats.get('handovers')}  "
               f"hand-over bytes {stats.get('handover_bytes')}  hand-over latency p50 "
               f"{_ms(stats.get('handover_latency_p50_s'))}  p99 {_ms(stats.get('handover_latency_p99_s'))}")
     print(f"uptime {stats['uptime_s']:.0f} s, workers alive {stats['workers_alive']}")
+
+
+STATUS_GROUPS = (  # `raysched status` prints every counter: these by topic, the rest on a "more:" line
+    ("requests", ("submitted", "finished", "aborted", "failed", "tokens", "resubmitted", "resubmitted_tokens")),
+    ("retractions", ("retractions", "retractions_snapshot", "retractions_recompute", "preemptions", "resumes",
+                     "resumes_snapshot", "resumes_recompute", "snapshot_bytes", "snapshot_bytes_held",
+                     "snapshot_bytes_held_peak", "store_pressure_fallbacks", "snapshots_refused", "snapshots_lost",
+                     "resume_bytes_moved")),
+    ("moves", ("migrations", "cross_node_migrations", "live_migrations", "snapshot_migrations",
+               "migrations_abandoned", "rebalance_moves", "migration_downtime_s", "migration_precopy_bytes",
+               "migration_final_bytes")),
+    ("workers", ("worker_failures", "workers_replaced", "recovered", "autoscale_grows", "autoscale_shrinks")),
+    ("prefix reuse", ("state_cache_hits", "state_cache_hits_chunk", "state_cache_hits_prompt",
+                      "state_cache_hits_finished", "state_cache_hits_same_worker", "state_cache_hits_same_node",
+                      "state_cache_hits_other_node", "state_cache_misses", "state_cache_tokens_reused",
+                      "state_cache_fallbacks", "state_cache_bytes", "state_cache_points", "state_cache_entries",
+                      "state_cache_chunks", "state_cache_evictions")),
+    ("calls", ("calls", "pipelined_calls", "folded_calls", "interrupted_calls", "joins", "joins_refused",
+               "joins_late")),
+)
+
+
+def _is_counter(value: Any) -> bool:
+    return isinstance(value, (int, float)) or (isinstance(value, dict) and all(
+        isinstance(v, (int, float)) for v in value.values()))
+
+
+def _print_counters(title: str, keys: list[str], stats: dict) -> None:
+    """One line `title: key value  key value ...` (a dict value as `key p50 0.1 p99 0.2`)."""
+    if keys:
+        print(f"{title}: " + "  ".join(f"{k} {_counter_text(stats[k])}" for k in keys))
+
+
+def _counter_text(value: Any) -> str:
+    if isinstance(value, dict):
+        return " ".join(f"{k} {_counter_text(v)}" for k, v in value.items()) or "-"
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
 def _ms(seconds: float | None) -> str:
@@ -319,32 +358,58 @@ def _generate_row(prompt_ids: list[int], token_ids: list[int], tok, sampling) ->
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    import raysched
+    """Serve the workload; the summary and `--report` are written whenever the run ends, also
+    after an interrupt at any moment once the input is checked (during the cluster's start-up:
+    a report with no request finished, every one `unfinished`)."""
+    import time
+
     from raysched.config import load_serve_config
-    from raysched.runner import format_summary, run_workload
+    from raysched.runner import interrupted_report
     from raysched.tokenizer import load_tokenizer
     from raysched.workload import build_requests, load_workload_config
 
     config = load_serve_config(args.config)
     workload = load_workload_config(args.workload)  # validate everything before starting anything:
-    build_requests(workload, PRECHECK_VOCAB, load_tokenizer(config.model))  # the trace too (but the vocabulary)
+    planned = build_requests(workload, PRECHECK_VOCAB, load_tokenizer(config.model))  # the trace too (but the vocabulary)
+    t0, out = time.monotonic(), {}
+    try:
+        _launch_and_run(args, config, workload, out)
+    except KeyboardInterrupt:  # in the start-up, or in the shut-down after the run (its report stands)
+        pass
+    report = out.get("report") or interrupted_report(len(planned), time.monotonic() - t0)
+    _write_summary(report, args.report)
+    if report["summary"].get("interrupted") or interrupts.signalled():  # also one held back while Ray stopped
+        raise interrupts.Interrupted(interrupts.signalled() or signal.SIGINT)
+    return 0 if report["summary"]["failed"] == 0 else 1
+
+
+def _launch_and_run(args: argparse.Namespace, config: Any, workload: Any, out: dict) -> None:
+    """Start the scheduler (and an embedded cluster without --address), run the workload, shut
+    down; the run's report goes to out["report"] (before the shut-down: an interrupt there, or
+    before the workload runs, raises KeyboardInterrupt)."""
+    import raysched
+    from raysched.runner import run_workload
+    from raysched.workload import build_requests
+
     with interrupts.holding():
         client = raysched.launch(config, address=args.address)
     try:
         interrupts.raise_if_signalled()
         _print_workers(client.workers)
         specs = build_requests(workload, client.vocab_size(), client.tokenizer)
-        report = run_workload(client, specs, progress=not args.quiet)
+        out["report"] = run_workload(client, specs, progress=not args.quiet)
     finally:  # after an interrupt, no long wait for a scheduler whose node may be going down
         client.shutdown(timeout_s=INTERRUPTED_STOP_TIMEOUT_S if interrupts.signalled() else STOP_TIMEOUT_S)
-    print(file=sys.stderr)
+
+
+def _write_summary(report: dict, path: str | None) -> None:
+    from raysched.runner import format_summary
+
+    print(file=sys.stderr)  # ends the progress line
     format_summary(report["summary"])
-    if args.report:
-        Path(args.report).write_text(json.dumps(report, indent=1))
-        print(f"report written to {args.report}")
-    if report["summary"].get("interrupted") or interrupts.signalled():  # also one held back while Ray stopped
-        raise interrupts.Interrupted(interrupts.signalled() or signal.SIGINT)
-    return 0 if report["summary"]["failed"] == 0 else 1
+    if path:
+        Path(path).write_text(json.dumps(report, indent=1))
+        print(f"report written to {path}")
 
 
 PRECHECK_VOCAB = 1 << 62  # trace lines are checked before Ray starts; their ids against the model after

@@ -34,10 +34,22 @@ def run_workload(client: Client, specs: list[RequestSpec], progress: bool = True
         interrupted = True
     duration_s = time.monotonic() - start  # before the stats calls, which can take a while
     timeout = INTERRUPTED_STATS_TIMEOUT_S if interrupted else None
-    report = build_report(records, _ask(client.scheduler.stats.remote(True), timeout),
-                          duration_s, _ask(client.scheduler.check_idle.remote(), timeout))
+    try:
+        stats, idle = _ask(client.scheduler.stats.remote(True), timeout), _ask(client.scheduler.check_idle.remote(), timeout)
+    except KeyboardInterrupt:  # while asking: the report of what finished, without the stats
+        interrupted, stats, idle = True, {}, {}
+    report = build_report(records, stats, duration_s, idle)
     if interrupted:
         report["summary"].update(interrupted=True, unfinished=len(specs) - len(records))
+    return report
+
+
+def interrupted_report(total: int, duration_s: float) -> dict:
+    """The report of a run interrupted before its workload started (in the cluster's start-up):
+    no request finished, all `total` are `unfinished`, no scheduler stats (an empty report is
+    still a report)."""
+    report = build_report([], {}, duration_s, {})
+    report["summary"].update(interrupted=True, unfinished=total)
     return report
 
 
@@ -144,6 +156,7 @@ def build_report(records: list[dict], stats: dict, duration_s: float, idle: dict
 
 
 def format_summary(summary: dict, echo: Callable[[str], None] = print) -> None:
+    summary = {k: "-" if v is None else v for k, v in summary.items()}  # a stat the run never got
     rows = [("requests", summary["requests"]), ("finished", summary["finished"]),
             ("rejected", summary["rejected"]), ("tokens", summary["tokens"]),
             ("duration", f"{summary['duration_s']:.2f} s"), ("throughput", f"{summary['tokens_per_s']} tokens/s"),
@@ -164,5 +177,5 @@ def format_summary(summary: dict, echo: Callable[[str], None] = print) -> None:
 
 
 def _pair(a: float | None, b: float | None) -> str:
-    fmt = lambda x: "-" if x is None else f"{x * 1000:.0f} ms"  # noqa: E731
+    fmt = lambda x: "-" if x in (None, "-") else f"{x * 1000:.0f} ms"  # noqa: E731
     return f"{fmt(a)} / {fmt(b)}"

@@ -158,18 +158,23 @@ def test_interrupted_run_writes_the_summary_and_report_of_what_finished(tmp_path
     assert time.monotonic() - sent < 60  # measured: 3-4 s (pid), 9-26 s (group) on a loaded 2-core box
 
 
-@pytest.mark.parametrize("command, sig, group", [("serve", signal.SIGINT, True), ("run", signal.SIGTERM, False)],
-                         ids=["ctrl-c-to-serves-group", "sigterm-to-runs-pid"])
+@pytest.mark.parametrize("command, sig, group", [("serve", signal.SIGINT, True), ("run", signal.SIGTERM, False),
+                                                 ("run", signal.SIGINT, True)],
+                         ids=["ctrl-c-to-serves-group", "sigterm-to-runs-pid", "ctrl-c-to-runs-group"])
 @pytest.mark.parametrize("delay_s", [0.0, 1.0], ids=["ray-starting", "ray-connecting"])
 def test_a_signal_while_ray_starts_is_one_line(tmp_path: Path, command: str, sig: int, group: bool,
                                                delay_s: float) -> None:
     """Ray's start-up is not cut in the middle (a KeyboardInterrupt there once crashed the process
     at exit, and Ray's own SIGTERM handlers exit quietly or abort): the signal waits for it, then
-    everything stops, in one line. Once, the SIGINT was lost and the server came up."""
+    everything stops, in one line. Once, the SIGINT was lost and the server came up. `run` still
+    prints its summary and writes its `--report`, with no request finished (the control, a later
+    interrupt that lists what finished: `test_interrupted_run_writes_the_summary_and_report_...`)."""
     home = tmp_path / "home"
     config = tmp_path / "serve.yaml"
     config.write_text(TINY)
-    args = ["--port", free_port()] if command == "serve" else ["--workload", late_workload(tmp_path)]
+    report = tmp_path / "out.json"
+    args = (["--port", free_port()] if command == "serve" else
+            ["--workload", late_workload(tmp_path), "--report", report])
     spawned = Spawned([command, "--config", config, *args], home)
     try:
         wait_until(lambda: (home / ".ray").exists() or spawned.proc.poll() is not None, 120,
@@ -184,6 +189,10 @@ def test_a_signal_while_ray_starts_is_one_line(tmp_path: Path, command: str, sig
     assert started not in spawned.out, "the signal came after the start-up: this case tests nothing"
     assert spawned.proc.returncode == 128 + sig, spawned.err[-3000:]
     assert "Traceback" not in spawned.err and spawned.err.rstrip().endswith(f"raysched {command}: interrupted ({name})")
+    if command == "run":
+        summary = json.loads(report.read_text())["summary"]
+        assert (summary["interrupted"], summary["finished"], summary["unfinished"]) == (True, 0, 24), summary
+        assert "summary" in spawned.out and "24 requests did not finish" in spawned.out, spawned.out[-2000:]
 
 
 def test_ray_shutdown_leaves_our_sigterm_handler_in_place(tmp_path: Path) -> None:
