@@ -446,6 +446,9 @@ class SchedulerConfig:
     snapshot_budget_bytes: int | None = None  # bytes of waiting snapshots the scheduler keeps in
     #   the object store; past it, victims are retracted by recompute. None = half the store
     replace_failed_workers: bool = True  # start a new worker when one dies (if resources allow)
+    max_worker_failures: int = 3  # a worker and its replacements failing this many times in a row
+    #   (no successful call between) stop the scheduler: no more replacements, every request fails
+    #   with the worker's error in one line
     preemption: bool = True  # a more urgent request that finds no room retracts less urgent ones
     prefill_chunk_tokens: int = 512  # most prompt tokens a request prefills per worker call, so
     #   a long prompt does not stall the decode steps of the others; 0 = whole prompts at once
@@ -471,6 +474,7 @@ class SchedulerConfig:
         "max_batch_size": check_optional(check_positive_int),
         "snapshot_budget_bytes": check_optional(check_non_negative_int),
         "replace_failed_workers": check_bool,
+        "max_worker_failures": check_positive_int,
         "preemption": check_bool,
         "prefill_chunk_tokens": check_non_negative_int,
         "prefill_budget_tokens": check_non_negative_int,

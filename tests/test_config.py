@@ -190,6 +190,15 @@ def test_join_keys_are_validated() -> None:
         load_serve_config({"scheduler": {"join_long_calls": "yes"}})
 
 
+def test_max_worker_failures_defaults_to_three_and_is_validated() -> None:
+    assert load_serve_config({}).scheduler.max_worker_failures == 3
+    cfg = load_serve_config({"scheduler": {"max_worker_failures": 1}})
+    assert cfg.scheduler.max_worker_failures == 1 and load_serve_config(cfg.to_dict()) == cfg
+    for bad in (0, -2, 2.5, True, "3"):
+        with pytest.raises(ConfigError, match=f"scheduler.max_worker_failures must be a positive integer, got {bad!r}"):
+            load_serve_config({"scheduler": {"max_worker_failures": bad}})
+
+
 def test_int_for_bool_is_rejected() -> None:
     with pytest.raises(ConfigError, match="scheduler.debug_drop_state must be true or false, got 1"):
         load_serve_config({"scheduler": {"debug_drop_state": 1}})
