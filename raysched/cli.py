@@ -96,6 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
     _deployment_args(dr)
     sc = sub.add_parser("scale", help="grow the worker set, or shrink it by draining and removing workers")
     sc.add_argument("--workers", type=_positive, required=True, help="live workers wanted")
+    sc.add_argument("--timeout", type=float, default=0.0, metavar="S",
+                    help="with no room in the cluster for the new workers, ask its autoscaler for it and wait "
+                         "up to S seconds (default 0: fail at once, in one line)")
     _deployment_args(sc)
 
     b = sub.add_parser("bench", help="benchmarks; each prints a table and writes JSON")
@@ -267,9 +270,16 @@ def cmd_drain(args: argparse.Namespace) -> int:
         out = (client.remove_worker if args.remove else client.drain)(args.worker)
     finally:
         client.shutdown()
-    print(f"worker {args.worker} drained{' and removed' if args.remove else ''}: moved {out['moved']} "
-          f"request(s) in {out['seconds']:.2f} s ({out['fallbacks']} by snapshot)")
+    print(f"worker {args.worker} drained{' and removed' if args.remove else ''} in {out['seconds']:.2f} s: "
+          f"{drain_text(out)}")
     return 0
+
+
+def drain_text(out: dict) -> str:
+    """Where a drain's requests went (`Migrator.drain`'s answer), in words."""
+    return (f"{out['moved']} request(s) moved: {out.get('live', '?')} live, {out.get('snapshot', '?')} by snapshot, "
+            f"{out.get('requeued', '?')} requeued to prefill again; {out.get('ended', 0)} ended meanwhile; "
+            f"{out.get('queued', '?')} waiting in the queue (on no worker) go to the other workers")
 
 
 def cmd_scale(args: argparse.Namespace) -> int:
@@ -277,16 +287,49 @@ def cmd_scale(args: argparse.Namespace) -> int:
     client = _connect(args)
     try:
         alive = [w["worker"] for w in client.workers]
+        if args.workers > len(alive):
+            _wait_for_room(client.config, len(alive), args.workers - len(alive), args.timeout)
         for _ in range(args.workers - len(alive)):
             line = client.add_worker()
             print(f"worker {line['worker']} added on node {line['node'][:12]}")
         for index in sorted(alive, reverse=True)[:max(0, len(alive) - args.workers)]:
             out = client.remove_worker(index)
-            print(f"worker {index} drained ({out['moved']} moved, {out['fallbacks']} by snapshot) and removed")
+            print(f"worker {index} drained and removed: {drain_text(out)}")
     finally:
         client.shutdown()
     print(f"{args.workers} worker(s)")
     return 0
+
+
+def _wait_for_room(config: Any, alive: int, more: int, timeout_s: float) -> None:
+    """Return once the cluster has free resources for `more` workers besides the `alive` ones;
+    with none now: a ClusterError at once (timeout 0), or ask the cluster's autoscaler for the
+    whole set and wait up to `timeout_s`, with a progress line every ROOM_PROGRESS_S."""
+    import time
+
+    from raysched.cluster import ClusterError
+    from raysched.ray_compat import request_resources
+    from raysched.workers import room_shortfall, worker_bundle
+
+    short = room_shortfall(config, more)
+    if short is not None and timeout_s > 0:
+        request_resources([worker_bundle(config)] * (alive + more))
+        deadline, last = time.monotonic() + timeout_s, 0.0
+        while short is not None and time.monotonic() < deadline:
+            if time.monotonic() - last >= ROOM_PROGRESS_S:
+                last = time.monotonic()
+                left = deadline - last
+                print(f"raysched scale: waiting for room for {more} more worker(s): {short} ({left:.0f} s left)",
+                      file=sys.stderr, flush=True)
+            time.sleep(ROOM_POLL_S)  # polls the cluster's free resources
+            short = room_shortfall(config, more)
+    if short is not None:
+        waited = f"after {timeout_s:g} s" if timeout_s > 0 else "(--timeout S waits for an autoscaler to add a node)"
+        raise ClusterError(f"no room for {more} more worker(s): {short} {waited}")
+
+
+ROOM_POLL_S = 1.0  # how often `scale --timeout` looks at the cluster's free resources
+ROOM_PROGRESS_S = 10.0  # ... and prints a progress line
 
 
 def cmd_stop(args: argparse.Namespace) -> int:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import importlib
 import itertools
+import logging
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -32,6 +33,8 @@ import ray
 
 from raysched.config import ServeConfig
 from raysched.messages import FaultPoint, StepPlan, StepResult, StepTokens, Usage, WorkerInfo
+
+log = logging.getLogger("raysched.scheduler")
 
 DATA_PLANE_WORKER = "actors.worker"  # the module that defines the real Worker (torch, the model)
 CONTROL_GROUP = {"control": 1}  # `Worker.interrupt` runs here, beside a step call; every other
@@ -125,10 +128,29 @@ def worker_bundle(config: ServeConfig) -> dict[str, float]:
     return {k: v for k, v in (("CPU", opts["num_cpus"]), ("GPU", opts["num_gpus"])) if v}
 
 
+def room_shortfall(config: ServeConfig, workers: int = 1) -> str | None:
+    """None when the cluster has free resources for `workers` more worker actors now, else one
+    line saying what a worker asks for and what the cluster has free ("a worker asks for 1 CPU;
+    the cluster has 0 of 2 CPU free"). Summed over the nodes, so it can miss a shortfall that
+    only the split across nodes makes, never invent one."""
+    bundle = worker_bundle(config)
+    free, total = ray.available_resources(), ray.cluster_resources()
+    if all(free.get(k, 0.0) >= workers * v for k, v in bundle.items()):
+        return None
+    asks = ", ".join(f"{v:g} {k}" for k, v in bundle.items())
+    has = ", ".join(f"{free.get(k, 0.0):g} of {total.get(k, 0.0):g} {k}" for k in bundle)
+    return f"{'a worker asks' if workers == 1 else f'{workers} workers ask, each'} for {asks}; the cluster has {has} free"
+
+
 def spawn_worker(config: ServeConfig, index: int) -> Any:
-    """Start worker `index`; returns its actor handle (the caller owns the actor)."""
+    """Start worker `index`; returns its actor handle (the caller owns the actor). With no room
+    in the cluster now it logs one line: Ray places the actor once room appears (a node an
+    autoscaler adds), and the caller's timeout ends the wait."""
     if config.data_plane == "sim":
         return spawn_sim_worker(config, index)
+    short = room_shortfall(config)
+    if short is not None:
+        log.warning("worker %d waits for room in the Ray cluster: %s", index, short)
     return worker_actor_class().options(**worker_options(config)).remote(config, index)
 
 

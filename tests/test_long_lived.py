@@ -11,6 +11,7 @@ in a subprocess with no RAY_* variable inherited from this test process.
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import time
@@ -98,6 +99,65 @@ def test_readme_long_lived_path_after_an_embedded_run(tmp_path: Path) -> None:
         assert stopped.returncode == 0 and "stopped" in stopped.stdout, stopped.stderr[-3000:]
         gone = raysched("status", "--address", head.address, home=home)
         assert "no raysched scheduler named 'raysched'" in one_line_error(gone, "status")
+
+
+@pytest.fixture(scope="module")
+def one_worker_on_two_cpus(tmp_path_factory: pytest.TempPathFactory):
+    """`ray start --head --num-cpus=2` and `raysched start` with one worker: the scheduler holds
+    no CPU, the worker one, so the cluster has room for exactly one more worker."""
+    home = tmp_path_factory.mktemp("scale") / "home"
+    config = home.parent / "serve.yaml"
+    home.mkdir()
+    config.write_text(CONFIG)
+    with RayHead(home, num_cpus=2) as head:
+        started = raysched("start", "--config", config, "--address", head.address, home=home, timeout_s=240)
+        assert started.returncode == 0, started.stderr[-3000:]
+        yield head, home
+        raysched("stop", "--address", head.address, home=home)
+
+
+def test_scale_without_room_is_one_line_and_with_room_scales(one_worker_on_two_cpus) -> None:
+    """No room for the asked workers: one line naming what a worker asks for and what the cluster
+    has free, exit 2, no worker added (the subprocess timeout bounds the wait: once it hung for
+    ever). Control: with room for one more, `scale` adds it. Then scaling down drains the newest
+    worker and says where its requests went."""
+    head, home = one_worker_on_two_cpus
+    grown = raysched("scale", "--workers", 2, "--address", head.address, home=home, timeout_s=240)
+    assert grown.returncode == 0 and "worker 1 added" in grown.stdout, grown.stderr[-3000:]
+    full = raysched("scale", "--workers", 3, "--address", head.address, home=home, timeout_s=90)
+    line = one_line_error(full, "scale")
+    assert "no room for 1 more worker(s): a worker asks for 1 CPU; the cluster has 0 of 2 CPU free" in line, line
+    status = raysched("status", "--address", head.address, home=home)
+    assert status.returncode == 0 and re.findall(r"^worker (\d+):", status.stdout, re.M) == ["0", "1"], status.stdout
+    shrunk = raysched("scale", "--workers", 1, "--address", head.address, home=home, timeout_s=120)
+    assert shrunk.returncode == 0, shrunk.stderr[-3000:]
+    assert re.search(r"worker 1 drained and removed: 0 request\(s\) moved: 0 live, 0 by snapshot, 0 requeued "
+                     r"to prefill again; 0 ended meanwhile; 0 waiting in the queue", shrunk.stdout), shrunk.stdout
+
+
+def _counters_named_in_the_docs(stats: dict) -> set[str]:
+    """Every `name` in README.md and docs/*.md that is a counter of `raysched status --json`."""
+    text = "".join(p.read_text() for p in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))])
+    counters = {k for k, v in stats.items() if isinstance(v, (int, float, dict)) and k not in ("tables", "uptime_s")}
+    return set(re.findall(r"`([a-z0-9_]+)`", text)) & counters
+
+
+def _unshown(names: set[str], status_text: str) -> set[str]:
+    return {n for n in names if not re.search(rf"(^|\s){n}\s", status_text, re.M)}
+
+
+def test_status_prints_every_counter_the_docs_name(one_worker_on_two_cpus) -> None:
+    """Control: without its `moves:` line the same check finds the migration counters missing
+    (the issue's case: `status` printed `migrations` only)."""
+    head, home = one_worker_on_two_cpus
+    as_json = raysched("status", "--json", "--address", head.address, home=home)
+    plain = raysched("status", "--address", head.address, home=home)
+    assert as_json.returncode == 0 and plain.returncode == 0, as_json.stderr[-2000:] + plain.stderr[-2000:]
+    named = _counters_named_in_the_docs(json.loads(as_json.stdout))
+    assert {"live_migrations", "rebalance_moves", "migration_downtime_s", "state_cache_hits"} <= named, named
+    assert _unshown(named, plain.stdout) == set(), plain.stdout
+    without_moves = "\n".join(ln for ln in plain.stdout.splitlines() if not ln.startswith("moves:"))
+    assert {"live_migrations", "rebalance_moves", "migration_downtime_s"} <= _unshown(named, without_moves)
 
 
 @pytest.mark.parametrize("command", ["status", "stop", "start", "run", "serve"])

@@ -324,20 +324,19 @@ class Migrator:
 
     # ------------------------------------------------------------------ drain
     async def drain(self, index: int) -> dict:
-        """Stop admissions to worker `index` and move everything on it elsewhere; returns
-        {"moved", "seconds", "fallbacks"} once it holds nothing."""
+        """Stop admissions to worker `index` and move everything on it elsewhere; once it holds
+        nothing, returns where its requests went (`drain_report`)."""
         w = self.worker(index)
         if not self.fleet.others(w) or all(o.draining for o in self.fleet.others(w)):
             raise RequestError(f"worker {index} is the last one taking work: nothing to drain it to")
         self.fleet.set_draining(w, True)
-        t0, moved, fallbacks = time.monotonic(), 0, 0
+        t0, went = time.monotonic(), []
+        queued = len(self.table.waiting) + len(self.table.retracted)  # on no worker: the others take them
         while w.alive and any(r.state is State.RUNNING for r in w.view.running):
             reqs = [r for r in w.view.running if r.state is State.RUNNING and r.request_id not in self.moving]
-            results = await asyncio.gather(*[self._move_off(r) for r in reqs])
-            moved += sum(m in ("live", "snapshot") for m in results)
-            fallbacks += sum(m == "snapshot" for m in results)
+            went += await asyncio.gather(*[self._move_off(r) for r in reqs])
             await asyncio.sleep(DRAIN_POLL_S)
-        return {"moved": moved, "seconds": time.monotonic() - t0, "fallbacks": fallbacks}
+        return drain_report(went, queued, time.monotonic() - t0)
 
     def undrain(self, index: int) -> None:
         """Let a drained (still live) worker take work again."""
@@ -358,7 +357,8 @@ class Migrator:
     async def retract_by_snapshot(self, req: Request, recompute: bool = False) -> str:
         """Stop `req` and queue it with a full snapshot (resumed wherever there is room), or,
         with `recompute` or when the snapshot budget is full, without one (its history is
-        prefilled again)."""
+        prefilled again). Returns "snapshot", "requeued" (without one) or "ended" (it finished
+        or was aborted meanwhile)."""
         src = self.fleet.slots[req.worker]
         recompute = recompute or not self.ledger.fits(estimate_bytes(src, req))
         self.moving[req.request_id] = ()  # (no destination: it is queued)
@@ -377,14 +377,16 @@ class Migrator:
                 if self.recovery.actors.is_death(err) and src.alive:
                     self.recovery.on_worker_failure(src, err)
                 snap, nbytes = None, 0
+            went = "ended"
             if req.state is State.RUNNING:  # (not aborted meanwhile)
                 req.snapshot_ref, req.snapshot_bytes, req.recompute = snap, nbytes, snap is None
                 req.state, req.retractions = State.RETRACTED, req.retractions + 1
                 enqueue(self.table.retracted, req, front=True)
                 self.counters.on_migration("recompute" if recompute else "snapshot", 0, req.snapshot_bytes,
                                            time.monotonic() - final.stopped_s)
+                went = "requeued" if snap is None else "snapshot"
             self.fleet.notify()
-            return "snapshot"
+            return went
         finally:
             self.moving.pop(req.request_id, None)
 
@@ -393,3 +395,16 @@ class Migrator:
             alive = [w.index for w in self.fleet.alive()]
             raise RequestError(f"worker must be a live worker index ({alive}), got {index!r}")
         return self.fleet.slots[index]
+
+
+def drain_report(went: list[str], queued: int, seconds: float) -> dict:
+    """Where a drained worker's requests went, from `_move_off`'s answer per request: "live"
+    (live migration), "snapshot" (a full snapshot, resumed wherever there is room), "requeued"
+    (stopped without a snapshot, or its move failed: its history is prefilled again), "ended"
+    (finished or aborted meanwhile); "moved" is the three moves together and "fallbacks" the
+    moves that were not live. "queued": requests waiting when the drain began, on no worker (the
+    others take them); "seconds": how long the drain took."""
+    counts = {mode: sum(m == mode for m in went) for mode in ("live", "snapshot", "ended")}
+    counts["requeued"] = sum(m in ("requeued", "recovered") for m in went)
+    moved = counts["live"] + counts["snapshot"] + counts["requeued"]
+    return {"moved": moved, "fallbacks": moved - counts["live"], **counts, "queued": queued, "seconds": seconds}
