@@ -16,6 +16,12 @@ What is Ray's, and what is done about it here:
   explicitly (Ray's own default there), which also spares every command Ray's warning about it.
 - Unreachable addresses. `ray.init` to an address where nothing listens retries for ever;
   `attach` first opens a TCP connection to the cluster's GCS with a short timeout.
+- What an embedded instance runs. `include_dashboard=False` drops the dashboard's web UI and its
+  modules (nothing answers on port 8265), but Ray 2.60 still starts, on every head node, its API
+  server process (`dashboard.py --modules-to-load=UsageStatsHead --disable-frontend`), and on every
+  node the dashboard agent (it exports the metrics) and the runtime-env agent, besides the GCS,
+  the raylet, the autoscaler monitor and the log monitor; no `ray.init` option or environment
+  variable turns those off (measured: ~0.5 GB of RSS for the Python ones).
 """
 
 from __future__ import annotations
@@ -42,8 +48,8 @@ class PortInUseError(RuntimeError):
 def init_ray(address: str | None, num_cpus: int, object_store_bytes: int | None = None) -> bool:
     """Connect this process to Ray unless it already is; returns whether it connected now (and
     so owns the connection: `ray.shutdown()` is its to call). With `address` or $RAY_ADDRESS it
-    attaches to that cluster, otherwise it starts an embedded local instance (no dashboard,
-    `num_cpus`, a bounded object store)."""
+    attaches to that cluster, otherwise it starts an embedded local instance (no dashboard web
+    UI, `num_cpus`, a bounded object store)."""
     if ray.is_initialized():
         return False
     address = address or os.environ.get("RAY_ADDRESS")
