@@ -17,6 +17,11 @@ Worker roles (`roles`): `plan_for_role` shapes these decisions for a prefill wor
 prefill, hand the prefilled requests over, no decode steps) and a decode worker (resume and
 decode, never admit); a worker with both roles gets `plan_step` unchanged.
 
+A request whose prefill has not started has nothing computed (nothing to snapshot): it is never
+a victim. The worker's prefill order is known (a call's new prompts first, then those still
+prefilling, each by a whole chunk until the call's budget is spent; the first always advances), so
+the view keeps the requests no call is sure to have fed yet (`WorkerView.unfed`, `note_prefills`).
+
 Priorities (lower is more urgent) order both queues (the scheduler keeps them sorted, see
 `request.enqueue`); a request only ever waits behind requests at least as urgent. With every
 priority equal (the default 0) steps 3-5 reduce to: resumes first, then FCFS admissions.
@@ -52,6 +57,10 @@ class WorkerView:
     forced_round: int = 0  # calls // force_retract_every at the last forced retraction
     role: Role = Role.BOTH  # what this worker does (see `roles`)
     ready: set[str] = field(default_factory=set)  # prefill role: ids prefilled, to hand over
+    prefilling: dict[str, int] = field(default_factory=dict)  # id -> tokens its prefill feeds, for
+    #   requests this worker may still be prefilling (until a token beyond those comes back)
+    unfed: set[str] = field(default_factory=set)  # of those, the ones no call is sure to have fed a
+    #   chunk of: nothing computed yet, so never a victim (see `note_prefills`)
 
     def room(self) -> float:
         """Fraction of the scarcer pool that is free."""
@@ -105,6 +114,7 @@ def plan_step(view: WorkerView, waiting: deque[Request], retracted: deque[Reques
     `others`: the other live workers (preemption happens only when no worker has room).
     `placement`: which worker a waiting request would rather run on (None: the roomiest)."""
     plan = Decision()
+    settle_prefills(view)
     running = list(view.running)
     free, slots = view.free_tokens, view.free_slots
     if cfg.force_retract_every and view.calls // cfg.force_retract_every > view.forced_round:
@@ -131,12 +141,59 @@ def plan_step(view: WorkerView, waiting: deque[Request], retracted: deque[Reques
         _preempt(view, waiting, retracted, running, plan, steps, free, slots, cfg, others)
     if running or plan.resume or plan.admit:
         plan.decode_steps = steps
+    note_prefills(view, plan, cfg, running)
     return plan
+
+
+def settle_prefills(view: WorkerView) -> None:
+    """Bring `view.prefilling` up to date before a decision: forget the requests that left the
+    worker or have a token beyond their prefill (it ended); take in, as unfed, any running
+    request without a token that no plan placed here (one that joined a long call)."""
+    if view.prefilling:
+        here = {r.request_id: r for r in view.running}
+        for rid in [rid for rid, fed in view.prefilling.items() if rid not in here or here[rid].num_tokens > fed]:
+            del view.prefilling[rid]
+            view.unfed.discard(rid)
+    for r in view.running:
+        if not r.output_ids and r.request_id not in view.prefilling:
+            view.prefilling[r.request_id] = r.num_tokens
+            view.unfed.add(r.request_id)
+
+
+def note_prefills(view: WorkerView, plan: Decision, cfg: SchedulerConfig, running: list[Request]) -> None:
+    """Record what the call `plan` decides will prefill, and which unfed requests it surely feeds.
+    The worker feeds the new prompts (recomputes, then admissions) first, then the others still
+    prefilling in an order not seen here, each by at most one chunk, until the budget is spent;
+    the first always advances. A request counts as fed only if everything that may go before it
+    (each counted at a whole chunk, the most it can take) leaves budget for it."""
+    budget, chunk = cfg.prefill_budget_tokens, cfg.prefill_chunk_tokens
+    most = lambda n: min(n, chunk) if chunk else n  # noqa: E731  (tokens one request may feed)
+    for r in plan.resume:
+        if not r.recompute:  # restored from a snapshot: something was computed
+            view.prefilling[r.request_id] = r.num_tokens
+    spent = 0
+    for i, r in enumerate([r for r in plan.resume if r.recompute] + plan.admit):
+        view.prefilling[r.request_id] = r.num_tokens
+        _mark(view, r.request_id, fed=i == 0 or not budget or spent < budget)
+        spent += most(r.num_tokens)
+    if not view.unfed:
+        return
+    older = {r.request_id: view.prefilling[r.request_id] for r in running if r.request_id in view.prefilling}
+    for rid in [rid for rid in older if rid in view.unfed]:
+        ahead = spent + sum(most(n) for other, n in older.items() if other != rid)
+        _mark(view, rid, fed=not budget or ahead < budget)
+
+
+def _mark(view: WorkerView, rid: str, fed: bool) -> None:
+    if fed:
+        view.unfed.discard(rid)
+    else:
+        view.unfed.add(rid)
 
 
 def _retract(view: WorkerView, running: list[Request], plan: Decision, count: int, free: int,
              slots: int, cfg: SchedulerConfig) -> tuple[int, int]:
-    for victim in order_victims(running, cfg.victim_order, cfg.max_retractions)[:count]:
+    for victim in order_victims(running, cfg.victim_order, cfg.max_retractions, view.unfed)[:count]:
         running.remove(victim)
         plan.victims.append(victim)
         free += view.held(victim)
@@ -217,7 +274,7 @@ def _preempt(view: WorkerView, waiting: deque[Request], retracted: deque[Request
     need = _admit_need(head, steps, view.page_size)
     if _fits(need, view, free, slots) or _fits_anywhere(need, others, steps):
         return
-    candidates = [r for r in order_victims(running, cfg.victim_order, cfg.max_retractions)
+    candidates = [r for r in order_victims(running, cfg.victim_order, cfg.max_retractions, view.unfed)
                   if r.priority > head.priority]
     candidates.sort(key=lambda r: -r.priority)  # stable: the victim order within a priority
     chosen = []

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Iterable
+from typing import Collection, Iterable
 
 from raysched.config import VICTIM_ORDERS
 from raysched.request import Request
@@ -24,11 +24,13 @@ def victim_key(order: str):
     return keys[order]
 
 
-def order_victims(running: Iterable[Request], order: str, max_retractions: int) -> list[Request]:
+def order_victims(running: Iterable[Request], order: str, max_retractions: int,
+                  unfed: Collection[str] = ()) -> list[Request]:
     """Retraction candidates, best victim first: the least urgent priority first, then `order`
     within a priority. Requests retracted `max_retractions` times are protected (they can no
-    longer be picked), which guarantees progress."""
-    candidates = [r for r in running if r.retractions < max_retractions]
+    longer be picked), which guarantees progress; requests in `unfed` (ids of those whose prefill
+    may not have started: nothing to snapshot) are never picked."""
+    candidates = [r for r in running if r.retractions < max_retractions and r.request_id not in unfed]
     key = victim_key(order)
     return sorted(candidates, key=lambda r: (-r.priority, key(r)))
 
