@@ -268,17 +268,29 @@ def check_block_payload(block: KVBlock, config: ModelConfig, dtype: torch.dtype,
         raise SnapshotError(f"K/V block at {block.start}: checksum mismatch (corrupted payload)")
 
 
-def _gather_tokens(src: torch.Tensor, slots: torch.Tensor, out: torch.Tensor) -> None:
-    """out[l, i] = src[l, slots[i]]; a plain block copy when the slots are contiguous."""
+def _gather_tokens(src: torch.Tensor, slots: torch.Tensor, out: torch.Tensor,
+                   non_blocking: bool = False) -> None:
+    """out[l, i] = src[l, slots[i]] (src (layers, pool tokens, heads, dim) on the pool's device,
+    slots (n,) on the CPU, out (layers, n, heads, dim) on any device). The rows are gathered on
+    src's device, then copied once to out's: an `out=` across devices raises on a GPU."""
+    if out.device == src.device and contiguous_run(slots) is None:
+        torch.index_select(src, 1, slots.to(src.device), out=out)  # no temporary on one device
+        return
+    out.copy_(_token_rows(src, slots), non_blocking=non_blocking)
+
+
+def _token_rows(src: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """src[:, slots] on src's device (layers, n, heads, dim): a view when the slots are one run."""
     span = contiguous_run(slots)
     if span is not None:
-        out.copy_(src.narrow(1, span[0], span[1]))
-    else:
-        torch.index_select(src, 1, slots.to(src.device), out=out)
+        return src.narrow(1, span[0], span[1])
+    return src.index_select(1, slots.to(src.device))
 
 
 def _scatter_tokens(dst: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:
-    """dst[l, slots[i]] = values[l, i]; a plain block copy when the slots are contiguous."""
+    """dst[l, slots[i]] = values[l, i] (slots on the CPU, values on any device: moved to
+    dst's first); a plain block copy when the slots are contiguous."""
+    values = values.to(dst.device, non_blocking=True)
     span = contiguous_run(slots)
     if span is not None:
         dst.narrow(1, span[0], span[1]).copy_(values)
@@ -292,9 +304,7 @@ def _gather_cuda(pool: HybridPool, slots: torch.Tensor, slot: int, views: dict) 
     side.wait_stream(torch.cuda.current_stream(pool.k.device))
     with torch.cuda.stream(side):
         for src, dst in ((pool.k, views["kv"][0]), (pool.v, views["kv"][1])):
-            span = contiguous_run(slots)
-            rows = src.narrow(1, *span) if span else src.index_select(1, slots.to(src.device))
-            dst.copy_(rows, non_blocking=True)
+            _gather_tokens(src, slots, dst, non_blocking=True)
         for name, tensor in pool.mamba.tensors.items():
             views[name].copy_(tensor[:, slot], non_blocking=True)
         done = torch.cuda.Event()
