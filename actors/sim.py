@@ -42,6 +42,7 @@ from typing import Any
 
 from actors.accounting import PageLedger, PoolLedger, SlotLedger
 from actors.joins import JoinBox
+from actors.sinks import Sinks
 from raysched.config import ServeConfig
 from raysched.messages import FaultPoint, PrefillItem, StepPlan, StepResult, StepTokens, Usage, WorkerInfo
 from raysched.sampling import SamplingParams
@@ -230,6 +231,8 @@ class SimWorker:
         self.dead = False
         self._interrupted = 0  # the `StepPlan.call_id` whose decoding is to end early
         self._joins = JoinBox()  # requests sent to start inside a long call (`join`)
+        self.sinks = Sinks()  # streamed requests' readers (`actors.sinks`): `SimHost` sends each
+        #   piece's tokens to them at its modeled time
 
     # ------------------------------------------------------------------ queries
     def info(self) -> WorkerInfo:
@@ -264,7 +267,13 @@ class SimWorker:
         """`step`, its tokens first as `actors.worker.Worker.step_stream` sends them (in-process
         use; `SimHost.stream` sends them at their modeled times)."""
         for _, piece in self._run(plan, *snapshots):
+            self.deliver(piece)
             yield piece
+
+    def deliver(self, piece: StepTokens | StepResult) -> None:
+        """A piece has gone out: its tokens go to the readers' sinks too (`actors.sinks`)."""
+        if isinstance(piece, StepTokens):
+            self.sinks.send(piece.new_tokens, piece.finished)
 
     def interrupt(self, call_id: int) -> None:
         """End step call `call_id`'s decoding after the step under way (`Worker.interrupt`)."""
@@ -281,6 +290,7 @@ class SimWorker:
         if not items:
             return 0
         before = len(result.not_admitted)
+        self.sinks.note_items(items)
         fed = self.engine.prefill(items, result)
         no_room = set(result.not_admitted[before:])
         result.joined.extend(item.request_id for item in items if item.request_id not in no_room)
@@ -303,7 +313,7 @@ class SimWorker:
         first = {rid: toks[:1] for rid, toks in result.new_tokens.items() if rid in prefilled and toks}
         if first:
             sent_ms = sim.step_ms(fed, 0, rows)
-            yield sent_ms, StepTokens(first)
+            yield sent_ms, StepTokens(first, _ended(first, result))
         one_step = dataclasses.replace(plan, decode_steps=1, fault=None)  # (the fault fires here)
         joined_ms = 0.0  # the modeled time of the prefills of joins
         for k in range(plan.decode_steps):
@@ -317,11 +327,12 @@ class SimWorker:
             if toks:
                 ms = sim.step_ms(join_fed + (0 if sent_ms else fed), 1, rows)
                 sent_ms += ms
-                yield ms, StepTokens(toks)
+                yield ms, StepTokens(toks, _ended(toks, result))
             if plan.end_at_finish and len(result.finished) > finished:
                 steps = k + 1
                 break
         result.not_admitted.extend(self._joins.close(plan))
+        self.sinks.keep_only(self.engine.running)
         if plan.fault is not None and plan.fault.after_decode_steps >= steps:
             self._die_at(plan.fault, "kill_in_step")  # after the call's last step
         self.last_step_ms = sim.step_ms(fed, steps, rows) + joined_ms
@@ -332,6 +343,7 @@ class SimWorker:
 
     def _start(self, plan: StepPlan, snapshots: tuple, result: StepResult) -> tuple[int, int]:
         """Drop, resume, prefill; (prompt tokens fed, rows decoding)."""
+        self.sinks.note_plan(plan)
         for rid in plan.drop:
             if rid in self.engine.running:
                 self.engine.release(rid)
@@ -395,6 +407,11 @@ class SimWorker:
         if fault is not None and fault.kind == kind:
             self.dead = True
             raise SimWorkerDied(f"fault injection: {kind}: simulated worker {self.index} died")
+
+
+def _ended(tokens: dict[str, list[int]], result: StepResult) -> dict[str, str]:
+    """Those of a piece's requests that finished (their reason), for their readers' sinks."""
+    return {rid: result.finished[rid] for rid in tokens if rid in result.finished} if result.finished else {}
 
 
 class SimWorkerDied(RuntimeError):
@@ -486,7 +503,7 @@ class SimHost:
             for ms, piece in self._alive(index)._run(plan, *snapshots):
                 if ms > 0:
                     await asyncio.sleep(ms / 1000.0)
-                self._alive(index)  # killed while the call was running: no more pieces
+                self._alive(index).deliver(piece)  # (killed while the call was running: no more pieces)
                 yield piece
         finally:
             await self._end_turn(index, seq)
@@ -494,17 +511,24 @@ class SimHost:
     async def _step(self, index: int, seq: int, plan: StepPlan, *snapshots: Any) -> StepResult:
         """A step call with one reply: `SimWorker._run`, sleeping its modeled time in slices of
         about `SLEEP_SLICE_MS` (a wake-up per decode step per worker cost a fleet of 256 more
-        CPU than everything else); an interrupt ends it at the end of the slice under way."""
+        CPU than everything else); an interrupt ends it at the end of the slice under way. A piece
+        with tokens for a reader's sink is slept to its own time and sent then (a streamed
+        request gets each step as it completes)."""
         snapshots = tuple([await _resolve(s) for s in snapshots])
         await self._wait_turn(index, seq)
         try:
-            pending_ms, out = 0.0, None
-            for ms, out in self._alive(index)._run(plan, *snapshots):
+            pending_ms, out, held = 0.0, None, []
+            worker = self._alive(index)
+            for ms, out in worker._run(plan, *snapshots):
                 pending_ms += ms
-                if pending_ms >= SLEEP_SLICE_MS or isinstance(out, StepResult):
+                held.append(out)
+                streamed = isinstance(out, StepTokens) and worker.sinks.wants(out.new_tokens)
+                if pending_ms >= SLEEP_SLICE_MS or isinstance(out, StepResult) or streamed:
                     await asyncio.sleep(pending_ms / 1000.0)
                     pending_ms = 0.0
-                    self._alive(index)  # killed while the call was running: no reply
+                    for piece in held:
+                        self._alive(index).deliver(piece)  # (killed while the call was running: no reply)
+                    held = []
             return out
         finally:
             await self._end_turn(index, seq)

@@ -24,6 +24,7 @@ import torch
 
 from actors.engine import Engine, Sequence, StepOutput, build_engine
 from actors.joins import JoinBox
+from actors.sinks import Sinks
 from actors.model import matrix_kernel
 from actors.snapshot import KVBlock, Snapshot, SnapshotError
 from raysched.config import ServeConfig
@@ -45,6 +46,7 @@ class Worker:
         #   copies, until taken or discarded
         self._interrupted = 0  # the `StepPlan.call_id` whose decoding is to end early
         self._joins = JoinBox()  # requests sent to start inside a long call (`join`)
+        self.sinks = Sinks()  # streamed requests' readers: each step's tokens go to them directly
 
     # ------------------------------------------------------------------ queries
     def info(self) -> WorkerInfo:
@@ -102,9 +104,11 @@ class Worker:
     def step_stream(self, plan: StepPlan, *snapshots: Snapshot | list) -> Iterator[StepTokens | StepResult]:
         """`step`, sending tokens as they come (a Ray streaming generator): a `StepTokens` with
         the first token of each prefill that completed, one per decode step, then the call's
-        `StepResult` (which lists every token again)."""
+        `StepResult` (which lists every token again). Either way, each piece's tokens of a
+        streamed request go to its reader's sink as the piece is made (`actors.sinks`)."""
         t0 = time.perf_counter()
         result = StepResult()
+        self.sinks.note_plan(plan)
         for rid in plan.drop:
             if rid in self.engine.running or rid in self.engine.prefilling:
                 self.engine.release(rid)
@@ -119,21 +123,27 @@ class Worker:
         self._park_prompts(prefilled, plan, result)
         out.merge(prefilled)
         if prefilled.new_tokens:
-            yield StepTokens(prefilled.new_tokens)
+            yield self._piece(prefilled)
         if plan.decode_steps:
             for decoded in self._decode(plan):
                 out.merge(decoded)
                 if decoded.new_tokens:
-                    yield StepTokens(decoded.new_tokens)
+                    yield self._piece(decoded)
                 if plan.interrupted_by(self._interrupted) or (plan.end_at_finish and decoded.finished):
                     break  # the scheduler needs a decision: the steps that ran are the reply
                 joined = self._take_joins(plan, result)  # they decode from the next step on
                 out.merge(joined)
                 if joined.new_tokens:
-                    yield StepTokens(joined.new_tokens)
+                    yield self._piece(joined)
         out.not_admitted.extend(self._joins.close(plan))
         self._park_finished(plan, result)
+        self.sinks.keep_only(self.running_ids())
         yield self._result(result, out, time.perf_counter() - t0)
+
+    def _piece(self, made: StepOutput) -> StepTokens:
+        """One piece of a call's tokens: sent to the readers' sinks now, and to the caller."""
+        self.sinks.send(made.new_tokens, made.finished)
+        return StepTokens(made.new_tokens, made.finished)
 
     def interrupt(self, call_id: int) -> None:
         """End the decoding of step call `call_id` (its `StepPlan.call_id`) after the step under
@@ -154,6 +164,7 @@ class Worker:
         items = self._joins.take(plan)
         if not items:
             return StepOutput()
+        self.sinks.note_items(items)
         joined = self.engine.prefill([_sequence(item) for item in items], plan.prefill_chunk_tokens or None,
                                      plan.prefill_budget_tokens or None)
         result.joined.extend(item.request_id for item in items if item.request_id not in joined.not_admitted)
@@ -224,11 +235,14 @@ class Worker:
         (`Engine.restore_prefix`) and feed only the rest of their prompt."""
         if len(plan.prefix) != len(prefixes):
             raise ValueError(f"step plan names {len(plan.prefix)} prefixes but {len(prefixes)} snapshots came")
-        by_id = dict(zip(plan.prefix, prefixes))
+        by_id, stops = dict(zip(plan.prefix, prefixes)), _stops(plan)
         waiting = list(self.engine.prefilling)  # before this call's new ones join
+        for rid in waiting:
+            self.engine.prefilling[rid].stops += stops.get(rid, ())
         items: list[Sequence | str] = []
         for item in plan.prefill:
             seq = _sequence(item)
+            seq.stops = stops.get(item.request_id, ())
             snap = by_id.get(item.request_id)
             if snap is not None and self._restore_prefix(snap, seq, result):
                 items.append(seq.request_id)  # continues from the restored state
@@ -239,19 +253,29 @@ class Worker:
             return StepOutput()
         before = {rid: s.num_computed for rid, s in self.engine.prefilling.items()}
         out = self.engine.prefill(items, plan.prefill_chunk_tokens or None, plan.prefill_budget_tokens or None)
-        self._park_boundaries(before, plan, result)
+        paused = self._park_boundaries(before, plan, result)
+        while paused:  # chunks cut at a branch point (`StepPlan.park_at`) go on to their end
+            before = {rid: self.engine.prefilling[rid].num_computed for rid in paused}
+            out.merge(self.engine.prefill(paused, plan.prefill_chunk_tokens or None))
+            paused = self._park_boundaries(before, plan, result)
         return out
 
-    def _park_boundaries(self, before: dict[str, int], plan: StepPlan, result: StepResult) -> None:
-        """A point at each prefill chunk boundary reached in this call, for prompts of at least
-        `park_min_tokens` whose state is an uncached chunked prefill's (`Sequence.exact`)."""
-        b = plan.prefill_chunk_tokens
-        if not (plan.park_min_tokens and b):
-            return
+    def _park_boundaries(self, before: dict[str, int], plan: StepPlan, result: StepResult) -> list[str]:
+        """A point at each prefill chunk boundary and each branch point (`Sequence.stops`)
+        reached in this call, for prompts of at least `park_min_tokens` whose state is an
+        uncached chunked prefill's (`Sequence.exact`). Returns the requests paused at a branch
+        point inside a chunk (the rest of that chunk is still to feed in this call)."""
+        b, paused = plan.prefill_chunk_tokens, []
         for rid, seq in self.engine.prefilling.items():
-            advanced = seq.num_computed > before.get(rid, 0)
-            if advanced and seq.exact and seq.prompt_len >= plan.park_min_tokens and seq.num_computed % b == 0:
-                self._park(rid, "chunk", seq.num_computed // b, b, True, result)
+            if seq.num_computed <= before.get(rid, 0):
+                continue
+            at_stop = seq.num_computed in seq.stops
+            if at_stop and (not b or seq.num_computed % b):
+                paused.append(rid)
+            wanted = plan.park_min_tokens and seq.exact and seq.prompt_len >= plan.park_min_tokens
+            if wanted and (at_stop or (b and seq.num_computed % b == 0)):
+                self._park(rid, "chunk", seq.num_computed // b if b else 0, b, True, result)
+        return paused
 
     def _restore_prefix(self, snap: Snapshot | list, seq: Sequence, result: StepResult) -> bool:
         try:
@@ -366,6 +390,14 @@ def _exact_blocks(seq: Sequence, block_tokens: int) -> int:
     if not block_tokens:
         return 0
     return seq.prompt_len // block_tokens if seq.exact else seq.parked_blocks
+
+
+def _stops(plan: StepPlan) -> dict[str, tuple[int, ...]]:
+    """`plan.park_at` by request: the token counts where each one's prefill pauses to park."""
+    stops: dict[str, tuple[int, ...]] = {}
+    for rid, at in plan.park_at:
+        stops[rid] = stops.get(rid, ()) + (at,)
+    return stops
 
 
 def _sequence(item: PrefillItem) -> Sequence:

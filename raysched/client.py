@@ -25,6 +25,8 @@ from raysched.tokenizer import TextTokenizer, load_tokenizer, output_text, requi
 
 RESTART_WAIT_S = 300.0  # how long a call waits for Ray to restart a dead scheduler
 RESTART_POLL_S = 0.2
+SINK_WAIT_S = 2.0  # a stream's read of its sink waits this long before it looks for the scheduler
+STATUS_WAIT_S = 2.0  # ... and that look waits this long for an answer (a busy scheduler: read on)
 
 
 class SchedulerDiedError(RuntimeError):
@@ -133,6 +135,18 @@ class Client:
         self._owns_ray = owns_ray
         self.owns_scheduler = owns_scheduler
         self._closed = False
+        self.direct_tokens = True  # streams read tokens from this client's sink, sent there by the
+        #   workers (`raysched.sink`); False: through the scheduler (`next_tokens`), the old path
+        self._sink: Any = None
+
+    @property
+    def sink(self) -> Any:
+        """This client's `raysched.sink.TokenSink` actor (made on first use, owned here)."""
+        if self._sink is None:
+            from raysched.sink import new_sink
+
+            self._sink = new_sink()
+        return self._sink
 
     @property
     def scheduler(self) -> Any:
@@ -163,8 +177,9 @@ class Client:
         prompt_ids = list(prompt)
         if isinstance(prompt, str):  # text in: stop at the tokenizer's eos token too
             prompt_ids, params = self.encode(prompt), with_eos_stop(params, self.tokenizer)
-        rid = self._call("submit", prompt_ids, params, request_id, priority, stream)
-        return RequestHandle(self, rid, prompt_ids, params, priority=priority)
+        sink = self.sink if stream and self.direct_tokens else None
+        rid = self._call("submit", prompt_ids, params, request_id, priority, stream, sink)
+        return RequestHandle(self, rid, prompt_ids, params, priority=priority, sink=sink)
 
     @property
     def tokenizer(self) -> TextTokenizer | None:
@@ -175,12 +190,13 @@ class Client:
         return require_tokenizer(self.config.model).encode(text)
 
     def resubmit(self, prompt_ids: list[int], sampling: Mapping[str, Any], request_id: str,
-                 generated: list[int] = (), priority: int = 0) -> "RequestHandle":
+                 generated: list[int] = (), priority: int = 0, sink: Any = None) -> "RequestHandle":
         """Submit again a request whose scheduler died (and was restarted by Ray), with the tokens
-        received so far; it continues exactly where it was (see `Scheduler.resubmit`). Raises
-        `SchedulerDiedError` if the scheduler is gone for good."""
-        rid = self._call("resubmit", list(prompt_ids), dict(sampling), request_id, list(generated), priority)
-        return RequestHandle(self, rid, list(prompt_ids), dict(sampling), list(generated), priority)
+        received so far; it continues exactly where it was (see `Scheduler.resubmit`), its tokens
+        going to `sink` (if any) from there. Raises `SchedulerDiedError` if the scheduler is gone
+        for good."""
+        rid = self._call("resubmit", list(prompt_ids), dict(sampling), request_id, list(generated), priority, sink)
+        return RequestHandle(self, rid, list(prompt_ids), dict(sampling), list(generated), priority, sink)
 
     def vocab_size(self) -> int:
         return self.workers[0]["vocab_size"]
@@ -273,13 +289,14 @@ class RequestHandle:
     gone for good, they raise `SchedulerDiedError`."""
 
     def __init__(self, client: Client, request_id: str, prompt_ids: list[int], sampling: dict,
-                 received: list[int] = (), priority: int = 0) -> None:
+                 received: list[int] = (), priority: int = 0, sink: Any = None) -> None:
         self.client = client
         self.request_id = request_id
         self.prompt_ids = prompt_ids
         self.sampling = sampling
         self.priority = priority
         self.received: list[int] = list(received)
+        self.sink = sink  # where its workers send its tokens (`raysched.sink`), once it is read
 
     @property
     def scheduler(self) -> Any:
@@ -313,7 +330,12 @@ class RequestHandle:
             yield from tokens
 
     def _chunks(self) -> Iterator[tuple[list[int], bool]]:
-        """(new tokens, ended) as they arrive, resubmitting after a scheduler restart."""
+        """(new tokens, ended) as they arrive, resubmitting after a scheduler restart: from this
+        client's sink, where the workers send them (`raysched.sink`), or through the scheduler
+        (submitted without a sink and read while `Client.direct_tokens` is off)."""
+        if self.sink is not None or self.client.direct_tokens:
+            yield from self._chunks_from_sink()
+            return
         done = False
         while not done:
             try:
@@ -323,6 +345,41 @@ class RequestHandle:
                 continue
             self.received.extend(tokens)
             yield tokens, done
+
+    def _chunks_from_sink(self) -> Iterator[tuple[list[int], bool]]:
+        """`_chunks` read from the sink. When it stays quiet for SINK_WAIT_S, the scheduler is
+        asked how the request stands: gone (restarted by Ray): resubmit it with the tokens
+        received; ended (the sink missed its end): the rest from its record."""
+        if self.sink is None:
+            self.sink = self.client.sink
+            self.client._call("attach_sink", self.request_id, self.sink)
+        done = False
+        while not done:
+            tokens, done, error = ray.get(self.sink.next.remote(self.request_id, len(self.received), SINK_WAIT_S))
+            if error:
+                raise RuntimeError(error)
+            if not tokens and not done:
+                tokens, done = self._look_for_scheduler()
+            self.received.extend(tokens)
+            yield tokens, done
+        self.sink.forget.remote(self.request_id)
+
+    def _look_for_scheduler(self) -> tuple[list[int], bool]:
+        """The sink went quiet: (tokens, done) from the scheduler's record if the request ended;
+        a resubmission if the scheduler forgot it (it died); nothing if it is live or busy."""
+        try:
+            status = _get(self.scheduler.status.remote(self.request_id), STATUS_WAIT_S)
+        except ray.exceptions.GetTimeoutError:
+            return [], False  # busy (or blocked): its workers send on regardless
+        except SchedulerDiedError:
+            self.resubmit()
+            return [], False
+        if status == "unknown":
+            self.resubmit()
+        elif status == "ended":
+            record = _get(self.scheduler.wait.remote(self.request_id))
+            return record["token_ids"][len(self.received):], True
+        return [], False
 
     def stream_text(self) -> Iterator[tuple[str, list[int]]]:
         """Yield (text, token_ids) as tokens arrive: the text is whole characters only and stops
@@ -342,7 +399,7 @@ class RequestHandle:
         Raises SchedulerDiedError when there is none (the actor is dead for good)."""
         try:
             self.client.resubmit(self.prompt_ids, self.sampling, self.request_id, self.received,
-                                 self.priority)
+                                 self.priority, self.sink)
         except RequestError as err:
             if "already in use" not in str(err):
                 raise  # else the scheduler never died (a call failed in transit): it still has it

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 SNAPSHOT_LOST = "snapshot lost"  # prefix of a `StepResult.resume_failed` reason: recompute, no blame
 
@@ -22,6 +23,8 @@ class PrefillItem:
     token_ids: tuple[int, ...]  # prompt + tokens generated so far
     prompt_len: int
     sampling: dict  # SamplingParams.to_dict()
+    sink: Any = None  # the reader's `raysched.sink.TokenSink` handle: the worker sends it each
+    #   step's tokens of this request directly (None: the tokens go in the call's reply only)
 
 
 @dataclass(frozen=True)
@@ -41,6 +44,9 @@ class StepPlan:
     #   passed after the resume snapshots, same order; the worker prefills only the rest
     park_min_tokens: int = 0  # > 0: copy the state of requests covering at least this many
     #   tokens at the end of their prompt and when they finish (see `Worker.take_parked`)
+    park_at: tuple[tuple[str, int], ...] = ()  # (request id, tokens): that request's prefill
+    #   pauses after this many prompt tokens (a branch point: a multiple of the scan grid that
+    #   another prompt shares) and parks an exact point there, then goes on in the same call
     fault: FaultPoint | None = None  # fault injection only: die inside this call
     prefill_chunk_tokens: int = 0  # each prefilling request (new or continued) advances by at
     #   most this many tokens in this call; 0 = to the end of its prompt
@@ -53,6 +59,10 @@ class StepPlan:
     joins: bool = False  # a long call that takes `Worker.join(call_id, items)` before each decode
     #   step: new requests start inside it (`StepResult.joined`), where it would otherwise be
     #   interrupted for them; items it did not take by its end come back in `not_admitted`
+
+    sinks: tuple[tuple[str, Any, int], ...] = ()  # (request id, its reader's sink, tokens it
+    #   has generated so far) for requests not started by a `PrefillItem` that carries its sink:
+    #   resumed from a snapshot, or read from now on (`Scheduler.attach_sink`)
 
     def is_empty(self) -> bool:
         return not (self.drop or self.resume or self.prefill or self.decode_steps)
@@ -100,6 +110,7 @@ class StepTokens:
     completes. The `StepResult` that ends the call still lists all of them."""
 
     new_tokens: dict[str, list[int]]
+    finished: dict[str, str] = field(default_factory=dict)  # id -> why, for those that ended here
 
 
 @dataclass

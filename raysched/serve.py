@@ -47,6 +47,8 @@ from raysched.tokenizer import load_tokenizer
 
 MAX_BODY_BYTES = 1 << 20  # larger request bodies get 413
 MAX_ONGOING_REQUESTS = 4096  # per replica; the scheduler's pools, not Serve, bound the work
+SINK_WAIT_S = 2.0  # a stream's read of the replica's sink waits this long before it asks the scheduler
+STATUS_WAIT_S = 2.0  # ... which it waits this long for (a busy scheduler: read on)
 API_KEY_ENV = "RAYSCHED_API_KEY"
 
 app = FastAPI(title="raysched", docs_url=None, redoc_url=None, openapi_url=None)
@@ -140,6 +142,16 @@ class OpenAIServer:
         self.tokenizer = load_tokenizer(config.model)
         self.metrics = ServeMetrics(described["workers"])
         self.created = int(time.time())
+        self._sink: Any = None  # this replica's `raysched.sink.TokenSink`: workers send streamed
+        #   requests' tokens there, past the scheduler (made on first use)
+
+    @property
+    def sink(self) -> Any:
+        if self._sink is None:
+            from raysched.sink import new_sink
+
+            self._sink = new_sink()
+        return self._sink
 
     # ------------------------------------------------------------------ routes
     # GET routes answer HEAD too (the same status and headers; the HTTP server sends no body)
@@ -174,8 +186,9 @@ class OpenAIServer:
         owned = True  # this handler must abort the request unless it ends or a stream takes it over
         try:
             try:
-                await self._call(self.scheduler.submit.remote(req.prompt_ids, req.sampling, rid, stream=req.stream),
-                                 req=req)
+                sink = self.sink if req.stream else None
+                await self._call(self.scheduler.submit.remote(req.prompt_ids, req.sampling, rid, stream=req.stream,
+                                                              sink=sink), req=req)
             except APIError:
                 owned = False  # refused: nothing to abort
                 raise
@@ -193,12 +206,14 @@ class OpenAIServer:
                         self._usage(req, record))
 
     async def _events(self, req: ParsedRequest, rid: str) -> AsyncIterator[str]:
-        """SSE chunks as tokens arrive; the last one carries finish_reason, then [DONE]."""
+        """SSE chunks as tokens arrive (from the replica's sink, where the workers send them: TTFT
+        and the gaps between tokens do not pass through the scheduler); the last one carries
+        finish_reason, then [DONE]."""
         stream = self._text_stream(req)
         resp_id, cursor, done, ended = new_id(req.kind), 0, False, False
         try:
             while not done:
-                tokens, done = await self._call(self.scheduler.next_tokens.remote(rid, cursor))
+                tokens, done = await self._next_tokens(rid, cursor)
                 text = "" if stream is None else stream.add(tokens) + (stream.finish() if done else "")
                 if tokens or text:
                     yield _sse(chunk(req, resp_id, self.model, text, tokens, None, cursor == 0,
@@ -215,8 +230,31 @@ class OpenAIServer:
         except APIError as err:  # the scheduler died mid-stream: say so in the stream
             yield _sse(err.body())
         finally:
+            self.sink.forget.remote(rid)
             if not ended:  # client disconnected (or the stream failed): free the request's slots
                 self._abort(rid)
+
+    async def _next_tokens(self, rid: str, cursor: int) -> tuple[list[int], bool]:
+        """(tokens after `cursor`, done) from the sink; when it stays quiet, the scheduler is
+        asked how the request stands (gone: a 503 in the stream; ended: the rest of its record)."""
+        tokens, done, error = await self.sink.next.remote(rid, cursor, SINK_WAIT_S)
+        if error:
+            raise APIError(503, f"the raysched scheduler failed: {error}")
+        if tokens or done:
+            return tokens, done
+        try:
+            status = await asyncio.wait_for(_quiet_future(self.scheduler.status.remote(rid)), STATUS_WAIT_S)
+        except asyncio.TimeoutError:
+            return [], False  # busy: the workers send on regardless
+        except ray.exceptions.RayActorError:
+            self._refresh()
+            raise APIError(503, f"the raysched scheduler {self.scheduler_name!r} is gone") from None
+        if status == "unknown":
+            raise APIError(503, f"the raysched scheduler {self.scheduler_name!r} lost request {rid} (it restarted)")
+        if status == "ended":
+            record = await self._call(self.scheduler.wait.remote(rid))
+            return record["token_ids"][cursor:], True
+        return [], False
 
     def _text_stream(self, req: ParsedRequest) -> Any:
         """The request's `TextStream` (stop strings, min_tokens), or None without a tokenizer."""

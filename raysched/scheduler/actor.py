@@ -66,12 +66,13 @@ class Scheduler:
         self.ledger = RetractionLedger(config.scheduler, self.table, self.fleet, self.counters, self.faults)
         self.prefix_cache = PrefixCache(_state_cache(config), self.table, self.counters,
                                         config.state_cache.placement_slack)
-        self.recovery = Recovery(config, self.table, self.fleet, self.counters, on_added=self._start_loop)
+        self.recovery = Recovery(config, self.table, self.fleet, self.counters, on_added=self._start_loop,
+                                 on_stopped=self._stopped)
         self.dispatch = Dispatcher(config, self.table, self.fleet, self.counters, self.ledger, self.prefix_cache,
                                    self.recovery, self.faults)
         self.migrator = Migrator(config.migration, self.table, self.fleet, self.counters, self.recovery, self.faults,
                                  self.ledger)
-        self.dispatch.before_decide = self.migrator.send_finals
+        self.dispatch.before_decide = self._before_decide
         self.dispatch.migrating = self.migrator.involves
         self._start_task: asyncio.Task | None = None
         self._growing = 0  # autoscale grows in flight
@@ -129,6 +130,16 @@ class Scheduler:
     def _start_loop(self, w: WorkerSlot) -> None:
         self.dispatch.start_loop(w)
 
+    def _before_decide(self, w: WorkerSlot) -> None:
+        """Each turn of `w`'s dispatch loop: its calls so far succeeded (`Recovery.note_served`);
+        live migration's stop-and-copy goes out first (`Migrator.send_finals`)."""
+        self.recovery.note_served(w)
+        self.migrator.send_finals(w)
+
+    def _stopped(self) -> None:
+        """Recovery stopped the scheduler (a crash loop): release what it holds, as `shutdown`."""
+        self._in_background(self.shutdown())
+
     async def describe(self) -> dict:
         """The config this scheduler serves and its live workers (for `raysched.connect`)."""
         return {"config": self.config, "workers": [w.line() for w in self.fleet.alive()]}
@@ -148,23 +159,74 @@ class Scheduler:
 
     # ================================================================== client API
     async def submit(self, prompt_ids: list[int], sampling: dict | None = None,
-                     request_id: str | None = None, priority: int = 0, stream: bool = False) -> str:
+                     request_id: str | None = None, priority: int = 0, stream: bool = False,
+                     sink: Any = None) -> str:
         """Validate and queue a request; returns its id. Bad input raises RequestError at once.
-        `priority`: lower is more urgent; the waiting queue is kept in priority order. `stream`:
-        its tokens will be read as they come (`next_tokens`), so its first call streams too
+        `priority`: lower is more urgent; the waiting queue is kept in priority order. `sink`:
+        the reader's `raysched.sink.TokenSink`: its workers send it each step's tokens directly
+        (the scheduler sees them once per call, in the reply). `stream` without a sink: its
+        tokens will be read here as they come (`next_tokens`), so its first call streams too
         (`scheduler.stream_each_step`; a first `next_tokens` marks it as well)."""
         self.table.raise_if_fatal()
         if self.restarted:
             await self.start()
         req = self.table.submit(prompt_ids, sampling, self._limits(), request_id, priority)
-        req.streaming = bool(stream)
-        if req.sampling.stop:  # stop strings are matched here, on the text, as tokens arrive
+        req.streaming = bool(stream) and sink is None
+        if sink is not None:
+            self._attach(req, sink, late=False)
+        elif req.sampling.stop:  # stop strings are matched here, on the text, as tokens arrive
             req.text_stream = require_tokenizer(self.config.model).text_stream(req.sampling.stop, req.sampling.min_tokens)
         self.fleet.notify()
         return req.request_id
 
+    def _attach(self, req: Request, sink: Any, late: bool) -> None:
+        """Read `req` through `sink`; its stop strings are matched there (`raysched.sink`)."""
+        self.table.attach(req, sink, late)
+        req.text_stream = None
+        if req.sampling.stop:
+            me = ray.get_runtime_context().current_actor
+            sink.open.remote(req.request_id, self.config.model, tuple(req.sampling.stop), req.sampling.min_tokens, me)
+        else:
+            sink.open.remote(req.request_id)
+
+    async def attach_sink(self, request_id: str, sink: Any) -> None:
+        """From now on `request_id`'s tokens go to `sink` (a reader that starts reading a request
+        submitted without one): its worker's call in flight is interrupted, and the next one
+        seeds the sink with the tokens so far and sends each step's tokens there."""
+        req = self.table.get(request_id)
+        if req.state.is_done:
+            return
+        self._attach(req, sink, late=True)
+        self._interrupt_worker_of(req)
+
+    async def status(self, request_id: str) -> str:
+        """"live", "ended" (`wait` returns its record) or "unknown" (a reader whose sink went
+        quiet asks: after a scheduler restart, "unknown" means resubmit)."""
+        return self.table.status(request_id)
+
+    async def stop(self, request_id: str, generated: list[int]) -> None:
+        """A reader's sink matched a stop string after `generated`: the request ends there."""
+        req = self.table.requests.get(request_id)
+        if req is not None:
+            self._interrupt_worker_of(req)
+            self.dispatch.stop(req, generated)
+
+    async def debug_block(self, flag_path: str, max_s: float = 120.0) -> float:
+        """Testing only: block this actor's event loop (nothing here runs: no decision, no reply
+        applied, no client call) while the file `flag_path` exists, at most `max_s`; returns
+        the seconds blocked (`flag_path` + ".on" exists while it blocks). Tokens that still
+        reach readers meanwhile did not pass here."""
+        t0 = time.monotonic()
+        open(flag_path + ".on", "w").close()
+        try:
+            while os.path.exists(flag_path) and time.monotonic() - t0 < max_s:
+                time.sleep(0.01)
+        finally:
+            os.remove(flag_path + ".on")
+        return time.monotonic() - t0
+
     async def resubmit(self, prompt_ids: list[int], sampling: dict, request_id: str,
-                       generated: list[int], priority: int = 0) -> str:
+                       generated: list[int], priority: int = 0, sink: Any = None) -> str:
         """A request submitted to this scheduler before it died (Ray restarted it), with the
         tokens the client had received. It resumes by recompute from prompt + those tokens, ahead
         of new admissions; the counter-based sampler continues at draw number len(generated), so
@@ -172,7 +234,7 @@ class Scheduler:
         if self.restarted:
             await self.start()
         validate_generated(generated, SamplingParams.from_dict(sampling or {}), self._limits().vocab_size)
-        rid = await self.submit(prompt_ids, sampling, request_id, priority)
+        rid = await self.submit(prompt_ids, sampling, request_id, priority, sink=sink)
         self.counters.resubmitted += 1
         if generated:
             self.table.continue_from(self.table.requests[rid], generated)

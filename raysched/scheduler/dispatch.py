@@ -168,7 +168,9 @@ class Dispatcher:
         Ray streaming generator) when a request on `w` is read as it comes
         (`Request.streaming`) and `scheduler.stream_each_step` is on; else one reply
         (`Worker.step`): a message per decode step costs the scheduler, so only a reader gets it."""
-        if self.config.scheduler.stream_each_step and any(r.streaming for r in w.view.running):
+        sinks = self.table.sinks
+        if self.config.scheduler.stream_each_step and any(r.streaming and r.request_id not in sinks
+                                                          for r in w.view.running):
             return w.handle.step_stream.options(num_returns="streaming").remote(plan, *args), True
         return w.handle.step.remote(plan, *args), False
 
@@ -207,9 +209,11 @@ class Dispatcher:
                   prefixed: list[Request], cross_node: bool | None, folded: int = 0) -> StepPlan:
         """The message for `w`: drop, resume these snapshots, prefill the rest, decode (`folded`:
         the successors folded in, `fold`; a long call ends at the first request that finishes)."""
-        prefill = [prefill_item(r) for r in decision.resume if r.recompute] + [prefill_item(r) for r in decision.admit]
+        starting = [r for r in decision.resume if r.recompute] + decision.admit
+        prefill = [prefill_item(r, self.table.sink_for(r, w.index, starts=True)) for r in starting]
         cfg = self.config.scheduler
         return StepPlan(drop=tuple(drop), resume=tuple(r.request_id for r in resume_snap), prefill=tuple(prefill),
+                        sinks=self.sinks_to_send(w, resume_snap) if self.table.sinks else (),
                         decode_steps=decision.decode_steps, prefix=tuple(r.request_id for r in prefixed),
                         park_min_tokens=self.cache.park_min_tokens(),
                         fault=self.faults.step_point(w, w.view.calls, decision.decode_steps, cross_node,
@@ -217,6 +221,13 @@ class Dispatcher:
                         prefill_chunk_tokens=cfg.prefill_chunk_tokens, prefill_budget_tokens=cfg.prefill_budget_tokens,
                         call_id=w.view.calls + 1, end_at_finish=folded > 2,
                         joins=folded > 2 and self.joins_taken(w))
+
+    def sinks_to_send(self, w: WorkerSlot, resume_snap: list[Request]) -> tuple[tuple[str, Any, int], ...]:
+        """`StepPlan.sinks`: the readers' sinks of the requests resumed from snapshots here, and of
+        the running ones `w` has not been sent (`RequestTable.sink_for`), with their positions."""
+        resumed = [(r, self.table.sink_for(r, w.index, starts=True)) for r in resume_snap]
+        running = [(r, self.table.sink_for(r, w.index)) for r in w.view.running if r.request_id in self.table.sinks]
+        return tuple((r.request_id, sink, r.num_generated) for r, sink in resumed + running if sink is not None)
 
     def successor_plan(self, w: WorkerSlot, decode_steps: int) -> StepPlan:
         """The pipelined call: decode on, nothing else."""
@@ -336,7 +347,8 @@ class Dispatcher:
             call.debit(o.view, taken)
             self.mark_running(o, taken)
             self.counters.joins += len(taken)
-            self.fleet.forget(o.handle.join.remote(call.call_id, [prefill_item(r) for r in taken]))
+            items = [prefill_item(r, self.table.sink_for(r, o.index, starts=True)) for r in taken]
+            self.fleet.forget(o.handle.join.remote(call.call_id, items))
             if not ripe:
                 return
 
@@ -489,6 +501,19 @@ class Dispatcher:
             if req is not None and req.state is State.RUNNING:  # an aborted one stays ended
                 self.table.unrun(req, w.view)
 
+    def stop(self, req: Request, generated: list[int]) -> None:
+        """A reader's sink matched a stop string (`raysched.sink`): `generated` (what the reader
+        received, up to the token that completed it) is the request's output, and it ends now,
+        dropped from its worker as an abort is (the worker may hold it: its next call drops it)."""
+        if req.state.is_done:
+            return
+        if req.state is State.WAITING:
+            self.table.waiting.remove(req)
+        elif req.state is State.RETRACTED and req in self.table.retracted:
+            self.table.retracted.remove(req)
+        req.output_ids, req.snapshot_ref = [int(t) for t in generated], None
+        self.finish(req, State.FINISHED, "stop", worker_holds=True)
+
     def finish(self, req: Request, state: State, reason: str, worker_holds: bool = False) -> None:
         """End a request. One the worker still holds (aborted, or stopped by a stop string) stays
         in the worker's view until the next call drops it."""
@@ -524,6 +549,6 @@ def cut_at_stop_string(req: Request, tokens: list[int]) -> list[int]:
     return tokens[:req.text_stream.num_tokens - req.num_generated]
 
 
-def prefill_item(r: Request) -> PrefillItem:
-    return PrefillItem(r.request_id, r.token_ids, len(r.prompt_ids), r.sampling.to_dict())
+def prefill_item(r: Request, sink: Any = None) -> PrefillItem:
+    return PrefillItem(r.request_id, r.token_ids, len(r.prompt_ids), r.sampling.to_dict(), sink)
 

@@ -19,6 +19,7 @@ import asyncio
 import time
 from collections import deque
 from dataclasses import dataclass
+from typing import Any
 
 from raysched.request import Request, State, enqueue
 from raysched.sampling import RequestError, SamplingParams, check_priority, validate_prompt
@@ -51,6 +52,10 @@ class RequestTable:
         self._next_id = 0
         self._forgotten = 0
         self._id_prefix = id_prefix
+        self.sinks: dict[str, Any] = {}  # id -> its reader's `raysched.sink.TokenSink`: its
+        #   workers send its tokens there directly (see `attach`)
+        self.sink_at: dict[str, int] = {}  # id -> the worker its sink was last sent to
+        self.seed_due: set[str] = set()  # sinks attached late: seed them with the tokens so far
 
     # ------------------------------------------------------------------ submit
     def submit(self, prompt_ids: list[int], sampling: dict | None, limits: Limits,
@@ -86,10 +91,16 @@ class RequestTable:
 
     # ------------------------------------------------------------------ end
     def finish(self, req: Request, state: State, reason: str) -> None:
-        """Mark a request ended and wake its readers (the caller updates the worker's view)."""
+        """Mark a request ended and wake its readers (the caller updates the worker's view). A
+        request read through a sink is told there and forgotten here (its record stays readable)."""
         req.state, req.finish_reason, req.finish_s = state, reason, time.monotonic()
         self.counters.on_finish(req)
         self.notify(req.request_id)
+        sink = self.sinks.get(req.request_id)
+        if sink is not None:
+            count = len(req.output_ids) if state is State.FINISHED else None
+            sink.end.remote(req.request_id, count, reason, req.error)
+            self.forget(req)
 
     def abort(self, request_id: str) -> Request | None:
         """Abort a request at any stage; returns it, or None if it is unknown or had ended. One a
@@ -117,6 +128,35 @@ class RequestTable:
         enqueue(self.waiting if fresh else self.retracted, req, front=True)
 
     # ------------------------------------------------------------------ readers
+    def attach(self, req: Request, sink: Any, late: bool) -> None:
+        """Read `req` through `sink` (`raysched.sink`): its workers send each step's tokens there
+        from their next call on (`StepPlan.sinks`, `PrefillItem.sink`); `late`: it may have tokens
+        already, which its next plan seeds the sink with."""
+        self.sinks[req.request_id] = sink
+        self.sink_at.pop(req.request_id, None)
+        if late:
+            self.seed_due.add(req.request_id)
+
+    def sink_for(self, req: Request, worker: int, starts: bool = False) -> Any:
+        """`req`'s sink if `worker` must be sent it (noting that it now is), else None: a request
+        that `starts` there (admitted, resumed) always; a running one whose worker has not had it
+        (attached late, or moved there by a live migration)."""
+        rid = req.request_id
+        sink = self.sinks.get(rid)
+        if sink is None or (self.sink_at.get(rid) == worker and not starts):
+            return None
+        self.sink_at[rid] = worker
+        if rid in self.seed_due:  # attached late: the tokens it had before go first
+            self.seed_due.discard(rid)
+            sink.push.remote({rid: (0, list(req.output_ids), None)})
+        return sink
+
+    def status(self, request_id: str) -> str:
+        """"live", "ended" (its record is readable), or "unknown" (never here, or long gone)."""
+        if request_id in self.requests:
+            return "ended" if self.requests[request_id].state.is_done else "live"
+        return "ended" if request_id in self._ended else "unknown"
+
     async def wait(self, request_id: str, timeout: float | None = None) -> dict:
         """Wait for the request to end; returns its record and forgets it (see `forget`)."""
         req = self.get(request_id)
@@ -157,6 +197,9 @@ class RequestTable:
             del self.requests[rid]
             self._progress.pop(rid, None)
         req.snapshot_ref = None
+        self.sinks.pop(rid, None)
+        self.sink_at.pop(rid, None)
+        self.seed_due.discard(rid)
         self._ended.pop(rid, None)
         self._ended[rid] = req
         self._forgotten += 1
@@ -177,6 +220,8 @@ class RequestTable:
         self.fatal = message
         for event in self._progress.values():
             event.set()
+        for rid, sink in self.sinks.items():
+            sink.end.remote(rid, None, "error", message)
 
     def raise_if_fatal(self) -> None:
         if self.fatal:
@@ -190,17 +235,25 @@ class RequestTable:
 
 def validate_request(prompt_ids: list[int], params: SamplingParams, limits: Limits) -> tuple[int, ...]:
     """The prompt as a tuple of ints, or RequestError: bad tokens, bad sampling parameters, or a
-    request that could never fit the context or any worker's pool."""
+    request that could never fit the context or any worker's pool. A pool must hold prompt +
+    max_new_tokens tokens: what the planner asks of a worker before it admits or resumes a request
+    (the last token's K/V is never stored, but its room is asked for). A message about the prompt
+    alone starts with "prompt:" (HTTP's `param` is then `prompt`)."""
     prompt = validate_prompt(prompt_ids, limits.vocab_size)
     params.validate(limits.vocab_size)
-    total = len(prompt_ids) + params.max_new_tokens
-    if total > limits.max_context:
-        raise RequestError(f"prompt ({len(prompt_ids)}) + max_new_tokens ({params.max_new_tokens}) = "
-                           f"{total} exceeds the model context of {limits.max_context} tokens")
-    if total - 1 > limits.largest_pool_tokens:
-        raise RequestError(f"prompt ({len(prompt_ids)}) + max_new_tokens ({params.max_new_tokens}) needs "
-                           f"{total - 1} KV tokens, more than the largest worker pool "
-                           f"({limits.largest_pool_tokens}); it could never finish")
+    n, new, pool = len(prompt), params.max_new_tokens, limits.largest_pool_tokens
+    if n >= limits.max_context:
+        raise RequestError(f"prompt: {n} tokens leave no room for a generated token in the model context "
+                           f"of {limits.max_context} tokens")
+    if n >= pool:
+        raise RequestError(f"prompt: {n} tokens leave no room for a generated token in the largest worker "
+                           f"pool ({pool} KV tokens); it could never finish")
+    if n + new > limits.max_context:
+        raise RequestError(f"prompt ({n}) + max_new_tokens ({new}) = {n + new} exceeds the model context of "
+                           f"{limits.max_context} tokens")
+    if n + new > pool:
+        raise RequestError(f"prompt ({n}) + max_new_tokens ({new}) = {n + new} tokens, more than the largest "
+                           f"worker pool ({pool} KV tokens); at most {pool - n} new tokens fit after this prompt")
     return prompt
 
 

@@ -1,0 +1,65 @@
+"""The readers' sinks of the requests a worker runs: each step's tokens go straight to them.
+
+A streamed request's reader has a `raysched.sink.TokenSink` (an actor in the reader's process);
+its handle comes with the request in the step plan (`PrefillItem.sink`, `StepPlan.sinks`). After
+each step the worker sends every sink the step's tokens of its requests in one fire-and-forget
+`push` (with each request's position, so the sink takes each token once), without waiting for
+the scheduler. Both workers (`actors.worker`, `actors.sim`) use this table.
+
+    sinks = Sinks()
+    sinks.note_plan(plan)                                 # at the start of a step call
+    sinks.send({"req-0": [17]}, finished={})             # after each step
+    sinks.keep_only(live_ids)                             # at its end
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from raysched.messages import PrefillItem, StepPlan
+
+
+class Sinks:
+    def __init__(self) -> None:
+        self.by_request: dict[str, list] = {}  # id -> [its reader's sink, tokens sent to it so far]
+
+    def note_plan(self, plan: StepPlan) -> None:
+        """Learn the sinks a step plan names (its prefills', and `StepPlan.sinks`)."""
+        self.note_items(plan.prefill)
+        for rid, sink, start in plan.sinks:
+            self.by_request[rid] = [sink, start]
+
+    def note_items(self, items: Iterable[PrefillItem]) -> None:
+        """Prefill items (new, recomputed, joined): each starts at the outputs it carries."""
+        for item in items:
+            if item.sink is not None:
+                self.by_request[item.request_id] = [item.sink, len(item.token_ids) - item.prompt_len]
+
+    def wants(self, new_tokens: dict[str, list[int]]) -> bool:
+        """Do any of these tokens go to a sink?"""
+        return bool(self.by_request) and any(rid in self.by_request for rid in new_tokens)
+
+    def send(self, new_tokens: dict[str, list[int]], finished: dict[str, str]) -> int:
+        """Push one step's tokens: one `push` per sink; returns how many pushes went out."""
+        if not self.by_request:
+            return 0
+        batches: dict[int, tuple[Any, dict]] = {}
+        for rid, tokens in new_tokens.items():
+            entry = self.by_request.get(rid)
+            if entry is None or not tokens:
+                continue
+            sink, start = entry
+            batches.setdefault(id(sink), (sink, {}))[1][rid] = (start, list(tokens), finished.get(rid))
+            entry[1] = start + len(tokens)
+            if rid in finished:
+                del self.by_request[rid]
+        for sink, pieces in batches.values():
+            sink.push.remote(pieces)
+        return len(batches)
+
+    def keep_only(self, live: Iterable[str]) -> None:
+        """Forget the sinks of requests no longer here (finished, dropped, retracted, not admitted)."""
+        live = set(live)
+        for rid in [rid for rid in self.by_request if rid not in live]:
+            del self.by_request[rid]

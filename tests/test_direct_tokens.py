@@ -1,0 +1,228 @@
+"""Tokens go from the worker to the reader directly (`raysched.sink`, `actors.sinks`), not through
+the scheduler: a stream goes on while the scheduler's event loop is blocked (the negative
+control: a stream read through the scheduler stops), its tokens are those of an uninterrupted
+run, a stop string matched at the reader ends the request on the token that completes it and
+frees its slots, and a worker killed mid-stream still gives every token exactly once.
+
+The scheduler's own death with streams read through sinks is `tests/test_faults.py`
+(`test_streams_keep_their_tokens_across_a_scheduler_restart`); an HTTP reader that disconnects
+aborts its request in `tests/test_serve.py`.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import threading
+from typing import Any
+
+import pytest
+import ray
+
+from actors.sim import SimWorker
+from actors.sinks import Sinks
+from raysched.config import load_serve_config
+from raysched.messages import PrefillItem, StepPlan
+from raysched.sink import Received
+from raysched.tokenizer import load_tokenizer
+from tests.conftest import wait_until
+
+SIM = {"decode_ms": 20.0, "vocab_size": 512, "max_context": 4096}
+
+
+def sim_config(**extra: Any) -> Any:
+    raw = {"data_plane": "sim", "pool": {"kv_tokens": 4096, "state_slots": 4}, "state_cache": {"enabled": False},
+           "object_store_memory": 80 << 20, "sim": {**SIM, "workers_per_process": 2}, **extra}
+    return load_serve_config(raw)
+
+
+def reference(rid: str, prompt: list[int], max_new: int) -> list[int]:
+    """One in-process simulated worker, never interrupted, no Ray."""
+    w = SimWorker(load_serve_config({"data_plane": "sim", "pool": {"kv_tokens": 4096, "state_slots": 4},
+                                     "sim": {**SIM, "decode_ms": 0.0}}), 0)
+    out = w.step(StepPlan(prefill=(PrefillItem(rid, tuple(prompt), len(prompt), {"max_new_tokens": max_new}),),
+                          decode_steps=max_new))
+    return out.new_tokens[rid]
+
+
+class Reader:
+    """Reads one handle's stream in a thread."""
+
+    def __init__(self, handle: Any) -> None:
+        self.handle, self.tokens, self.error = handle, [], None
+        self.thread = threading.Thread(target=self._read, daemon=True)
+        self.thread.start()
+
+    def _read(self) -> None:
+        try:
+            for t in self.handle.stream():
+                self.tokens.append(t)
+        except Exception as err:  # noqa: BLE001 - shown by the test
+            self.error = repr(err)
+
+
+# ---------------------------------------------------------------------------- no Ray
+
+def test_a_sink_takes_each_token_once_whatever_order_pieces_come_in() -> None:
+    """Pieces carry positions: a re-sent piece (a recomputed request) adds nothing, a piece
+    after a gap waits for it. Negative control: a re-sent piece that differs is counted."""
+    want = list(range(100, 112))
+    got = Received()
+    got.add(4, want[4:8], None)  # ahead of the gap: waits
+    assert got.tokens == []
+    got.add(0, want[0:4], None)
+    got.add(2, want[2:10], None)  # overlaps what it has
+    got.add(10, want[10:12], "length")
+    assert got.tokens == want and got.done and got.mismatches == 0
+    bad = Received()
+    bad.add(0, want[:6], None)
+    bad.add(3, [1, 2, 3], None)
+    assert bad.tokens == want[:6] and bad.mismatches == 3
+
+
+def test_a_sink_ended_by_count_waits_for_the_rest_and_ignores_more() -> None:
+    got = Received()
+    got.add(0, [1, 2], None)
+    got.end(4, "length")
+    assert not got.done
+    got.add(2, [3, 4, 5, 6], None)  # a worker that decoded on after the end: cut there
+    assert got.done and got.tokens == [1, 2, 3, 4]
+    aborted = Received()
+    aborted.add(0, [1, 2], None)
+    aborted.end(None, "abort")
+    aborted.add(2, [3], None)
+    assert aborted.done and aborted.tokens == [1, 2]
+
+
+class FakeSink:
+    def __init__(self) -> None:
+        self.pushes: list[dict] = []
+        self.push = self
+
+    def remote(self, pieces: dict) -> None:
+        self.pushes.append(pieces)
+
+
+def test_a_worker_sends_one_push_per_sink_per_step_with_positions() -> None:
+    a, b = FakeSink(), FakeSink()
+    sinks = Sinks()
+    sinks.note_plan(StepPlan(prefill=(PrefillItem("x", (1, 2, 7, 8), 2, {}, a), PrefillItem("y", (1,), 1, {}, a)),
+                             sinks=(("z", b, 5),)))
+    assert sinks.send({"x": [9], "y": [3], "z": [4], "w": [0]}, {}) == 2
+    assert sinks.send({"x": [10], "z": [5]}, {"z": "length"}) == 2
+    assert a.pushes == [{"x": (2, [9], None), "y": (0, [3], None)}, {"x": (3, [10], None)}]
+    assert b.pushes == [{"z": (5, [4], None)}, {"z": (6, [5], "length")}]
+    sinks.keep_only(["y"])
+    assert list(sinks.by_request) == ["y"]
+
+
+# ---------------------------------------------------------------------------- on Ray, simulated workers
+
+def test_a_stream_reaches_its_reader_while_the_scheduler_is_blocked() -> None:
+    """Two streamed requests on simulated workers (20 ms steps, long calls of up to 16 x 16
+    steps: a call needs the scheduler only when it ends); once both are in their long calls the
+    scheduler's event loop is blocked (`Scheduler.debug_block`). The one read through the
+    client's sink gets 20 more tokens while it stays blocked; the negative control, read through the
+    scheduler (`Client.direct_tokens = False`, the old path), gets at most what was in flight.
+    Both then end with the tokens of an uninterrupted run."""
+    import raysched
+
+    client = raysched.launch(sim_config(workers=2, scheduler={"decode_steps_per_call": 16},
+                                        pool={"kv_tokens": 4096, "state_slots": 1},  # one request each,
+                                        sim={**SIM, "workers_per_process": 1}))  # each in its own process
+    flag = os.path.join(tempfile.mkdtemp(), "block")
+    try:
+        direct = client.submit([3, 1, 4], {"max_new_tokens": 300}, stream=True)
+        client.direct_tokens = False
+        old = client.submit([3, 1, 5], {"max_new_tokens": 300}, stream=True)
+        readers = [Reader(direct), Reader(old)]
+        wait_until(lambda: all(len(r.tokens) >= 40 for r in readers), 60, "both streams in long calls")
+        open(flag, "w").close()
+        blocked = client.scheduler.debug_block.remote(flag)
+        wait_until(lambda: os.path.exists(flag + ".on"), 60, "the scheduler blocked")
+        before = [len(r.tokens) for r in readers]
+        wait_until(lambda: len(readers[0].tokens) >= before[0] + 20, 60, "20 direct tokens")
+        during = [len(r.tokens) - b for r, b in zip(readers, before)]
+        still_blocked = not ray.wait([blocked], timeout=0)[0]
+        os.remove(flag)
+        blocked_s = ray.get(blocked, timeout=60)
+        for r in readers:
+            r.thread.join(120)
+        idle = client.check_idle()
+    finally:
+        if os.path.exists(flag):
+            os.remove(flag)
+        client.shutdown()
+    print(f"\nwhile the scheduler was blocked ({blocked_s:.2f} s): direct +{during[0]} tokens, "
+          f"through the scheduler +{during[1]}")
+    assert still_blocked and during[0] >= 20
+    assert during[1] <= 4  # negative control: at most one reply that was in flight
+    assert [r.error for r in readers] == [None, None]
+    assert readers[0].tokens == reference(direct.request_id, [3, 1, 4], 300)
+    assert readers[1].tokens == reference(old.request_id, [3, 1, 5], 300)
+    assert idle["workers_idle"] and idle["tables"]["requests"] == 0
+
+
+def _stop_string(tokens: list[int]) -> tuple[str, int]:
+    """A stop string from the middle of the text of `tokens`, and how many tokens it takes for
+    the text to contain it (found here by decoding prefixes, not by the code under test)."""
+    tok = load_tokenizer("tiny")
+    text = tok.decode(tokens)
+    for i in range(len(text) // 3, len(text) - 2):
+        stop = text[i:i + 2]
+        if "\ufffd" not in stop and stop.strip() and text.find(stop) == i:
+            n = next(k for k in range(1, len(tokens) + 1) if stop in tok.decode(tokens[:k]))
+            return stop, n
+    raise AssertionError("no usable stop string in the reference text")
+
+
+def test_a_stop_string_at_the_reader_ends_the_request_on_its_token_and_frees_its_slots() -> None:
+    """The sink matches the stop string on the text (not the scheduler): the stream ends on
+    the token that completes it (found by decoding the reference's prefixes), the record agrees
+    (finish_reason "stop"), and the worker's pools end empty. Negative control: the same
+    request (same id, so the same tokens) without the stop runs its full length."""
+    import raysched
+
+    prompt, max_new = [7, 2, 9], 120
+    want = reference("s", prompt, max_new)
+    stop, n = _stop_string(want)
+    client = raysched.launch(sim_config(workers=1, model="tiny"))
+    try:
+        full_tokens = list(client.submit(prompt, {"max_new_tokens": max_new}, request_id="s", stream=True).stream())
+        cut = client.submit(prompt, {"max_new_tokens": max_new, "stop": [stop]}, request_id="s", stream=True)
+        cut_tokens = list(cut.stream())
+        record = cut.result(timeout=60)
+        wait_until(lambda: client.check_idle()["workers_idle"], 60, "the stopped request's slots freed")
+        idle = client.check_idle()
+    finally:
+        client.shutdown()
+    assert full_tokens == want and len(want) == max_new  # negative control: no stop, full length
+    assert n < max_new and cut_tokens == want[:n], (stop, n, len(cut_tokens))
+    assert record["finish_reason"] == "stop" and record["token_ids"] == cut_tokens, record
+    assert idle["tables"]["requests"] == 0
+
+
+def test_a_worker_killed_mid_stream_gives_every_token_exactly_once() -> None:
+    """Streams read through sinks; the worker dies inside a long call after 20 of its decode
+    steps (`kill_in_step`). Its requests are recomputed on the replacement from the scheduler's
+    history, which the readers had already passed: the sinks drop what they hold (no token
+    twice, none differing) and every stream equals the uninterrupted run."""
+    import raysched
+
+    faults = [{"kind": "kill_in_step", "worker": 0, "after_steps": 1, "folded": True, "after_decode_steps": 20}]
+    client = raysched.launch(sim_config(workers=1, faults=faults,
+                                        scheduler={"decode_steps_per_call": 4, "fold_calls": 8}))
+    try:
+        handles = [client.submit([5, 5, i], {"max_new_tokens": 80}, stream=True) for i in range(3)]
+        readers = [Reader(h) for h in handles]
+        for r in readers:
+            r.thread.join(180)
+        stats = client.stats()
+        sink = ray.get(client.sink.stats.remote())
+    finally:
+        client.shutdown()
+    assert stats["worker_failures"] == 1 and stats["recovered"] >= 1, stats
+    assert sink["mismatches"] == 0, sink
+    for h, r in zip(handles, readers):
+        assert r.error is None
+        assert r.tokens == reference(h.request_id, [5, 5, int(h.prompt_ids[-1])], 80)
