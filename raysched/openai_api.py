@@ -164,9 +164,12 @@ def _parsed(kind: str, body: dict, prompt_ids: list[int], tok: TextTokenizer | N
 
 def request_error(err: RequestError, max_field: str = "max_tokens") -> APIError:
     """A 400 for a request the sampling checks or the scheduler refused, in HTTP's names
-    (`max_tokens`, or `max_completion_tokens` when that was sent, for `max_new_tokens`)."""
+    (`max_tokens`, or `max_completion_tokens` when that was sent, for `max_new_tokens`); a
+    message about the prompt alone ("prompt: ...") names `prompt`."""
     names = {**{key: HTTP_NAMES.get(key, key) for key in SAMPLING_KEYS}, "max_new_tokens": max_field}
     message = re.sub(r"\bmax_new_tokens\b", max_field, str(err)).removeprefix("sampling: ")
+    if message.startswith("prompt: "):
+        return APIError(400, message, "prompt")
     found = [(m.start(), key) for key in SAMPLING_KEYS if (m := re.search(rf"\b{key}\b", str(err)))]
     return APIError(400, message, names[min(found)[1]] if found else None)
 

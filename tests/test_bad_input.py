@@ -85,8 +85,8 @@ def test_prompt_plus_max_new_tokens_beyond_the_model_context(client):
 
 def test_prompt_plus_max_new_tokens_beyond_the_largest_worker_pool(client):
     rejects(client, list(range(10)), {"max_new_tokens": 300},
-            f"prompt (10) + max_new_tokens (300) needs 309 KV tokens, more than the largest worker pool "
-            f"({POOL_TOKENS}); it could never finish")
+            f"prompt (10) + max_new_tokens (300) = 310 tokens, more than the largest worker pool "
+            f"({POOL_TOKENS} KV tokens); at most {POOL_TOKENS - 10} new tokens fit after this prompt")
 
 
 @pytest.mark.parametrize("value", [0, -3])

@@ -552,7 +552,8 @@ BAD = [  # (path, body, status, fragment of the message)
     ("/v1/completions", {"prompt": [1, 99999]}, 400, "outside [0, 512)"),
     ("/v1/completions", {"prompt": [1.5]}, 400, "prompt: must be a string or a list of token ids"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 9000}, 400, "prompt (2) + max_tokens (9000) = 9002 exceeds"),
-    ("/v1/completions", {"prompt": "hi", "max_tokens": 5000}, 400, "max_tokens (5000) needs 5001 KV tokens, more"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 5000}, 400,
+     "max_tokens (5000) = 5002 tokens, more than the largest"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 9000}, 400,
      "+ max_completion_tokens (9000) = "),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens must be a positive integer"),
@@ -591,7 +592,7 @@ BAD = [  # (path, body, status, fragment of the message)
 
 PARAMS = {  # the HTTP field an error names in `param` (the body's own names, never max_new_tokens)
     "prompt (2) + max_tokens (9000) = 9002 exceeds": "max_tokens",
-    "max_tokens (5000) needs 5001 KV tokens, more": "max_tokens",
+    "max_tokens (5000) = 5002 tokens, more than the largest": "max_tokens",
     "+ max_completion_tokens (9000) = ": "max_completion_tokens",
     "max_tokens must be a positive integer": "max_tokens",
     "min_tokens must be an integer in [0, max_tokens (4)], got 5": "min_tokens",

@@ -39,6 +39,8 @@ class WorkerSlot:
     long_call: int = 0  # the call id of its call in flight that folds more than one successor
     #   (`Fleet.interrupt` ends it early); 0: none, or interrupted already
     open_call: Any = None  # `joins.OpenCall` of its long call if that takes joins, until its reply
+    failures: int = 0  # failures in a row of the workers this one replaces, none of which
+    #   completed a call since (`Recovery.on_worker_failure`); 0 once a call of its own succeeded
 
     @classmethod
     def from_info(cls, handle: Any, info: WorkerInfo, role: Role = Role.BOTH) -> WorkerSlot:
@@ -167,7 +169,10 @@ class Fleet:
         return self.slots[r.workers[-1]].info.node_id != w.info.node_id
 
     def largest_pool_tokens(self) -> int:
-        return max(w.view.total_tokens for w in self.slots if w.alive)
+        """The KV tokens of the largest live worker's pool; while none is alive (every worker is
+        being replaced), the largest any worker had: a replacement is built from the same config."""
+        return max((w.view.total_tokens for w in self.slots if w.alive), default=0) or \
+            max((w.view.total_tokens for w in self.slots), default=0)
 
     def mixed_kernels(self) -> list[str]:
         """The live workers' matrix kernels (`WorkerInfo.kernel`) when they are not all the same:

@@ -6,7 +6,13 @@ history holds every token a client was sent, those the failed call streamed befo
 included (a request that got any drops its older snapshot first, `Dispatcher.apply`), so nothing
 is emitted twice and nothing is skipped. A replacement worker is started
 when the cluster has room for one. When no worker is left and none can be started, the request
-table fails every reader.
+table fails every reader. While every worker is being replaced, requests queue (they are validated
+against the pools the workers had) and start on the replacement.
+
+A worker that fails again and again (each replacement before any successful call of its own, e.g.
+a data-plane bug that every worker hits) is not replaced for ever: the `scheduler.max_worker_failures`th
+failure in a row stops the scheduler (`stop`): no more replacements, every worker ended, every
+request (waiting, running, new) fails with one line naming the worker's error.
 
 Actor operations go through `ActorOps` (Ray's by default), so this part runs without Ray in
 tests: `Recovery(..., actors=FakeActors())`.
@@ -57,13 +63,15 @@ class ActorOps:
 
 class Recovery:
     def __init__(self, config: ServeConfig, table: RequestTable, fleet: Fleet, counters: Counters,
-                 on_added: Callable[[WorkerSlot], None], actors: ActorOps | None = None) -> None:
+                 on_added: Callable[[WorkerSlot], None], actors: ActorOps | None = None,
+                 on_stopped: Callable[[], None] = lambda: None) -> None:
         self.config = config
         self.table = table
         self.fleet = fleet
         self.counters = counters
         self.actors = actors or ActorOps()
         self._on_added = on_added  # the dispatcher starts the new worker's loop
+        self._on_stopped = on_stopped  # (the actor releases what it holds, as `shutdown` does)
         self.pending_replacements = 0
         self.closing = False
         self._warned_kernels: tuple[str, ...] = ()  # the last mix of matrix kernels warned about
@@ -113,17 +121,42 @@ class Recovery:
             req.state = State.RETRACTED
             enqueue(self.table.retracted, req, front=True)
         w.view.running = []
+        streak = w.failures + 1
+        if streak >= self.config.scheduler.max_worker_failures and not self.closing:
+            self.stop(f"worker failed {streak} times in a row ({one_line(err)}); the scheduler stopped")
+            return
         if self.config.scheduler.replace_failed_workers and not self.closing:
             self.pending_replacements += 1
-            asyncio.get_running_loop().create_task(self.replace_worker(role=w.view.role))
+            asyncio.get_running_loop().create_task(self.replace_worker(role=w.view.role, failures=streak))
         self.check_any_alive()
 
-    async def replace_worker(self, timeout_s: float = REPLACEMENT_TIMEOUT_S, role: Role = Role.BOTH) -> None:
+    def note_served(self, w: WorkerSlot) -> None:
+        """`w`'s dispatch loop is back to decide (`Dispatcher.before_decide`): every call it sent
+        so far succeeded (a failed one retires it), so a failure streak it inherited ends."""
+        if w.view.calls:
+            w.failures = 0
+
+    def stop(self, message: str) -> None:
+        """Stop for good (a crash loop): no more replacements, every worker ended, and every
+        request, waiting, running or new, fails with `message` (one line)."""
+        log.error("%s", message)
+        self.closing = True
+        self.table.fail(message)
+        for w in self.fleet.alive():
+            w.alive = False
+            self.fleet.note_room(w)
+            w.event.set()
+            self.actors.kill(w.handle)
+        self._on_stopped()
+
+    async def replace_worker(self, timeout_s: float = REPLACEMENT_TIMEOUT_S, role: Role = Role.BOTH,
+                             failures: int = 0) -> None:
         """Start a worker in place of a failed one (one already counted in `pending_replacements`),
-        with the role of the one it replaces."""
+        with the role of the one it replaces and its failures in a row (`WorkerSlot.failures`)."""
         slot = await self.start_worker(timeout_s, role)
         self.pending_replacements -= 1
         if slot is not None:
+            slot.failures = failures
             self.counters.workers_replaced += 1
         self.check_any_alive()
         self.fleet.notify()
@@ -138,7 +171,8 @@ class Recovery:
             log.warning("could not start a worker (%r); carrying on with fewer", err)
             self.actors.kill(handle)
             return None
-        if self.closing:
+        if self.closing:  # stopped or shut down meanwhile: this worker is not wanted
+            self.actors.kill(handle)
             return None
         info = dataclasses.replace(info, index=len(self.fleet.slots))
         slot = self._add(handle, info, role)
@@ -164,7 +198,7 @@ class Recovery:
         self.actors.kill(w.handle)
 
     def check_any_alive(self) -> None:
-        if not self.fleet.any_alive() and not self.pending_replacements:
+        if not self.fleet.any_alive() and not self.pending_replacements and self.table.fatal is None:
             self.table.fail("every worker has failed and none could be replaced")
 
 
@@ -176,6 +210,17 @@ def start_error(config: ServeConfig, index: int, err: BaseException) -> BaseExce
     lines = [ln.strip() for ln in re.sub(r"\x1b\[[0-9;]*m", "", str(err)).splitlines() if ln.strip()]
     cause = re.sub(r"^[\w.]*\.(\w+: )", r"\1", lines[-1]) if lines else "unknown error"  # drop the module
     return ConfigError(f"serve config: model {config.model!r}: worker {index} could not start: {cause}")
+
+
+def one_line(err: BaseException, max_chars: int = 240) -> str:
+    """A worker's error as `Type: first line of its message` (the exception the worker raised,
+    not Ray's wrapper with its traceback), cut at `max_chars`."""
+    cause = getattr(err, "cause", None)
+    err = cause if isinstance(cause, BaseException) else err
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(err)).strip()
+    first = text.splitlines()[0].strip() if text else ""
+    line = f"{type(err).__name__}: {first}" if first else type(err).__name__
+    return line if len(line) <= max_chars else line[:max_chars - 3] + "..."
 
 
 def was_restarted() -> bool:

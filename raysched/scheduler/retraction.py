@@ -23,6 +23,7 @@ from raysched.scheduler.faults import FaultSeam
 from raysched.scheduler.fleet import Fleet, WorkerSlot
 from raysched.scheduler.planner import Decision
 from raysched.scheduler.policy import choose_retract_mode
+from raysched.scheduler.recovery import one_line
 from raysched.scheduler.roles import choose_target
 from raysched.scheduler.table import RequestTable
 from raysched.stats import Counters
@@ -125,8 +126,10 @@ class RetractionLedger:
             self._handover_refs.discard(ref)
             current = req.snapshot_ref is ref  # not resumed (or retracted again) meanwhile
             if isinstance(size, BaseException):
-                log.warning("retraction of %s on worker %d failed (%r); it will be recomputed",
-                            req.request_id, w.index, size)
+                self.fleet.forget(ref)  # the snapshot's ref holds the same error: read it, so that
+                #   Ray does not log it as unhandled when the ref goes
+                log.warning("retraction of %s on worker %d failed (%s); it will be recomputed",
+                            req.request_id, w.index, one_line(size))
                 waiting = current and req.state is State.RETRACTED
                 if waiting:  # (one already resuming elsewhere reports the snapshot lost instead)
                     req.snapshot_ref, req.recompute = None, True
