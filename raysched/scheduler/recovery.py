@@ -103,8 +103,9 @@ class Recovery:
         if not w.alive:
             return
         dead = self.actors.is_death(err)
-        log.error("worker %d %s (%r); recovering its %d requests", w.index,
-                  "died" if dead else "failed a call", err, len(w.view.running))
+        log.error("worker %d %s (%s); recovering its %d requests", w.index,
+                  "died" if dead else "failed a call", one_line(err), len(w.view.running))
+        log.debug("worker %d's error in full: %r", w.index, err)
         w.alive = False
         self.fleet.note_room(w)
         if not dead:
