@@ -86,6 +86,19 @@ def gemm_fingerprint() -> str:
     return hashlib.sha1(F.linear(x, w).numpy().tobytes()).hexdigest()[:12]
 
 
+def cpu_fingerprint() -> dict:
+    """What names this kind of CPU and the libraries its kernels come from (not this one chip):
+    model name, vendor, family/model/stepping, the vector flags of `FLAGS`, torch's version,
+    MKL's version and the environment variables that steer MKL and ATen. Machines with equal
+    fingerprints run the same kernels (`actors.kernel_choice` keys its per-machine table by it)."""
+    cpu = _cpuinfo()
+    flags = cpu_flags()
+    return {"cpu_model": cpu.get("model name", "unknown"), "cpu_vendor": cpu.get("vendor_id"),
+            "cpu_family_model_stepping": f"{cpu.get('cpu family')}/{cpu.get('model')}/{cpu.get('stepping')}",
+            "cpu_flags": [f for f in FLAGS if f in flags], "torch": torch.__version__,
+            "mkl_version": _mkl_version(), "env": {k: os.environ[k] for k in PATH_ENV if k in os.environ}}
+
+
 def cpu_flags() -> set[str]:
     """The first processor's feature flags (/proc/cpuinfo; empty where there is none)."""
     return set(_cpuinfo().get("flags", "").split())

@@ -9,9 +9,12 @@ with a `ForwardBatch` naming the slots.
 
 Batch invariance: a sequence's logits are bit-identical whatever else is in the batch, in
 decode and in prefill. What is fixed-shape, and why:
-- Every matrix product goes through `TiledLinear`. On the CPU in fp32 that is `actors.rowdot`,
-  a kernel whose rows are bit-identical whatever the call's row count by construction (one
-  fixed-order dot product per element). Where it does not build (no C compiler), each weight is packed once
+- Every matrix product goes through `TiledLinear`. On the CPU in fp32 that is the kernel
+  `actors.kernel_choice` measured fastest for the weight's shape and phase among those
+  row-free here: a build of `actors.rowdot`, a kernel whose rows are bit-identical whatever
+  the call's row count by construction (one fixed-order dot product per element), or MKL's
+  packed path where the probe below finds it row-free. Where rowdot does not build (no C
+  compiler), MKL's path takes every product: each weight is packed once
   for MKL's packed GEMM, and a call of M rows is one call of max(M, m) rows, m the CPU's
   minimum (1 on an Intel Xeon, 4 on an AMD EPYC): a row's result there is bit-identical
   whatever M is and wherever the row sits (measured: the summation order follows the packing,
@@ -56,7 +59,7 @@ from actors.batch import ForwardBatch
 from actors.config import ModelConfig
 from actors.ffn import SwiGLU  # noqa: F401  (re-exported: it lived here)
 from actors.layers import KINDS, LAYOUTS, build_ffn
-from actors import rowdot
+from actors import kernel_choice, rowdot
 from actors.mamba import Kernels, rowwise
 from actors.norms import ARCH_NORM_STYLE, RMSNorm
 
@@ -96,7 +99,8 @@ PROBE_ROWS_LARGE = (300, 512, 1000, 2048)  # checked against 256-row calls once 
 _MIN_ROWS: dict[tuple[int, int, int, int, torch.dtype, bool], int | None] = {}  # (out, in, tile, threads,
 #   dtype, packed) -> probed: fewest rows of a row-free call of this shape on that path (packed:
 #   MKL's packed fp32 GEMM; else `weight @ x^T`), smaller calls zero-padded up to it; None: tiles
-_ROWDOT_SHAPES: set[tuple[int, ...]] = set()  # (out, in) of the fp32 products `actors.rowdot` ran
+_ROWDOT_SHAPES: dict[tuple[int, int, str], str] = {}  # (out, in, phase) of fp32 products `actors.rowdot`
+#   ran -> its build
 _PROBE_S: dict[str, float] = {}  # `path_name` -> seconds this process spent probing it (start-up cost)
 _LONG_CALLS_FREE: dict[tuple[int, int, int, int], bool] = {}  # (out, in, min rows, threads) -> the
 #   `PROBE_ROWS_LARGE` check's answer: it does not depend on the tile, so each tile's probe shares it
@@ -129,21 +133,30 @@ class TiledLinear:
     """
 
     def __init__(self, tile: int, pack: bool = True, packs: dict | None = None,
-                 max_rows: int | None = MAX_CALL_ROWS, row_free: bool = True, native: bool = True) -> None:
+                 max_rows: int | None = MAX_CALL_ROWS, row_free: bool = True, native: bool = True,
+                 kernel: str | None = None) -> None:
         if tile < 1:
             raise ValueError(f"tile must be >= 1, got {tile}")
         self.tile, self.pack = tile, pack and _mkl_packed_available()
         self.row_free = row_free  # False: always exact tile calls (the probe's reference)
-        self.native = native and row_free  # fp32 on the CPU through `actors.rowdot` where it builds
+        self.native = native and row_free  # fp32 on the CPU: the kernel `actors.kernel_choice`
+        #   picks (False: MKL's probed path)
+        self.kernel = kernel  # one of `kernel_choice.candidates()` forced for every shape (None: chosen)
+        if kernel is not None and kernel not in kernel_choice.candidates():
+            raise ValueError(f"kernel {kernel!r} does not run here: one of {kernel_choice.candidates()}")
         self.max_rows = max_rows  # row-free calls are split here (None: never; prefill, whose
         #   rows all belong to one sequence's chunk, needs no invariance across row counts)
+        self.phase = "decode" if max_rows is not None and max_rows <= MAX_CALL_ROWS else "prefill"
         self._packed = packs if packs is not None else {}  # id(weight) -> (weight, packed)
 
     def __call__(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         """x (M, in) -> (M, out), contiguous."""
-        if self.native and x.dtype == torch.float32 and x.device.type == "cpu" and rowdot.available():
-            _ROWDOT_SHAPES.add(weight.shape)  # (a torch.Size: a tuple, no copy)
-            return rowdot.linear(x, weight, bias)  # (M, out): row-free by construction, any M
+        if self.native and x.dtype == torch.float32 and x.device.type == "cpu":
+            kernel = self.kernel or kernel_choice.choose(weight.shape, self.phase)
+            if kernel.startswith("rowdot "):
+                build = kernel[7:]
+                _ROWDOT_SHAPES[(*weight.shape, self.phase)] = build
+                return rowdot.linear(x, weight, bias, rowdot.library(build))  # (M, out): row-free, any M
         call = self._row_free_call(x, weight, bias)
         if call is not None:
             x = x.contiguous()
@@ -188,15 +201,24 @@ class TiledLinear:
     def _min_rows(self, weight: Tensor, dtype: torch.dtype, packed: bool) -> int | None:
         """Fewest rows of a row-free call of this weight's shape in `dtype`, on the packed path
         or the plain one; None: use tiles."""
-        # The answer depends on the tile it is held against and on the intra-op thread count (MKL
-        # may split a call's rows among threads): probed again for each, whoever asks first.
-        key = (weight.shape[0], weight.shape[1], self.tile, torch.get_num_threads(), dtype, packed)
-        if key not in _MIN_ROWS:
-            t0 = time.perf_counter()
-            _MIN_ROWS[key] = _probe_min_rows(*key[:3], dtype=dtype, packed=packed)
-            name = path_name(dtype, packed)
-            _PROBE_S[name] = _PROBE_S.get(name, 0.0) + time.perf_counter() - t0
-        return _MIN_ROWS[key]
+        return probed_min_rows(weight.shape[0], weight.shape[1], self.tile, dtype, packed)
+
+
+def probed_min_rows(out_features: int, in_features: int, tile: int, dtype: torch.dtype = torch.float32,
+                    packed: bool = True) -> int | None:
+    """`_probe_min_rows`' answer, probed once per machine (kept in `actors.kernel_choice`'s
+    cache file) and once per process read."""
+    # The answer depends on the tile it is held against and on the intra-op thread count (MKL
+    # may split a call's rows among threads): probed again for each, whoever asks first.
+    key = (out_features, in_features, tile, torch.get_num_threads(), dtype, packed)
+    if key not in _MIN_ROWS:
+        t0 = time.perf_counter()
+        name = path_name(dtype, packed)
+        _MIN_ROWS[key] = kernel_choice.cached(
+            f"probe {name} {out_features}x{in_features} tile {tile} {key[3]}t",
+            lambda: _probe_min_rows(*key[:3], dtype=dtype, packed=packed))
+        _PROBE_S[name] = _PROBE_S.get(name, 0.0) + time.perf_counter() - t0
+    return _MIN_ROWS[key]
 
 
 def path_name(dtype: torch.dtype, packed: bool) -> str:
@@ -234,18 +256,22 @@ def _plain_call(x: Tensor, weight: Tensor, bias: Tensor | None, min_rows: int) -
 
 def matrix_kernel(model: "HybridLM") -> str:
     """The kernels that decide `model`'s bits in this process, as a worker reports them: on the
-    CPU its linear layers' ("rowdot <build>", "mkl", or "plain" without invariance), MKL's GEMM
-    fingerprint (its batched products and attention) and ATen's CPU capability (its elementwise
-    kernels), e.g. "rowdot avx2+fma; mkl 930887e8e594; aten AVX2"; elsewhere the device type
-    ("cuda"). Two workers with the same answer give a moved request the same bits."""
+    CPU its linear layers' (fp32: the kernel chosen per shape and phase, `kernel_choice.summary`,
+    measured here at the first ask on this machine; "mkl" for MKL's probed path or another dtype;
+    "plain" without invariance), MKL's GEMM fingerprint (its batched products and attention) and
+    ATen's CPU capability (its elementwise kernels), e.g. "decode rowdot avx2+fma, prefill mkl
+    packed; mkl 930887e8e594; aten AVX2"; elsewhere the device type ("cuda"). Two workers with
+    the same answer give a moved request the same bits."""
     if model.device.type != "cpu":
         return model.device.type
     from actors.cpu_info import gemm_fingerprint
 
     if model.invariant_tile is None:
         linear = "plain"
-    elif model.dtype == torch.float32 and model.rowdot and rowdot.available():
-        linear = f"rowdot {rowdot.variant()}"
+    elif model.dtype == torch.float32 and model.rowdot:
+        shapes = [tuple(m.weight.shape) for m in model.modules() if isinstance(m, nn.Linear)]
+        linear = (f"all {model.linear_kernel}" if model.linear_kernel
+                  else kernel_choice.summary(shapes + [tuple(model.lm_head_weight.shape)]))
     else:
         linear = "mkl"
     return f"{linear}; mkl {gemm_fingerprint()}; aten {torch.backends.cpu.get_cpu_capability()}"
@@ -253,11 +279,11 @@ def matrix_kernel(model: "HybridLM") -> str:
 
 def kernel_paths() -> dict[str, str]:
     """What ran each weight shape's products in this process, by "out x in" (and the dtype of a
-    plain path): "rowdot <build>, row-free by construction" (fp32, `actors.rowdot`), or what
-    the probe chose: "packed, row-free from N rows", "weight @ x^T, row-free from N rows" or
-    "tiles of T" (`TiledLinear`)."""
-    out = {f"{o}x{i} fp32": f"rowdot {rowdot.variant()}, row-free by construction"
-           for o, i in sorted(_ROWDOT_SHAPES)}
+    plain path): "rowdot <build>, row-free by construction" (fp32, `actors.rowdot`, by phase),
+    or what the probe chose: "packed, row-free from N rows", "weight @ x^T, row-free from N
+    rows" or "tiles of T" (`TiledLinear`)."""
+    out = {f"{o}x{i} fp32 {phase}": f"rowdot {build}, row-free by construction"
+           for (o, i, phase), build in sorted(_ROWDOT_SHAPES.items())}
     for (o, i, t, n, dtype, packed), m in sorted(_MIN_ROWS.items(), key=lambda kv: (*kv[0][:4], str(kv[0][4]))):
         kind = "" if packed else f" {_dtype_name(dtype)}"
         how = "packed" if packed else "weight @ x^T"
@@ -276,7 +302,8 @@ def _probe_min_rows(out_features: int, in_features: int, tile: int, dtype: torch
                     packed: bool = True) -> int | None:
     """Fewest rows m <= `tile` such that calls of every probed count >= m, at row offsets 0
     and 3, give rows bit-identical to `tile`-row calls on a random (out, in) weight of `dtype`.
-    Packed (MKL, fp32; decode and prefill): also calls of every `PROBE_ROWS_LARGE` count against
+    Packed (MKL, fp32; decode and prefill): also calls of every `PROBE_ROWS_LARGE` count (the
+    first at both offsets, the others at 0) against
     `MAX_CALL_ROWS`-row calls (the cheap reference for long prefill calls). Plain (`weight @
     x^T`, decode only): counts up to `MAX_CALL_ROWS`. None: no such m (use tiles)."""
     g = torch.Generator().manual_seed(0)
@@ -299,7 +326,8 @@ def _probe_min_rows(out_features: int, in_features: int, tile: int, dtype: torch
     if key not in _LONG_CALLS_FREE:
         expected = torch.cat([_packed_call(part, packed_w, w, None, min_rows)
                               for part in x.split(MAX_CALL_ROWS)])  # now proven row-free
-        _LONG_CALLS_FREE[key] = _rows_match(call, x, expected, PROBE_ROWS_LARGE)
+        _LONG_CALLS_FREE[key] = (_rows_match(call, x, expected, PROBE_ROWS_LARGE[:1])  # and at offset 3:
+                                 and _rows_match(call, x, expected, PROBE_ROWS_LARGE[1:], offsets=(0,)))
     return min_rows if _LONG_CALLS_FREE[key] else None
 
 
@@ -311,9 +339,12 @@ def _fewest_free_rows(call, x: Tensor, expected: Tensor, tile: int) -> int | Non
     return min_rows if min_rows <= tile else None
 
 
-def _rows_match(call, x: Tensor, expected: Tensor, counts: tuple[int, ...]) -> bool:
-    """call(x[at:at + m]) == expected[at:at + m] for every count m, at offsets 0 and 3."""
-    return all(torch.equal(call(x[at:at + m]), expected[at:at + m]) for m in counts for at in (0, 3))
+def _rows_match(call, x: Tensor, expected: Tensor, counts: tuple[int, ...],
+                offsets: tuple[int, ...] = (0, 3)) -> bool:
+    """call(x[at:at + m]) == expected[at:at + m] for every count m, at each offset (the largest
+    counts at offset 0 only: the offset's effect is shown on the smaller ones, at a fraction of
+    the probe's cost)."""
+    return all(torch.equal(call(x[at:at + m]), expected[at:at + m]) for m in counts for at in offsets)
 
 
 def _mkl_packed_available() -> bool:
@@ -412,8 +443,10 @@ class HybridLM(nn.Module):
                                          dtype=dtype)
         self.to_empty(device=device)
         self.requires_grad_(False)
-        self.rowdot = True  # fp32 CPU products through `actors.rowdot` where it builds (False: MKL's
-        #   probed path, as where it does not)
+        self.rowdot = True  # fp32 CPU products through the kernel `actors.kernel_choice` picks per
+        #   shape and phase (False: all on MKL's probed path, as where rowdot does not build)
+        self.linear_kernel: str | None = None  # one of `kernel_choice.candidates()` forced for every
+        #   fp32 CPU product (None: the chooser's)
         self._linears: dict[tuple, TiledLinear] = {}
         self._packs: dict[int, tuple[Tensor, Tensor]] = {}  # packed weights, shared by the kernels
 
@@ -481,12 +514,13 @@ class HybridLM(nn.Module):
         return Kernels(linear=self._tiled(PREFILL_TILE, True, PREFILL_CALL_ROWS), pointwise=rowwise)
 
     def _tiled(self, tile: int, pack: bool, max_rows: int | None) -> TiledLinear:
-        """One `TiledLinear` per (tile, pack, max_rows, rowdot), kept so its packed weights are made once
-        (and shared between decode's and prefill's)."""
-        key = (tile, pack, max_rows, self.rowdot)
+        """One `TiledLinear` per (tile, pack, max_rows, rowdot, linear_kernel), kept so its packed
+        weights are made once (and shared between decode's and prefill's)."""
+        key = (tile, pack, max_rows, self.rowdot, self.linear_kernel)
         lin = self._linears.get(key)
         if lin is None:
-            lin = self._linears[key] = TiledLinear(tile, pack, self._packs, max_rows, native=self.rowdot)
+            lin = self._linears[key] = TiledLinear(tile, pack, self._packs, max_rows, native=self.rowdot,
+                                                   kernel=self.linear_kernel)
         return lin
 
     def _embed(self, input_ids: Tensor) -> Tensor:

@@ -2,10 +2,11 @@
  * call's row count, the element's row, or the other rows' values (batch invariant by
  * construction, not by a probe). Built and loaded by actors/rowdot.py.
  *
- * y[i][j] is one 8-lane accumulator running over k = 0, 8, 16, ... in order (lane l holds the
- * products of k = l mod 8, each added with one fused multiply-add on the AVX2 build, or one
- * multiply then one add on the portable build), then the lanes summed in one fixed order,
- * then the K % 8 tail in order, then the bias. Blocks of rows and columns only share loads:
+ * y[i][j] is one LANES-lane accumulator running over k = 0, LANES, 2 LANES, ... in order (lane l
+ * holds the products of k = l mod LANES, each added with one fused multiply-add on the AVX2
+ * build (8 lanes) and the AVX-512 build (16 lanes), or one multiply then one add on the portable
+ * build (8 lanes)), then the lanes summed in one fixed order, then the K % LANES tail in order,
+ * then the bias. The builds' bits differ from each other (lanes, roundings), never within one. Blocks of rows and columns only share loads:
  * every element keeps its own accumulator, so the blocking (chosen from M for speed) does not
  * change any bit.
  *
@@ -14,8 +15,25 @@
  */
 #include <stddef.h>
 
-#if defined(__AVX2__) && defined(__FMA__) && !defined(ROWDOT_PORTABLE)
+#if defined(__AVX512F__) && !defined(ROWDOT_PORTABLE)
 #include <immintrin.h>
+#define LANES 16
+typedef __m512 vec;
+#define VZERO() _mm512_setzero_ps()
+#define VLOAD(p) _mm512_loadu_ps(p)
+#define VFMA(a, b, acc) _mm512_fmadd_ps((a), (b), (acc))
+static inline float vsum(vec v) { /* halves, then the AVX2 build's pairing of the 8 sums */
+  __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v),
+                           _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+  return _mm_cvtss_f32(s);
+}
+const char *rowdot_variant(void) { return "avx512f"; }
+#elif defined(__AVX2__) && defined(__FMA__) && !defined(ROWDOT_PORTABLE)
+#include <immintrin.h>
+#define LANES 8
 typedef __m256 vec;
 #define VZERO() _mm256_setzero_ps()
 #define VLOAD(p) _mm256_loadu_ps(p)
@@ -28,6 +46,7 @@ static inline float vsum(vec v) {
 }
 const char *rowdot_variant(void) { return "avx2+fma"; }
 #else
+#define LANES 8
 typedef float vec __attribute__((vector_size(32)));
 static inline vec VZERO(void) { vec z = {0}; return z; }
 static inline vec VLOAD(const float *p) { vec v; __builtin_memcpy(&v, p, sizeof v); return v; }
@@ -46,10 +65,10 @@ typedef void (*block_fn)(const float *, const float *, long, const float *, floa
   static void block_##R##x##C(const float *x, const float *w, long K, const float *bias,    \
                               float *y, long ldy) {                                         \
     vec acc[R][C];                                                                          \
-    long k = 0, K8 = K - K % 8;                                                             \
+    long k = 0, K8 = K - K % LANES;                                                         \
     for (int r = 0; r < R; r++)                                                             \
       for (int c = 0; c < C; c++) acc[r][c] = VZERO();                                      \
-    for (; k < K8; k += 8) {                                                                \
+    for (; k < K8; k += LANES) {                                                            \
       vec wv[C];                                                                            \
       for (int c = 0; c < C; c++) wv[c] = VLOAD(w + c * K + k);                             \
       for (int r = 0; r < R; r++) {                                                         \

@@ -12,10 +12,13 @@ The C source is compiled once per machine with the system C compiler (about a se
 cache directory (`RAYSCHED_KERNEL_CACHE`, else `$XDG_CACHE_HOME/raysched`, else
 `~/.cache/raysched`; where that cannot be written, a per-user directory under the system's
 temporary one), named by a hash of the source, the flags and the compiler, and loaded with
-ctypes. The AVX2 build (fused multiply-add) is taken where the CPU has AVX2 and FMA, the
-portable build (multiply, then add) elsewhere: the bits differ between the two builds, never
-within one (so, as with MKL, workers on CPUs that take different builds do not agree bit for
-bit). Without a compiler, or with `RAYSCHED_ROWDOT=0`, `available()` is False and the
+ctypes. Builds (`BUILDS`): "avx512f" (16 lanes, fused multiply-add) where the CPU has AVX-512F,
+"avx2+fma" (8 lanes, fused multiply-add) where it has AVX2 and FMA, "portable" (8 lanes,
+multiply then add) everywhere; `variant()` is the widest this CPU runs, and
+`actors.kernel_choice` measures each build this CPU runs (`builds_here()`) against MKL's packed
+path per weight shape. The bits differ between builds, never within one (so, as with MKL,
+workers whose products take different builds do not agree bit for bit). `compile_only` builds
+without loading: the AVX-512 source is compile-checked on CPUs that cannot run it. Without a compiler, or with `RAYSCHED_ROWDOT=0`, `available()` is False and the
 products take MKL's probed path (one warning line says why).
 
 Threads: a call is one thread; with torch set to more than one thread, a large call's columns
@@ -46,7 +49,13 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("rowdot.c")
 ENV_SWITCH = "RAYSCHED_ROWDOT"  # "0": never use the kernel
 SPLIT_MACS = 1 << 22  # a call of at least this many multiply-adds is split among threads
+BUILDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {  # name -> (CPU flags it needs, cc flags)
+    "avx512f": (("avx512f", "avx2", "fma"), ("-mavx512f", "-mavx2", "-mfma")),
+    "avx2+fma": (("avx2", "fma"), ("-mavx2", "-mfma")),
+    "portable": ((), ("-DROWDOT_PORTABLE",)),
+}  # widest first
 _STATE: dict[str, object] = {}  # "lib": the loaded library or None; "why": why not
+_BUILT: dict[str, tuple[object, str | None]] = {}  # build name -> load()'s answer, this process
 _LOCK = threading.Lock()
 
 
@@ -56,7 +65,8 @@ def available() -> bool:
 
 
 def variant() -> str | None:
-    """"avx2+fma" or "portable": which build runs here; None when none does."""
+    """"avx512f", "avx2+fma" or "portable": the widest build this CPU runs (the default); None
+    when none loads."""
     lib = _library()
     return None if lib is None else lib.rowdot_variant().decode()
 
@@ -65,6 +75,21 @@ def unavailable_reason() -> str | None:
     """Why `available()` is False (None when it is True)."""
     _library()
     return _STATE.get("why")  # type: ignore[return-value]
+
+
+def builds_here() -> tuple[str, ...]:
+    """The builds this CPU can run, widest first ("portable" always last)."""
+    flags = cpu_flags()
+    return tuple(name for name, (needs, _) in BUILDS.items() if set(needs) <= flags)
+
+
+def library(build: str):
+    """The loaded `build` (one of `builds_here()`), once per process; None where it does not load."""
+    if build not in _BUILT:
+        with _LOCK:
+            if build not in _BUILT:
+                _BUILT[build] = load(build=build)
+    return _BUILT[build][0]
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None, lib=None) -> Tensor:
@@ -116,19 +141,14 @@ def _library():
     return _STATE["lib"]
 
 
-def load(portable: bool = False):
-    """(library, None), or (None, why not). `portable`: the build for CPUs without AVX2 and FMA,
-    whatever this CPU has."""
-    if os.environ.get(ENV_SWITCH, "1") == "0":
-        return None, f"{ENV_SWITCH}=0"
-    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
-    if compiler is None:
-        return None, "no C compiler (cc or gcc) on PATH"
-    flags = ["-O3", "-shared", "-fPIC", "-ffp-contract=off", "-Wno-psabi"]
-    flags += ["-DROWDOT_PORTABLE"] if portable else _cpu_flags()
-    source = SOURCE.read_bytes()
-    tag = hashlib.sha1(source + " ".join([compiler, *flags]).encode()).hexdigest()[:16]
-    target, why = _built(compiler, flags, f"rowdot-{tag}.so")
+def load(portable: bool = False, build: str | None = None):
+    """(library, None), or (None, why not). `build`: one of `BUILDS` (default: the widest this
+    CPU runs; `portable`: "portable", whatever this CPU has). A build this CPU cannot run is
+    refused here (see `compile_only`)."""
+    build = "portable" if portable else build or builds_here()[0]
+    if build not in builds_here():
+        return None, f"this CPU cannot run rowdot's {build!r} build (it runs {', '.join(builds_here())})"
+    target, why = compile_only(build)
     if target is None:
         return None, why
     try:
@@ -141,11 +161,26 @@ def load(portable: bool = False):
     return lib, None
 
 
+def compile_only(build: str) -> tuple[Path | None, str | None]:
+    """(the compiled library file of `build`, None), or (None, why not), without loading it (so
+    any CPU can check that the AVX-512 source compiles)."""
+    if build not in BUILDS:
+        raise ValueError(f"rowdot build must be one of {sorted(BUILDS)}, got {build!r}")
+    if os.environ.get(ENV_SWITCH, "1") == "0":
+        return None, f"{ENV_SWITCH}=0"
+    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if compiler is None:
+        return None, "no C compiler (cc or gcc) on PATH"
+    flags = ["-O3", "-shared", "-fPIC", "-ffp-contract=off", "-Wno-psabi", *BUILDS[build][1]]
+    tag = hashlib.sha1(SOURCE.read_bytes() + " ".join([compiler, *flags]).encode()).hexdigest()[:16]
+    return _built(compiler, flags, f"rowdot-{tag}.so")
+
+
 def _built(compiler: str, flags: list[str], name: str) -> tuple[Path | None, str | None]:
     """(the library file, None), built where it is missing: in the cache directory, or, where
     that cannot be written, in a per-user temporary one; else (None, why not)."""
     why = None
-    for folder in (_cache_dir(), Path(tempfile.gettempdir()) / f"raysched-{os.getuid()}"):
+    for folder in cache_dirs():
         target = folder / name
         if target.exists():
             return target, None
@@ -179,9 +214,10 @@ def _build(compiler: str, flags: list[str], tmp: Path, target: Path) -> str | No
             tmp.unlink()
 
 
-def _cpu_flags() -> list[str]:
-    """-mavx2 -mfma where this x86-64 CPU has both, else none."""
-    return ["-mavx2", "-mfma"] if {"avx2", "fma"} <= cpu_flags() else []
+def cache_dirs() -> tuple[Path, Path]:
+    """Where per-machine files go, in order of preference: the cache directory, else a per-user
+    one under the system's temporary directory."""
+    return _cache_dir(), Path(tempfile.gettempdir()) / f"raysched-{os.getuid()}"
 
 
 def _cache_dir() -> Path:

@@ -19,6 +19,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from actors import kernel_choice
 from actors.attention import chunked_decode_attention
 from actors.batch import KVTable
 from actors.mamba import Kernels, rowwise, whole
@@ -88,16 +89,39 @@ def _skip_unless(premise: bool, what: str) -> None:
         pytest.skip(f"negative control without a premise on this CPU: {what}")
 
 
-@pytest.mark.parametrize("dtype, rowdot", [(torch.float32, True), (torch.float32, False), (torch.bfloat16, True)],
-                         ids=["float32", "float32-mkl-probed", "bfloat16"])
-def test_decode_is_bit_identical_alone_and_in_batches(dtype, rowdot):
-    """fp32 on the CPU takes `actors.rowdot`; "mkl-probed" is the path taken where it does not
-    build (MKL's packed GEMM from the probed minimum row count, or tiles)."""
+KERNELS = kernel_choice.candidates()  # the fp32 CPU kernels the chooser can pick here
+# "mkl-probed" (rowdot off) is the path of the "mkl packed" candidate: run once where that is one
+PROBED = [] if kernel_choice.MKL in KERNELS else [(torch.float32, False, None)]
+
+
+@pytest.mark.parametrize("dtype, rowdot, kernel",
+                         [(torch.float32, True, None), *[(torch.float32, True, k) for k in KERNELS],
+                          *PROBED, (torch.bfloat16, True, None)],
+                         ids=["float32-chosen", *[f"float32-{k}" for k in KERNELS],
+                              *["float32-mkl-probed"] * len(PROBED), "bfloat16"])
+def test_decode_is_bit_identical_alone_and_in_batches(dtype, rowdot, kernel):
+    """fp32 on the CPU takes the kernel `actors.kernel_choice` picks per shape and phase
+    ("chosen"), or each candidate forced for every shape; "mkl-probed" is the path taken where
+    rowdot does not build (MKL's packed GEMM from the probed minimum row count, or tiles)."""
     model, _ = load_preset("tiny", dtype, "cpu")
-    model.rowdot = rowdot
+    model.rowdot, model.linear_kernel = rowdot, kernel
     assert model.invariant_tile == 16
     same = _compare_alone_vs_batched(model)
     assert same == {"prefill": [True] * len(BATCH_SIZES), "decode": [True] * len(BATCH_SIZES)}, same
+
+
+def test_negative_control_the_candidates_give_other_bits():
+    """Why the choice must be the same on every worker: the target's logits alone differ
+    between the candidates (rowdot's builds and MKL round in other orders)."""
+    if len(KERNELS) < 2:
+        pytest.skip(f"one candidate on this CPU ({KERNELS}): nothing to tell apart")
+    model, _ = load_preset("tiny", torch.float32, "cpu")
+    target = _prompts(1, model.config.vocab_size, seed=99, lengths=(60, 62))[0]
+    runs = []
+    for kernel in (KERNELS[0], KERNELS[-1]):
+        model.linear_kernel = kernel
+        runs.append(_logits_in_batch(model, target, 1))
+    assert not (torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1]))
 
 
 def test_untiled_batching_is_not_bit_identical():

@@ -6,7 +6,8 @@ AMD EPYC, calls of 1 to 3 rows take another kernel than calls of 4 or more). Hel
 row count gives each row bit-identical to exact 16-row tile calls, on whichever path the probe
 chose; the negative control shows that unpadded calls below the minimum differ (where the
 minimum is above 1 on this CPU). Also: the slots' run found once per decode batch gives the
-same bits as the gather-and-scatter path, and `actors.cpu_info` names the CPU and MKL's path.
+same bits as the gather-and-scatter path, `actors.cpu_info` names the CPU and MKL's path, and
+the kernel `actors.kernel_choice` picks for a shape and phase is the one that runs.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from actors import kernel_choice
 from actors.batch import ForwardBatch
 from actors.cpu_info import describe, gemm_fingerprint
 from actors.mamba import causal_conv_step, ssd_step
@@ -113,3 +115,17 @@ def test_describe_names_the_cpu_torch_and_mkl_path():
     if torch.backends.mkl.is_available():
         assert info["mkl_version"] and "Math Kernel Library" in info["mkl_version"]
     assert gemm_fingerprint() == info["gemm_fingerprint"]  # deterministic within a process
+
+
+@pytest.mark.parametrize("tile, max_rows, phase", [(TILE, MAX_CALL_ROWS, "decode"), (128, 2048, "prefill")])
+def test_the_kernel_chosen_for_the_shape_and_phase_is_the_one_that_runs(tile, max_rows, phase):
+    """`TiledLinear` takes `kernel_choice.choose`'s pick for the weight's shape and its phase
+    (decode: calls of up to `MAX_CALL_ROWS` rows; prefill: longer). The negative control: each
+    other candidate, forced, gives other bits on the same rows, so the equality names the kernel."""
+    x, w, b = _inputs(40)
+    chosen = kernel_choice.choose((OUT, IN), phase)
+    assert chosen in kernel_choice.candidates()
+    got = TiledLinear(tile, max_rows=max_rows)(x, w, b)
+    assert torch.equal(got, TiledLinear(tile, max_rows=max_rows, kernel=chosen)(x, w, b))
+    for other in set(kernel_choice.candidates()) - {chosen}:
+        assert not torch.equal(got, TiledLinear(tile, max_rows=max_rows, kernel=other)(x, w, b)), other

@@ -1,16 +1,20 @@
 """`actors.rowdot`: fp32 products whose rows are bit-identical whatever the call's row count.
 
 Held here, against an independent float64 reference: every row of every call, at any row
-count and offset, equals that row of one large call, on the build this CPU runs and on the
-portable build; a split among threads changes no bit. The negative control: the two builds
-round differently (fused multiply-add or not), and the same equality check sees it, so a
-change in a row's order of operations would not pass unseen. The fallback: with the kernel
-switched off, or no working compiler, the model takes MKL's probed path and says why.
+count and offset, equals that row of one large call, on every build this CPU runs (the
+AVX-512 one where it has AVX-512F, the AVX2 one, the portable one); a split among threads
+changes no bit. The AVX-512 source is compile-checked on any CPU whose compiler targets it
+(and holds 512-bit instructions, where objdump can tell), and refused, in one line, where
+the CPU cannot run it. The negative control: the builds round differently (fused
+multiply-add or not), and the same equality check sees it, so a change in a row's order of
+operations would not pass unseen. The fallback: with the kernel switched off, or no working
+compiler, the model takes MKL's probed path and says why.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 
@@ -19,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from actors import rowdot
+from actors.cpu_info import cpu_flags
 from actors.model import TiledLinear, kernel_paths
 
 SHAPES = [(96, 64), (13, 37), (1408, 512), (40, 9)]  # (out, in): K % 8 and N % 8 tails included
@@ -43,10 +48,10 @@ def _row_free(lib, x, w, b) -> torch.Tensor:
     return full
 
 
-@pytest.mark.parametrize("portable", [False, True], ids=["native build", "portable build"])
+@pytest.mark.parametrize("build", rowdot.builds_here())
 @pytest.mark.parametrize("shape", SHAPES, ids=[f"{o}x{i}" for o, i in SHAPES])
-def test_every_row_count_gives_each_row_the_same_bits_and_the_float64_value(shape, portable):
-    lib, why = rowdot.load(portable=portable)
+def test_every_row_count_gives_each_row_the_same_bits_and_the_float64_value(shape, build):
+    lib, why = rowdot.load(build=build)
     assert lib is not None, why
     x, w, b = _inputs(*shape)
     full = _row_free(lib, x, w, b)
@@ -77,10 +82,25 @@ def test_negative_control_the_builds_round_differently_and_the_check_sees_it():
     assert not torch.equal(native, other)  # one rounding per multiply-add against two
 
 
-def test_the_model_path_runs_rowdot_and_says_so():
+def test_the_avx512_build_compiles_here_and_loads_only_where_the_cpu_has_it():
+    path, why = rowdot.compile_only("avx512f")
+    if path is None and "failed" in (why or ""):
+        pytest.skip(f"this compiler does not target AVX-512: {why}")
+    assert path is not None, why
+    objdump = shutil.which("objdump")
+    if objdump:
+        assert "zmm" in subprocess.run([objdump, "-d", str(path)], capture_output=True, text=True).stdout
+    lib, why = rowdot.load(build="avx512f")
+    if "avx512f" in cpu_flags():
+        assert lib is not None and lib.rowdot_variant() == b"avx512f", why
+    else:
+        assert lib is None and why.startswith("this CPU cannot run rowdot's 'avx512f' build"), why
+
+
+def test_the_model_path_runs_the_forced_build_and_says_so():
     x, w, b = _inputs(96, 64)
-    assert torch.equal(TiledLinear(16)(x, w, b), rowdot.linear(x, w, b))
-    assert kernel_paths()["96x64 fp32"].startswith(f"rowdot {rowdot.variant()}")
+    assert torch.equal(TiledLinear(16, kernel=f"rowdot {rowdot.variant()}")(x, w, b), rowdot.linear(x, w, b))
+    assert kernel_paths()["96x64 fp32 decode"].startswith(f"rowdot {rowdot.variant()}")
 
 
 @pytest.mark.parametrize("env, why", [({"RAYSCHED_ROWDOT": "0"}, "RAYSCHED_ROWDOT=0"),
