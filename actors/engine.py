@@ -56,6 +56,8 @@ class Sequence:
     exact: bool = True  # its state is that of an uncached prefill chunked from token 0 (false
     #   after a restore from a state that was not: a finished turn, an unaligned prompt end)
     parked_blocks: int = 0  # leading K/V blocks of its history already parked (prefix reuse)
+    stops: tuple[int, ...] = ()  # token counts where its prefill pauses (`StepPlan.park_at`):
+    #   a chunk that crosses one ends there, so a point can be parked at it (prefix reuse)
 
     @property
     def num_generated(self) -> int:
@@ -128,7 +130,9 @@ class Engine:
         uncached run feeds. `budget_tokens` (None: no limit) caps the tokens this call feeds:
         sequences advance in the given order, each by its whole chunk, until the budget is spent
         (the first always advances); the rest are admitted but wait for a later call. A
-        sequence's chunk boundaries therefore never depend on what else is prefilling.
+        sequence's chunk boundaries therefore never depend on what else is prefilling. A chunk
+        that crosses one of the sequence's `stops` ends there (the caller parks a point, then
+        feeds the rest of the chunk with another call).
 
         An item is either a new `Sequence` (admitted here: a Mamba slot and KV slots for all of
         its `token_ids` are taken at once, so a started prefill never runs out of room; its
@@ -149,8 +153,8 @@ class Engine:
         for s in admitted:
             if budget_tokens is not None and active and spent >= budget_tokens:
                 break
-            n = s.num_uncomputed if chunk_tokens is None else min(
-                chunk_tokens - s.num_computed % chunk_tokens, s.num_uncomputed)
+            n = _until_stop(s, s.num_uncomputed if chunk_tokens is None else min(
+                chunk_tokens - s.num_computed % chunk_tokens, s.num_uncomputed))
             active.append(s)
             counts.append(n)
             spent += n
@@ -531,6 +535,12 @@ class Engine:
             free_slots -= 1
             chosen.append(pending.pop(0))
         return chosen
+
+
+def _until_stop(s: Sequence, n: int) -> int:
+    """`n` tokens to feed, cut at the first of `s.stops` they would cross."""
+    end = s.num_computed + n
+    return min((p for p in s.stops if s.num_computed < p < end), default=end) - s.num_computed
 
 
 def _final_cached(s: Sequence) -> int:

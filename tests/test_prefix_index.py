@@ -4,6 +4,9 @@
 - K/V blocks are stored once and shared by every point that contains them; a point adds only
   its own state and tail; eviction is LRU over points and a block goes with its last user.
 - A point whose blocks are missing (and not offered) is not parked.
+- Branch points (`BranchPoints`): where a prompt leaves an earlier one, rounded down to the grid
+  (against a token-by-token reference); every point proposed is passed by two prompts (negative
+  control: a point at every grid step of every prompt keeps many no other prompt passes).
 - At 10k points a lookup probes as many nodes as the prompt has blocks, no more (the cost does
   not grow with the number of points); the timings are printed, not asserted.
 """
@@ -12,6 +15,8 @@ from __future__ import annotations
 
 import random
 import time
+
+import pytest
 
 from raysched.scheduler.state_cache import BlockRef, Place, StateCache
 
@@ -201,3 +206,83 @@ def test_a_point_parked_again_on_blocks_only_it_uses_keeps_its_blocks() -> None:
         assert cache.num_blocks == 2 and cache.bytes == 200 + 20 + (10 if other_user else 0)
         assert cache.discard(hit) == 1 + other_user  # forgetting it now must not raise
         assert cache.num_blocks == 0 and cache.bytes == 0
+
+
+# ---------------------------------------------------------------------------- branch points
+
+
+def common_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def brute_branch_point(prompt: tuple[int, ...], earlier: list[tuple[int, ...]], grid: int) -> int:
+    """The reference: the longest prefix shared with any earlier prompt, both of them still
+    feeding a token after it, rounded down to the grid (token by token, no hashing)."""
+    best = max((min(common_prefix(prompt, e), len(prompt) - 1, len(e) - 1) for e in earlier), default=0)
+    return best // grid * grid
+
+
+def chat_like_prompts(seed: int, count: int = 60) -> list[tuple[int, ...]]:
+    """Groups sharing system prompts of various lengths, some repeated prompts, some unique."""
+    rng = random.Random(seed)
+    tok = lambda n: tuple(rng.randrange(50) for _ in range(n))  # noqa: E731
+    systems = [tok(n) for n in (30, 64, 130, 300, 700)]
+    prompts = []
+    for _ in range(count):
+        kind = rng.random()
+        if kind < 0.15 and prompts:
+            prompts.append(rng.choice(prompts))  # sent again
+        elif kind < 0.8:
+            prompts.append(rng.choice(systems) + tok(rng.randint(1, 90)))
+        else:
+            prompts.append(tok(rng.randint(1, 400)))
+    return prompts
+
+
+def test_a_branch_point_is_where_a_prompt_leaves_an_earlier_one_rounded_down_to_the_grid() -> None:
+    from raysched.scheduler.state_cache import BranchPoints
+
+    for seed in range(3):
+        tree, prompts = BranchPoints(grid=16), chat_like_prompts(seed)
+        for i, p in enumerate(prompts):
+            point, owner = tree.add(f"r{i}", p)
+            assert point == brute_branch_point(p, prompts[:i], 16), (seed, i)
+            if point:  # the owner passes the point too: it can park it
+                o = prompts[int(owner[1:])]
+                assert o[:point] == p[:point] and len(o) > point
+
+
+def test_the_branch_policy_keeps_no_point_that_no_second_request_shares() -> None:
+    """Every point it proposes is passed by two prompts; a repeated prompt gets all but its last
+    block. Negative control: parking at every grid point of every prompt (the naive policy) keeps
+    points no other prompt passes."""
+    from raysched.scheduler.state_cache import BranchPoints
+
+    grid, prompts = 16, chat_like_prompts(seed=7)
+    tree, proposed = BranchPoints(grid=grid), set()
+    for i, p in enumerate(prompts):
+        point, _ = tree.add(f"r{i}", p)
+        if point:
+            proposed.add(p[:point])
+    passes = lambda prefix: sum(p[:len(prefix)] == prefix and len(p) > len(prefix) for p in prompts)  # noqa: E731
+    assert proposed and all(passes(x) >= 2 for x in proposed)
+    naive = {p[:k] for p in prompts for k in range(grid, len(p), grid)}
+    assert sum(passes(x) < 2 for x in naive) > 0  # the control: most of those serve nobody
+    repeated = tuple(range(100))
+    tree = BranchPoints(grid=grid)
+    assert tree.add("a", repeated) == (0, None)
+    assert tree.add("b", repeated) == (96, "a")  # 100 tokens: 96 restored, the last 4 fed
+    assert tree.add("c", repeated[:96]) == (80, "b")  # a grid-long prompt feeds its last block
+
+
+def test_branch_points_forget_the_oldest_prompts_beyond_capacity_and_refuse_a_bad_grid() -> None:
+    from raysched.scheduler.state_cache import BranchPoints
+
+    tree = BranchPoints(grid=4, capacity=2)
+    a, b, c = tuple(range(20)), tuple(range(100, 120)), tuple(range(200, 220))
+    for rid, p in (("a", a), ("b", b), ("c", c)):
+        tree.add(rid, p)
+    assert len(tree) == 2 and tree.add("d", a) == (0, None)  # "a" was forgotten
+    assert tree.add("e", c) == (16, "c")
+    with pytest.raises(ValueError, match="grid >= 1"):
+        BranchPoints(grid=0)

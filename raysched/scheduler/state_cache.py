@@ -29,11 +29,14 @@ Pure bookkeeping (no Ray, no torch): the refs are opaque values here.
 from __future__ import annotations
 
 import itertools
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any
 
 KINDS = ("chunk", "prompt", "finished")  # a prefill chunk boundary, a prompt's end, a finished turn
+GRID_TOKENS = 64  # branch points are rounded down to this grid: the longest chunk the SSD scan
+#   runs with on the CPU (`actors.mamba.SCAN_BLOCK`; the model's own when shorter), so a point
+#   there falls on a scan-chunk boundary
 
 
 @dataclass(frozen=True)
@@ -315,3 +318,66 @@ class StateCache:
         self.root = _Node(None, (), None)
         self._points.clear()
         self.bytes = self.inline_bytes = self.num_blocks = 0
+
+
+class BranchPoints:
+    """Where prompts diverge, on the scan-chunk grid: the points worth a parked state.
+
+    A radix tree of the last `capacity` prompts, cut into `grid`-token blocks: each whole-block
+    prefix is one dict key (a hash chained over the blocks: one probe per block, O(prompt) to
+    key them all). A new prompt's *branch point* is its deepest block prefix an earlier prompt
+    also has, capped to leave it at least one token to feed (a repeated prompt: all but its last
+    block, or its last partial one). At least two prompts pass such a point, so a state parked
+    there serves a second request; a point no two prompts share is never proposed. A hash
+    collision only proposes a useless point (a restore checks the tokens).
+
+        tree = BranchPoints(grid=64)
+        tree.add("a", system + question_a)   # -> (0, None): nothing shared yet
+        tree.add("b", system + question_b)   # -> (256, "a") for a 300-token system prompt
+    """
+
+    def __init__(self, grid: int = GRID_TOKENS, capacity: int = 4096) -> None:
+        if grid < 1 or capacity < 1:
+            raise ValueError(f"BranchPoints needs grid >= 1 and capacity >= 1, got {grid} and {capacity}")
+        self.grid, self.capacity = grid, capacity
+        self._owner: dict[int, tuple[str, int]] = {}  # block-prefix key -> (latest request, prompts)
+        self._recent: deque[tuple[str, list[int]]] = deque()  # (request, its keys), oldest first
+        self._ids: set[str] = set()
+
+    def __len__(self) -> int:
+        return len(self._recent)
+
+    def keys(self, prompt: tuple[int, ...]) -> list[int]:
+        """Key k stands for prompt[:(k + 1) * grid], for the whole blocks before its last token."""
+        g, keys, h = self.grid, [], 0
+        for start in range(0, (len(prompt) - 1) // g * g, g):
+            h = hash((h, prompt[start:start + g]))
+            keys.append(h)
+        return keys
+
+    def add(self, request_id: str, prompt: tuple[int, ...]) -> tuple[int, str | None]:
+        """Remember `prompt`; (its branch point with the earlier prompts, the latest earlier
+        request that passes it), or (0, None). A request added before is not added again."""
+        keys = self.keys(prompt)
+        depth = next((k for k in range(len(keys), 0, -1) if keys[k - 1] in self._owner), 0)
+        owner = self._owner[keys[depth - 1]][0] if depth else None
+        if request_id not in self._ids:
+            self._remember(request_id, keys)
+        return depth * self.grid, owner
+
+    def _remember(self, request_id: str, keys: list[int]) -> None:
+        for k in keys:
+            self._owner[k] = (request_id, self._owner.get(k, ("", 0))[1] + 1)
+        self._recent.append((request_id, keys))
+        self._ids.add(request_id)
+        while len(self._recent) > self.capacity:
+            self._forget(*self._recent.popleft())
+
+    def _forget(self, request_id: str, keys: list[int]) -> None:
+        self._ids.discard(request_id)
+        for k in keys:
+            owner, count = self._owner[k]
+            if count == 1:
+                del self._owner[k]
+            else:
+                self._owner[k] = (owner, count - 1)

@@ -1,0 +1,162 @@
+"""Prefix reuse at the scan-chunk grid (branch points, `StepPlan.park_at`) through the worker
+(no Ray): a prompt's prefill pauses where the plan says, parks an exact point there and goes on
+in the same call; another prompt that shares the first p tokens restores it and prefills the rest.
+
+- `park_at` parks exactly the points it names (no point at the other grid steps), each holding
+  its recurrent state and the K/V of its tokens (below the first 512-token block: its tail).
+- Bit-exactness against the uncached run (every logit `torch.equal`), at every grid point below
+  a 512-token chunk, for a follower of another length and for a repeated prompt (all but its
+  last block restored), and for the producer itself (pausing changes none of its bits). With the
+  model's prefill attention today this does NOT hold: the CPU kernel's rows depend on the call's
+  shape (a row's bits in a 208-token causal call differ from the same row's in a 420-token one;
+  with keys padded to a fixed count, they still differ between 34 and 226 query rows). The test
+  is kept as a strict xfail naming that; the same test with queries in 64-row tiles at absolute
+  positions, each over the keys up to its end (`grid_tiled_attention`, the change
+  `actors/attention.py` needs), passes.
+- Negative control: a point off the scan grid (a scan chunk cut in two) restores to different
+  logits.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from raysched.config import PoolConfig, ServeConfig
+from raysched.messages import PrefillItem, StepPlan
+from raysched.sampling import SamplingParams
+
+GREEDY = SamplingParams(max_new_tokens=4)
+CHUNK = 512  # prefill chunk (= K/V block): every point below is inside the first chunk
+GRID = 64  # the branch-point grid (`state_cache.GRID_TOKENS`)
+PRODUCER_LEN = 480
+POINTS = tuple(range(GRID, PRODUCER_LEN, GRID))  # 64 .. 448
+
+
+def make_worker():
+    from actors.worker import Worker
+
+    cfg = ServeConfig(model="tiny", device="cpu", pool=PoolConfig(kv_tokens=4096, state_slots=4))
+    w = Worker(cfg, 0)
+    w.engine.record_logits = True
+    return w
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    return torch.randint(0, 512, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def drive(w, rid: str, tokens: list[int], park_at: tuple[int, ...] = (), prefix: list | None = None):
+    """Run one request to the end, a 512-token chunk per call, parking at `park_at`; (logits,
+    parked points, their objects by key, tokens restored)."""
+    item = PrefillItem(rid, tuple(tokens), len(tokens), GREEDY.to_dict())
+    common = dict(decode_steps=1, park_min_tokens=GRID, prefill_chunk_tokens=CHUNK)
+    plan = StepPlan(prefill=(item,), prefix=(rid,) if prefix else (),
+                    park_at=tuple((rid, p) for p in park_at), **common)
+    parked, cached = [], None
+    while True:
+        result = w.step(plan, *([prefix] if prefix and cached is None else []))
+        assert not result.prefix_failed, result.prefix_failed
+        cached = result.cached.get(rid, 0) if cached is None else cached
+        parked += result.parked
+        if rid in result.finished:
+            break
+        plan = StepPlan(**common)
+    keys = [p.key for p in parked] + [p.block_key(i) for p in parked for i, _ in p.blocks]
+    objects = w.take_parked(keys) if keys else ()
+    objects = (objects,) if len(keys) == 1 else objects
+    return w.engine.logits.pop(rid), parked, dict(zip(keys, objects)), cached
+
+
+def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def grid_tiled_attention(self, q, k, v, seg, k_cache, v_cache):
+    """A prefill attention whose rows do not depend on where a chunk starts or ends: queries in
+    tiles of GRID rows at absolute positions (the last one padded), each tile over the keys up
+    to its end (masked causally), so a row's kernel call has the same shape and inputs whoever
+    computes it. q (L, Hq, D) -> (L, Hq*D)."""
+    L, ctx = q.shape[0], seg.context_slots
+    S = seg.start + L
+    keys = k if ctx is None else k_cache[ctx]  # (S, Hkv, D)
+    values = v if ctx is None else v_cache[ctx]
+    outs = []
+    for a in range(seg.start // GRID * GRID, S, GRID):
+        lo, hi = max(a, seg.start), min(a + GRID, S)  # the tile's rows in this chunk
+        tile = q.new_zeros((GRID,) + q.shape[1:])  # (GRID, Hq, D)
+        tile[lo - a:hi - a] = q[lo - seg.start:hi - seg.start]
+        end = a + GRID  # keys [0, end): zeros past S, masked
+        kk, vv = (t.new_zeros((end,) + t.shape[1:]) for t in (keys, values))
+        kk[:min(S, end)], vv[:min(S, end)] = keys[:end], values[:end]
+        mask = torch.ones(GRID, end, dtype=torch.bool, device=q.device).tril(a)  # (GRID, end)
+        mask[:, S:] = False
+        outs.append(self._sdpa(tile, kk, vv, mask=mask)[lo - a:hi - a])
+    return torch.cat(outs)
+
+
+def reuse_runs(w) -> dict:
+    """The producer paused at every grid point, its uncached run, and per point a follower (its
+    own suffix, so another length) restored there and run uncached; plus the repeated prompt."""
+    p = prompt(PRODUCER_LEN, seed=1)
+    plain, _, _, _ = drive(w, "plain", p)
+    paused, parked, objects, _ = drive(w, "p", p, park_at=POINTS)
+    runs = {"producer": (paused, plain, 0, 0)}
+    for k, at in enumerate(POINTS):
+        q = p[:at] + prompt(20 + 7 * k, seed=10 + k)
+        uncached, _, _, _ = drive(w, f"u{at}", q)
+        restored, _, _, cached = drive(w, f"q{at}", q, prefix=[objects[("p", "chunk", at)]])
+        runs[at] = (restored, uncached, cached, at)
+    last = (PRODUCER_LEN - 1) // GRID * GRID
+    again, _, _, cached = drive(w, "again", p, prefix=[objects[("p", "chunk", last)]])
+    runs["repeated"] = (again, plain, cached, last)
+    return {"runs": runs, "parked": parked, "objects": objects, "prompt": p}
+
+
+@pytest.fixture(scope="module")
+def today():
+    return reuse_runs(make_worker())
+
+
+@pytest.fixture(scope="module")
+def tiled():
+    from actors.attention import Attention
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Attention, "_prefill_one", grid_tiled_attention)
+        w = make_worker()
+        yield reuse_runs(w), w
+
+
+def test_park_at_parks_exactly_the_points_the_plan_names(today) -> None:
+    parked, objects = today["parked"], today["objects"]
+    chunk_points = [(x.num_tokens, x.kv_from, x.exact) for x in parked if x.kind == "chunk"]
+    assert chunk_points == [(at, 0, True) for at in POINTS]  # nothing at the other grid steps
+    assert [x.kind for x in parked if x.kind != "chunk"] == ["prompt", "finished"]
+    assert all(objects[("p", "chunk", at)].part("kv").shape[2] == at for at in POINTS)  # tail K/V
+    assert all(cached == at for _, _, cached, at in today["runs"].values())
+
+
+@pytest.mark.xfail(strict=True, reason="prefill attention rows depend on the kernel call's shape "
+                   "(actors/attention.py); passes with grid-tiled attention (next test)")
+def test_reuse_at_every_grid_point_is_bit_identical_with_todays_attention(today) -> None:
+    bad = [name for name, (got, want, _, _) in today["runs"].items() if not same(got, want)]
+    assert not bad, f"logits differ from the uncached run at {bad}"
+
+
+def test_reuse_at_every_grid_point_is_bit_identical_with_grid_tiled_attention(tiled) -> None:
+    runs, _ = tiled
+    bad = [name for name, (got, want, _, _) in runs["runs"].items() if not same(got, want)]
+    assert not bad, f"logits differ from the uncached run at {bad}"
+    assert runs["runs"]["repeated"][2] == 448  # all but the last (partial) block restored
+
+
+def test_negative_control_a_point_off_the_scan_grid_restores_to_other_logits(tiled) -> None:
+    runs, w = tiled
+    p = runs["prompt"]
+    off = 72  # `tiny` scans in chunks of 16: 72 cuts one in two
+    _, _, objects, _ = drive(w, "off", p, park_at=(off,))
+    q = p[:off] + prompt(30, seed=99)
+    want, _, _, _ = drive(w, "u-off", q)
+    got, _, _, cached = drive(w, "q-off", q, prefix=[objects[("off", "chunk", off)]])
+    assert cached == off and not torch.equal(got[0], want[0])
