@@ -286,3 +286,42 @@ def test_branch_points_forget_the_oldest_prompts_beyond_capacity_and_refuse_a_ba
     assert tree.add("e", c) == (16, "c")
     with pytest.raises(ValueError, match="grid >= 1"):
         BranchPoints(grid=0)
+
+
+def test_admission_asks_for_a_state_at_the_branch_point_from_the_request_that_passes_it_first() -> None:
+    """Two prompts sharing a 100-token system text start in one plan: the first is asked to park
+    the grid point 64 (`park_at`), the second waits for it (held back while the first prefills)
+    and hits it once parked. A repeated prompt admitted alone parks its own last grid point.
+    Negative control: with branch points off nothing is asked and nobody waits."""
+    from raysched.config import ServeConfig
+    from raysched.scheduler.prefix_cache import PrefixCache
+    from tests.test_scheduler_parts import LIMITS, FakeWorker, parts
+
+    def setup(on: bool):
+        p = parts(ServeConfig(), [FakeWorker(0, kv=1024)])
+        index = StateCache(budget_bytes=1 << 20, min_tokens=16, block_tokens=512)
+        p["dispatch"].cache = PrefixCache(index, p["table"], p["counters"], branch_points=on)
+        system = [t % 60 + 1 for t in range(100)]
+        a, b = (p["table"].submit(system + [70 + i] * 20, {"max_new_tokens": 2}, LIMITS) for i in range(2))
+        return p, index, system, a, b
+
+    p, index, system, a, b = setup(True)
+    glue, w = p["dispatch"].cache, p["fleet"].slots[0]
+    hits, back = glue.admit([a, b], w.index)
+    assert (hits, back, glue.park_at(w.index), glue.park_at(w.index)) == ([], [b], ((a.request_id, 64),), ())
+    p["table"].waiting.remove(a)
+    p["dispatch"].mark_running(w, [a])
+    held, _ = glue.survey(p["table"].waiting, {0: 1.0})
+    assert b.request_id in held  # waits for a's point instead of computing it again
+    index.park(tuple(system[:64]), "pt64", 10, "chunk", exact=True)
+    hits, back = glue.admit([b], w.index)
+    assert [(r, m.num_tokens) for r, m in hits] == [(b, 64)] and back == [] and glue.park_at(w.index) == ()
+    first, again = (p["table"].submit([t % 50 + 3 for t in range(200)], {"max_new_tokens": 2}, LIMITS)
+                    for _ in range(2))
+    glue.admit([first], w.index)
+    assert glue.park_at(w.index) == ()  # a prompt seen once: no point asked for
+    glue.admit([again], w.index)
+    assert glue.park_at(w.index) == ((again.request_id, 192),)  # 200 tokens: its last grid point
+    p, _, _, a, b = setup(False)
+    glue = p["dispatch"].cache
+    assert glue.admit([a, b], 0) == ([], []) and glue.park_at(0) == ()

@@ -14,6 +14,14 @@ the roomiest worker's, h admits it (no transfer); hits are counted by where the 
 prompt being prefilled right now than the index holds waits for those blocks' points (`held`)
 instead of prefilling them a second time.
 
+Branch points (`branch_points=True`): at admission each new prompt is added to a radix tree of
+recent prompts on the 64-token scan grid (`state_cache.BranchPoints`); where it leaves an
+earlier one (rounded down to the grid, short of its last token) is a point two prompts pass.
+When the index has no state there, the plan asks for one (`park_at(worker)`, sent as
+`StepPlan.park_at`): the earlier request parks it if it starts in the same plan (the new one
+waits for it, held back like a block's producer), else the new request parks it itself (the
+next prompt sharing it restores it). A repeated prompt's point is its last grid point.
+
 No Ray import: worker handles are opaque.
 """
 
@@ -27,7 +35,7 @@ from raysched.messages import ParkedPoint, StepResult
 from raysched.request import Request, State
 from raysched.scheduler.fleet import WorkerSlot
 from raysched.scheduler.planner import Decision
-from raysched.scheduler.state_cache import BlockRef, Match, Place, StateCache
+from raysched.scheduler.state_cache import GRID_TOKENS, BlockRef, BranchPoints, Match, Place, StateCache
 from raysched.scheduler.table import RequestTable
 from raysched.stats import Counters
 
@@ -61,8 +69,12 @@ class PrefixCache:
     placement."""
 
     def __init__(self, index: StateCache | None, table: RequestTable, counters: Counters,
-                 slack: float = 0.25) -> None:
+                 slack: float = 0.25, branch_points: bool = False) -> None:
         self.index = index
+        self.branches = BranchPoints(GRID_TOKENS) if index is not None and branch_points else None
+        self._park_at: dict[int, list[tuple[str, int]]] = {}  # worker -> `StepPlan.park_at` of its next plan
+        self._branching: dict[int, tuple[str, int]] = {}  # hash of a branch prefix -> (request
+        #   asked to park it, its length), until that request's prefill is over
         self.table = table
         self.counters = counters
         self.slack = slack
@@ -74,6 +86,11 @@ class PrefixCache:
     def park_min_tokens(self) -> int:
         """What a step plan asks the worker to park (0: nothing)."""
         return self.index.min_tokens if self.index is not None else 0
+
+    def park_at(self, worker: int) -> tuple[tuple[str, int], ...]:
+        """`StepPlan.park_at` of the plan about to go to `worker`: the branch points its
+        requests were asked to park by this plan's admissions (each asked once)."""
+        return tuple(self._park_at.pop(worker, ()))
 
     # ------------------------------------------------------------------ admission
     def survey(self, waiting: deque[Request], rooms: dict[int, float]) -> tuple[set[str], Placement | None]:
@@ -87,6 +104,7 @@ class PrefixCache:
         for r in _head(waiting):
             match = self.index.lookup(r.prompt_ids, touch=False) if not r.num_generated else None
             producer = None if r.num_generated else self._producer_of(r, match.num_tokens if match else 0)
+            producer = self._branch_producer(r, match) if producer is None else producer
             if producer is not None:
                 held.add(r.request_id)
                 home[r.request_id] = producer
@@ -98,7 +116,7 @@ class PrefixCache:
         """Look up each request a plan admits, in order: ((request, match) for the hits, the
         requests to put back: those whose blocks a request admitted before them (in this plan or
         earlier) is about to prefill). Requests that will park boundary points become producers."""
-        hits, back = [], []
+        hits, back, here = [], [], set()
         if self.index is None:
             return hits, back
         for r in admitted:
@@ -107,12 +125,55 @@ class PrefixCache:
             if not r.num_generated and not r.retractions and self._producer_of(r, restored) is not None:
                 back.append(r)
                 continue
+            if self._branch(r, restored, here, worker):
+                back.append(r)
+                continue
+            here.add(r.request_id)
             if match is not None:
                 hits.append((r, match))
                 self._match_of[r.request_id] = match
             if not r.num_generated and (match is None or match.point.exact):
                 self._add_producer(r, worker, restored)
         return hits, back
+
+    # ------------------------------------------------------------------ branch points
+    def _branch(self, r: Request, restored: int, here: set[str], worker: int) -> bool:
+        """Ask for a state at `r`'s branch point when the index has none: from the earlier
+        request that passes it if that one starts in this plan (`here`), else from `r`. True:
+        `r` waits for a state another request is asked for (now or before)."""
+        if self.branches is None or r.num_generated:
+            return False
+        point, owner = self.branches.add(r.request_id, r.prompt_ids)
+        if point < self.index.min_tokens or restored >= point:
+            return False
+        key = hash(r.prompt_ids[:point])
+        asked = self._branching.get(key)
+        if asked is not None and asked[0] != r.request_id:
+            return True
+        parker = asked[0] if asked else owner if owner in here else r.request_id
+        self._park_at.setdefault(worker, []).append((parker, point))
+        self._branching[key] = (parker, point)
+        return parker != r.request_id
+
+    def _branch_producer(self, r: Request, match: Match | None) -> int | None:
+        """The worker parking the state at `r`'s branch point for another request, if any."""
+        if self.branches is None or r.num_generated or not self._branching:
+            return None
+        point, _ = self.branches.find(r.prompt_ids)
+        if point < self.index.min_tokens or (match is not None and match.num_tokens >= point):
+            return None
+        asked = self._branching.get(hash(r.prompt_ids[:point]))
+        if asked is None or asked[0] == r.request_id:
+            return None
+        parker = self.table.requests.get(asked[0])
+        return parker.worker if parker is not None and parker.worker is not None else None
+
+    def _sweep_branching(self) -> None:
+        """Forget branch points whose parker's prefill is over (parked, or it never will be)."""
+        for key, (rid, _) in list(self._branching.items()):
+            r = self.table.requests.get(rid)
+            if r is None or r.state.is_done or r.state is State.RETRACTED or r.num_generated:
+                del self._branching[key]
 
     # ------------------------------------------------------------------ producers
     def _block_keys(self, prompt: tuple[int, ...]) -> list[int]:
@@ -190,13 +251,18 @@ class PrefixCache:
         if result.parked:
             self.take(w, result.parked)
         self._sweep_producers()
+        self._sweep_branching()
 
     def forget_lookups(self, admitted: list[Request]) -> None:
         """The call failed: these are looked up again when admitted again."""
+        ids = {r.request_id for r in admitted}
         for r in admitted:
             self._match_of.pop(r.request_id, None)
             if r.request_id in self._producers:
                 self._drop_producer(r.request_id)
+        for key, (rid, _) in list(self._branching.items()):
+            if rid in ids:
+                del self._branching[key]
 
     def take(self, w: WorkerSlot, parked: list[ParkedPoint]) -> None:
         """Keep the points the index wants (with the blocks it lacks): `Worker.take_parked` hands
@@ -249,6 +315,10 @@ class PrefixCache:
         self._match_of.clear()
         self._producers.clear()
         self._inflight.clear()
+        self._park_at.clear()
+        self._branching.clear()
+        if self.branches is not None:
+            self.branches = BranchPoints(self.branches.grid, self.branches.capacity)
 
 
 def _head(waiting: deque[Request]) -> list[Request]:

@@ -357,13 +357,21 @@ class BranchPoints:
 
     def add(self, request_id: str, prompt: tuple[int, ...]) -> tuple[int, str | None]:
         """Remember `prompt`; (its branch point with the earlier prompts, the latest earlier
-        request that passes it), or (0, None). A request added before is not added again."""
+        request that passes it), or (0, None). A request added before is not added again (and
+        may be its own answer's owner then)."""
         keys = self.keys(prompt)
-        depth = next((k for k in range(len(keys), 0, -1) if keys[k - 1] in self._owner), 0)
-        owner = self._owner[keys[depth - 1]][0] if depth else None
+        found = self._deepest(keys)
         if request_id not in self._ids:
             self._remember(request_id, keys)
-        return depth * self.grid, owner
+        return found
+
+    def find(self, prompt: tuple[int, ...]) -> tuple[int, str | None]:
+        """`add`'s answer for `prompt`, remembering nothing."""
+        return self._deepest(self.keys(prompt))
+
+    def _deepest(self, keys: list[int]) -> tuple[int, str | None]:
+        depth = next((k for k in range(len(keys), 0, -1) if keys[k - 1] in self._owner), 0)
+        return (depth * self.grid, self._owner[keys[depth - 1]][0]) if depth else (0, None)
 
     def _remember(self, request_id: str, keys: list[int]) -> None:
         for k in keys:
