@@ -290,7 +290,7 @@ def cmd_scale(args: argparse.Namespace) -> int:
         if args.workers > len(alive):
             _wait_for_room(client.config, len(alive), args.workers - len(alive), args.timeout)
         for _ in range(args.workers - len(alive)):
-            line = client.add_worker()
+            line = _add_worker(client)
             print(f"worker {line['worker']} added on node {line['node'][:12]}")
         for index in sorted(alive, reverse=True)[:max(0, len(alive) - args.workers)]:
             out = client.remove_worker(index)
@@ -299,6 +299,19 @@ def cmd_scale(args: argparse.Namespace) -> int:
         client.shutdown()
     print(f"{args.workers} worker(s)")
     return 0
+
+
+def _add_worker(client: Any) -> dict:
+    """`client.add_worker()`; a worker that did not start (its room was taken meanwhile, or it
+    failed) is a ClusterError in one line, not Ray's traceback."""
+    import ray
+
+    from raysched.cluster import ClusterError
+
+    try:
+        return client.add_worker()
+    except ray.exceptions.RayTaskError as err:
+        raise ClusterError((str(err.cause).strip() or type(err.cause).__name__).splitlines()[0]) from None
 
 
 def _wait_for_room(config: Any, alive: int, more: int, timeout_s: float) -> None:
@@ -402,8 +415,9 @@ def _generate_row(prompt_ids: list[int], token_ids: list[int], tok, sampling) ->
 
 def cmd_run(args: argparse.Namespace) -> int:
     """Serve the workload; the summary and `--report` are written whenever the run ends, also
-    after an interrupt at any moment once the input is checked (during the cluster's start-up:
-    a report with no request finished, every one `unfinished`)."""
+    after an interrupt at any moment (before the workload runs, e.g. in the cluster's start-up:
+    a report with no request finished, every one `unfinished`; while the input is still being
+    checked, their number unknown)."""
     import time
 
     from raysched.config import load_serve_config
@@ -411,15 +425,15 @@ def cmd_run(args: argparse.Namespace) -> int:
     from raysched.tokenizer import load_tokenizer
     from raysched.workload import build_requests, load_workload_config
 
-    config = load_serve_config(args.config)
-    workload = load_workload_config(args.workload)  # validate everything before starting anything:
-    planned = build_requests(workload, PRECHECK_VOCAB, load_tokenizer(config.model))  # the trace too (but the vocabulary)
-    t0, out = time.monotonic(), {}
+    t0, out, planned = time.monotonic(), {}, None
     try:
+        config = load_serve_config(args.config)
+        workload = load_workload_config(args.workload)  # validate everything before starting anything:
+        planned = build_requests(workload, PRECHECK_VOCAB, load_tokenizer(config.model))  # the trace too (but the vocabulary)
         _launch_and_run(args, config, workload, out)
-    except KeyboardInterrupt:  # in the start-up, or in the shut-down after the run (its report stands)
+    except KeyboardInterrupt:  # before the run, or in the shut-down after it (its report stands)
         pass
-    report = out.get("report") or interrupted_report(len(planned), time.monotonic() - t0)
+    report = out.get("report") or interrupted_report(None if planned is None else len(planned), time.monotonic() - t0)
     _write_summary(report, args.report)
     if report["summary"].get("interrupted") or interrupts.signalled():  # also one held back while Ray stopped
         raise interrupts.Interrupted(interrupts.signalled() or signal.SIGINT)

@@ -44,10 +44,10 @@ def run_workload(client: Client, specs: list[RequestSpec], progress: bool = True
     return report
 
 
-def interrupted_report(total: int, duration_s: float) -> dict:
+def interrupted_report(total: int | None, duration_s: float) -> dict:
     """The report of a run interrupted before its workload started (in the cluster's start-up):
-    no request finished, all `total` are `unfinished`, no scheduler stats (an empty report is
-    still a report)."""
+    no request finished, all `total` are `unfinished` (None: not known yet), no scheduler stats
+    (an empty report is still a report)."""
     report = build_report([], {}, duration_s, {})
     report["summary"].update(interrupted=True, unfinished=total)
     return report
