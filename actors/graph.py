@@ -5,7 +5,8 @@ tokens, runs at the bucket (rows, chunks): the smallest of `ROW_BUCKETS` >= R an
 power of two >= K. Each bucket owns persistent input buffers (token ids, positions, K/V slots,
 state slots, key counts, the chunk table), so its step can be captured once as a CUDA graph and
 replayed: one host-to-device copy of the packed inputs (from pinned memory), the replay, and
-the logits. The only host sync of a step is the sampler fetching the logits.
+the logits. The only host sync of a step is the sampler fetching the logits. Every bucket the
+pool can use is created (captured) when the engine starts (`ahead`), never inside a step.
 
 Padding rows point at the pool's scratch slots (`HybridPool(scratch=True)`) and attend over no
 key; their logits are dropped. Every kernel of the decode step is batch-invariant (tiled matrix
@@ -47,12 +48,16 @@ class _Bucket:
 class FixedShapeDecode:
     """Runs `model`'s decode step on `pool` at bucket shapes (see the module doc).
 
-    capture: record each bucket's step as a CUDA graph on first use (default: on CUDA). Without
-    it the padded step runs eagerly, which is what the CPU tests exercise.
+    capture: record each bucket's step as a CUDA graph (default: on CUDA). Without it the
+    padded step runs eagerly, which is what the CPU tests exercise.
+    ahead: create (and capture) every bucket of `ladder()` now, so that no capture falls inside
+    a request's first step, a migration's stop-and-copy or a resume (measured on an H200: a
+    capture in the step after a stop-and-copy made the client's largest gap 69-332 ms, 27-47
+    decode steps). False: each bucket is created on first use. `created` counts creations.
     """
 
     def __init__(self, model: torch.nn.Module, pool: HybridPool, capture: bool | None = None,
-                 chunk: int = KV_CHUNK) -> None:
+                 chunk: int = KV_CHUNK, ahead: bool = True) -> None:
         if not pool.has_scratch:
             raise ValueError("fixed-shape decode needs a pool with scratch slots (HybridPool(scratch=True))")
         self.model, self.pool, self.chunk = model, pool, chunk
@@ -62,6 +67,28 @@ class FixedShapeDecode:
             raise ValueError("CUDA graph capture needs a CUDA pool")
         self._buckets: dict[tuple[int, int], _Bucket] = {}
         self._graph_pool = torch.cuda.graph_pool_handle() if self.capture else None
+        self.created = 0  # buckets made so far (all of `ladder()` at start when `ahead`)
+        self.steps: dict[tuple[int, int], int] = {}  # decode steps run per bucket
+        if ahead:
+            for rows, chunks in self.ladder():
+                self._bucket(rows, chunks)
+
+    def ladder(self) -> list[tuple[int, int]]:
+        """Every (rows, chunks) bucket a decode step on this pool can take: up to its state
+        slots in rows, its token slots in context. For rows 1 .. slots, chunks doubles until it
+        covers the pool's tokens or the bucket passes `MAX_TABLE_TOKENS` (those steps decode
+        eagerly). A pool of 256+ slots and 256k+ tokens has them all: 111 buckets (12 row
+        sizes, with 14 chunk sizes at 1 row down to 6 at 256 rows)."""
+        longest = self.pool.kv.num_pages * self.pool.kv.page_size
+        shapes: set[tuple[int, int]] = set()
+        for rows in range(1, min(self.pool.mamba.num_slots, ROW_BUCKETS[-1]) + 1):
+            chunks = 1
+            while (shape := self.bucket_for(rows, chunks * self.chunk)) is not None:
+                shapes.add(shape)
+                if chunks * self.chunk >= longest:
+                    break
+                chunks *= 2
+        return sorted(shapes)
 
     def bucket_for(self, rows: int, longest: int) -> tuple[int, int] | None:
         """The (rows, chunks) bucket of a step of `rows` requests, the longest attending over
@@ -87,6 +114,7 @@ class FixedShapeDecode:
         if shape is None:
             return None
         b = self._bucket(*shape)
+        self.steps[shape] = self.steps.get(shape, 0) + 1
         self._fill(b, input_ids, positions, kv_slots, mamba_slots)
         b.device_inputs.copy_(b.host, non_blocking=True)
         if b.graph is not None:
@@ -103,6 +131,7 @@ class FixedShapeDecode:
         return b
 
     def _new_bucket(self, rows: int, chunks: int) -> _Bucket:
+        self.created += 1
         n = 5 * rows + rows * chunks * self.chunk
         host = torch.zeros(n, dtype=torch.int64, pin_memory=self.device.type == "cuda")
         table = KVTable.build([], self.chunk, shape=(rows, chunks))
