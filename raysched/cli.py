@@ -270,16 +270,16 @@ def cmd_drain(args: argparse.Namespace) -> int:
         out = (client.remove_worker if args.remove else client.drain)(args.worker)
     finally:
         client.shutdown()
-    print(f"worker {args.worker} drained{' and removed' if args.remove else ''} in {out['seconds']:.2f} s: "
-          f"{drain_text(out)}")
+    print(f"worker {args.worker} drained{' and removed' if args.remove else ''}: {drain_text(out)}")
     return 0
 
 
 def drain_text(out: dict) -> str:
     """Where a drain's requests went (`Migrator.drain`'s answer), in words."""
-    return (f"{out['moved']} request(s) moved: {out.get('live', '?')} live, {out.get('snapshot', '?')} by snapshot, "
-            f"{out.get('requeued', '?')} requeued to prefill again; {out.get('ended', 0)} ended meanwhile; "
-            f"{out.get('queued', '?')} waiting in the queue (on no worker) go to the other workers")
+    return (f"moved {out['moved']} request(s) in {out['seconds']:.2f} s ({out.get('live', '?')} live, "
+            f"{out.get('snapshot', '?')} by snapshot, {out.get('requeued', '?')} requeued to prefill again); "
+            f"{out.get('ended', 0)} ended meanwhile; {out.get('queued', '?')} waiting in the queue (on no worker) "
+            f"go to the other workers")
 
 
 def cmd_scale(args: argparse.Namespace) -> int:
