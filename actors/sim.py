@@ -267,10 +267,10 @@ class SimWorker:
         """`step`, its tokens first as `actors.worker.Worker.step_stream` sends them (in-process
         use; `SimHost.stream` sends them at their modeled times)."""
         for _, piece in self._run(plan, *snapshots):
-            self.deliver(piece)
+            self._deliver(piece)
             yield piece
 
-    def deliver(self, piece: StepTokens | StepResult) -> None:
+    def _deliver(self, piece: StepTokens | StepResult) -> None:
         """A piece has gone out: its tokens go to the readers' sinks too (`actors.sinks`)."""
         if isinstance(piece, StepTokens):
             self.sinks.send(piece.new_tokens, piece.finished)
@@ -503,7 +503,7 @@ class SimHost:
             for ms, piece in self._alive(index)._run(plan, *snapshots):
                 if ms > 0:
                     await asyncio.sleep(ms / 1000.0)
-                self._alive(index).deliver(piece)  # (killed while the call was running: no more pieces)
+                self._alive(index)._deliver(piece)  # (killed while the call was running: no more pieces)
                 yield piece
         finally:
             await self._end_turn(index, seq)
@@ -527,7 +527,7 @@ class SimHost:
                     await asyncio.sleep(pending_ms / 1000.0)
                     pending_ms = 0.0
                     for piece in held:
-                        self._alive(index).deliver(piece)  # (killed while the call was running: no reply)
+                        self._alive(index)._deliver(piece)  # (killed while the call was running: no reply)
                     held = []
             return out
         finally:

@@ -4,8 +4,8 @@ The same requests, on the `small` preset, run
 - through the scheduler with 1 worker actor (embedded Ray, 1 CPU for the worker), and
 - in this process with `Engine.generate` (continuous batching, no Ray), and
 - through the scheduler again, each request submitted with `stream=True` and read as it comes
-  (`handle.stream()`, one thread each): every worker call then streams its decode steps
-  (`scheduler.stream_each_step`), a message per step instead of per call,
+  (`handle.stream()`, one thread each): the worker sends each decode step's tokens straight to
+  the client's sink (`raysched.sink`), past the scheduler, which still gets one reply per call,
 alternately, twice each; the best run of each side counts. Both use the same pool sizes and
 admission rule (`admission: reserve`, which is what `Engine.generate` does: a request is admitted
 when its whole budget fits), so both batch alike and neither retracts. A Ray actor with
@@ -151,7 +151,7 @@ def _result(setup: Setup, specs: list[RequestSpec], bare_runs: list[dict], sched
         "bare_threads": 1, "actor_threads": actor_threads, "machine": machine(),
         "rows": [{"side": "bare engine (Engine.generate)", **strip(bare)},
                  {"side": "scheduler + 1 worker actor", **strip(sched)},
-                 {"side": "scheduler, read as it comes (streamed calls)", **strip(streamed)}],
+                 {"side": "scheduler, read as it comes (worker -> sink)", **strip(streamed)}],
         "bare_runs": [strip(r) for r in bare_runs], "scheduler_runs": [strip(r) for r in sched_runs],
         "streamed_runs": [strip(r) for r in streamed_runs],
         "worker_busy_fraction": sched["worker_busy_s"] / sched["duration_s"],

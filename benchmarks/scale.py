@@ -56,6 +56,8 @@ class Setup:
     #   simulation's own cost on a machine of a few cores)
     batch_calls: bool = True  # a host's step calls travel in batches (`sim.batch_calls`)
     join_long_calls: bool = True  # a waiting request starts inside a long call (`scheduler.join_long_calls`)
+    direct_tokens: bool = True  # the streamed requests' tokens go from the workers to the client's sink
+    #   (`raysched.sink`); False: through the scheduler (`next_tokens`, streamed step calls)
 
 
 FULL = Setup(sizes=(8, 32, 128, 256), step_ms=(10.0, 30.0), slots=8, duration_s=30.0, warmup_s=10.0,
@@ -97,7 +99,8 @@ def _scheduler_cpu_s(pid: int) -> float:
 
 
 def _stream(handle, t0: float, arrivals: list) -> None:
-    """Stream one request, appending (seconds since submit, tokens) per arrival of tokens."""
+    """Stream one request, appending (seconds since submit, tokens) per arrival of tokens (a read
+    that found nothing new, the sink's wait running out, is not an arrival)."""
     for tokens, _ in handle._chunks():
         if tokens:
             arrivals.append((time.perf_counter() - t0, len(tokens)))
@@ -114,6 +117,7 @@ def run_point(workers: int, step_ms: float, setup: Setup, seed: int = 0) -> dict
     rate = LOAD * ideal / mean_output(setup)  # requests/s
     t_launch = time.perf_counter()
     client = raysched.launch(cfg)
+    client.direct_tokens = setup.direct_tokens
     launch_s = time.perf_counter() - t_launch
     try:
         pid = ray.get(client.scheduler.__ray_call__.remote(lambda _s: os.getpid()))
@@ -136,7 +140,7 @@ def run_point(workers: int, step_ms: float, setup: Setup, seed: int = 0) -> dict
             prompt = [rng.randrange(32000) for _ in range(prompt_len)]
             params = {"max_new_tokens": out_len}
             if submitted % max(1, int(rate * setup.duration_s / STREAMED)) == 0 and len(threads) < STREAMED:
-                handles.append(client.submit(prompt, params))
+                handles.append(client.submit(prompt, params, stream=True))
                 streams.append([])
                 t = threading.Thread(target=_stream, args=(handles[-1], time.perf_counter(), streams[-1]), daemon=True)
                 t.start()
@@ -160,7 +164,9 @@ def run_point(workers: int, step_ms: float, setup: Setup, seed: int = 0) -> dict
             "offered_tokens_per_s": LOAD * ideal, "tokens_per_s": tokens_per_s,
             "vs_offered": tokens_per_s / (LOAD * ideal), "vs_ideal": tokens_per_s / ideal,
             "worker_busy": (stats["busy_s"] - w_busy) / (span * workers),
-            "scheduler_cpu_share": (e_cpu - w_cpu) / span, "scheduler_rss_mib": stats["scheduler_rss_bytes"] / 2**20,
+            "scheduler_cpu_share": (e_cpu - w_cpu) / span,
+            "scheduler_cpu_us_per_token": (e_cpu - w_cpu) / max(1, stats["tokens"] - w_tokens) * 1e6,
+            "scheduler_rss_mib": stats["scheduler_rss_bytes"] / 2**20,
             "decision_p50_ms": _ms(stats["decision_p50_s"]), "decision_p99_ms": _ms(stats["decision_p99_s"]),
             "decision_cpu_p99_ms": _ms(stats["decision_cpu_p99_s"]),
             "gc_pause_max_ms": _ms((stats.get("gc") or {}).get("pause_max_s")),
@@ -229,6 +235,7 @@ def _print(result: dict) -> None:
     cols = [Column("workers", "workers"), Column("step ms", "step_ms", ".0f"), Column("tok/s", "tokens_per_s", ".0f"),
             Column("vs offered", "vs_offered", ".3f"), Column("vs ideal", "vs_ideal", ".3f"),
             Column("busy", "worker_busy", ".2f"), Column("sched CPU", "scheduler_cpu_share", ".2f"),
+            Column("us/token", "scheduler_cpu_us_per_token", ".2f"),
             Column("RSS MiB", "scheduler_rss_mib", ".0f"), Column("dec p50 ms", "decision_p50_ms", ".2f"),
             Column("dec p99 ms", "decision_p99_ms", ".2f"), Column("dec CPU p99", "decision_cpu_p99_ms", ".2f"),
             Column("GC max ms", "gc_pause_max_ms", ".0f"), Column("TTFT+ ms", "ttft_overhead_p50_ms", ".0f"),
@@ -269,7 +276,7 @@ def main_points(out: Path, sizes: tuple[int, ...], step_ms: tuple[float, ...], d
     _print(result)
     tag = (("" if setup.stream_each_step else "-per-call") + ("" if setup.fold_successor else "-unfolded")
            + f"-fold{setup.fold_calls}" + ("" if setup.batch_calls else "-unbatched")
-           + ("" if setup.join_long_calls else "-nojoin"))
+           + ("" if setup.join_long_calls else "-nojoin") + ("" if setup.direct_tokens else "-via-scheduler"))
     write_json(out, f"scale-{'-'.join(map(str, sizes))}-{'-'.join(f'{m:g}' for m in step_ms)}{tag}", result)
     return result
 
