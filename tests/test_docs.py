@@ -1,9 +1,10 @@
-"""The docs match the code: docs/config.md lists every serve config key with the code's default,
-and every relative link in README.md, docs/ and benchmarks/README.md resolves (file and anchor).
+"""The docs match the code: docs/config.md lists every serve config key with the code's default;
+every relative link in README.md, docs/ and benchmarks/README.md resolves (file and anchor); every
+file of the README's module map exists, and every function its request walk names is defined there.
 
 Reference: `raysched.config.ServeConfig()` (the defaults) and the files on disk. Negative controls:
-a config block with one default changed and one key left out, and a page with a dead link and a
-dead anchor, must each be reported.
+a config block with one default changed and one key left out, a page with a dead link and a dead
+anchor, and a walk row naming a function that does not exist, must each be reported.
 """
 
 from __future__ import annotations
@@ -119,3 +120,56 @@ def test_link_check_catches_a_dead_file_and_a_dead_anchor(tmp_path):
     page.write_text("[ok](other.md#present-heading) [gone](missing.md) [bad](other.md#absent)\n"
                     "```\n[in code](ignored.md)\n```\n")
     assert dead_links(page) == ["missing.md", "other.md#absent"]
+
+
+def _section(text: str, heading: str) -> str:
+    start = text.index(f"## {heading}\n")
+    end = text.find("\n## ", start + 1)
+    return text[start:end if end > 0 else len(text)]
+
+
+def module_map_missing(readme: str) -> list[str]:
+    """Paths in the first column of the module map that are not in the repository (a path under
+    `scheduler/` is `raysched/scheduler/...`)."""
+    missing = []
+    for row in _section(readme, "Module map").splitlines()[3:]:
+        for path in re.findall(r"`([\w/.-]+(?:\.py|\.c|/))`", row.split(" | ")[0]):
+            full = f"raysched/{path}" if path.startswith("scheduler/") else path
+            if not (REPO / full).exists():
+                missing.append(path)
+    return missing
+
+
+def walk_missing(readme: str) -> list[str]:
+    """`file:Name` entries of the request walk's "where" column (later names in a group of
+    commas share its file) that no `def` / `class` in that file defines."""
+    missing = []
+    for row in _section(readme, "One request's life").splitlines():
+        if not row.startswith("| ") or row.startswith("| #"):
+            continue
+        for group in row.rstrip(" |").split(" | ")[-1].split(";"):
+            path = None
+            for item in (x.strip().strip("`") for x in group.split(",")):
+                path, name = item.split(":", 1) if ":" in item else (path, item)
+                if path is None or name.endswith(".py"):
+                    continue
+                source = (REPO / path).read_text() if (REPO / path).is_file() else ""
+                if not re.search(rf"^\s*(?:async )?(?:def|class) {re.escape(name.split('.')[-1])}\b", source, re.M):
+                    missing.append(f"{path}:{name}")
+    return missing
+
+
+def test_the_module_map_and_the_request_walk_name_what_exists():
+    readme = (REPO / "README.md").read_text()
+    assert module_map_missing(readme) == []
+    assert walk_missing(readme) == []
+
+
+def test_walk_check_catches_a_function_that_is_gone():
+    """Negative control: one walk row renamed to a function no file defines, and one module-map
+    path that does not exist, are reported."""
+    readme = (REPO / "README.md").read_text()
+    broken = readme.replace("`raysched/scheduler/planner.py:plan_step`", "`raysched/scheduler/planner.py:plan_stepx`")
+    broken = broken.replace("| `raysched/sampling.py` |", "| `raysched/sampling_gone.py` |")
+    assert walk_missing(broken) == ["raysched/scheduler/planner.py:plan_stepx"]
+    assert module_map_missing(broken) == ["raysched/sampling_gone.py"]
