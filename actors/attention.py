@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from actors import triton_route
 from actors.batch import NEG_SCORE, KVTable, Segment, cat_rows
 from actors.config import ModelConfig
 from actors.mamba import Kernels, Pointwise, whole
@@ -60,8 +61,12 @@ def chunked_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, table:
     merged in chunk order (`_merge_chunks`, flash-decoding's rule). A row's arithmetic therefore
     depends only on its own keys: not on the batch, nor on how many chunks other rows have (an
     empty chunk adds exactly 0).
-    Scores and the merge are fp32. Returns (R, Hq*D) in q's dtype.
+    Scores and the merge are fp32. Returns (R, Hq*D) in q's dtype. On CUDA the products and the
+    softmax sum go through the fixed-order Triton kernels (`actors.triton_route`): cuBLAS and
+    torch's reductions would pick their order from J.
     """
+    routed = triton_route.routes(q)
+    bmm = triton_route.bmm if routed else torch.bmm
     R, Hq, D = q.shape
     J, C = table.slots.shape
     Hkv = k_cache.shape[1]
@@ -71,14 +76,14 @@ def chunked_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, table:
     values = v_cache.index_select(0, flat).view(J, C, Hkv, D).float()
     queries = q.float().index_select(0, table.owner).view(J, Hkv, grp, D)
     # per kv head, strided views of the gathered keys: no copies (the BLAS takes the stride)
-    scores = torch.stack([torch.bmm(queries[:, h], keys[:, :, h].transpose(1, 2))
+    scores = torch.stack([bmm(queries[:, h], keys[:, :, h].transpose(1, 2))
                           for h in range(Hkv)], dim=1).view(J, Hq, C)  # (J, Hq, C)
     scores.mul_(scale)
     scores.masked_fill_(~table.valid[:, None, :], NEG_SCORE)
     top = scores.amax(-1, keepdim=True)  # (J, Hq, 1)
     probs = pointwise(torch.exp, scores.sub_(top)).view(J, Hkv, grp, C)
-    total = probs.sum(-1).view(J, Hq)  # (J, Hq)
-    outs = torch.stack([torch.bmm(probs[:, h], values[:, :, h]) for h in range(Hkv)],
+    total = (triton_route.row_sum(probs) if routed else probs.sum(-1)).view(J, Hq)  # (J, Hq)
+    outs = torch.stack([bmm(probs[:, h], values[:, :, h]) for h in range(Hkv)],
                        dim=1).view(J, Hq, D)  # (J, Hq, D), unnormalised
     out = _merge_chunks(top.view(J, Hq), total, outs, table.grid, pointwise)  # (R, Hq, D)
     return out.to(q.dtype).reshape(R, Hq * D)

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from actors import triton_route
 from actors.config import ModelConfig
 from actors.batch import Segment
 from actors.mamba import (Kernels, Pointwise, SlotRun, causal_conv_step, conv_segments, decay_exp_,
@@ -35,7 +36,14 @@ from actors.norms import rms_normalize
 def l2norm(x: Tensor, eps: float = 1e-6) -> Tensor:
     """x / ||x|| over the last dim, fp32 (eps inside the root, as the reference kernels do)."""
     x = x.float()
+    if triton_route.routes(x):  # CUDA: a fixed-order row sum
+        return x * torch.rsqrt(triton_route.row_sum(x * x)[..., None] + eps)
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def _sum_last(t: Tensor) -> Tensor:
+    """t (..., n) fp32 -> (...) its sum over the last dim (CUDA: a fixed-order Triton row sum)."""
+    return triton_route.row_sum(t) if triton_route.routes(t) else t.contiguous().sum(-1)
 
 
 def prepare_qk(q: Tensor, k: Tensor, v_heads: int) -> tuple[Tensor, Tensor]:
@@ -132,11 +140,11 @@ def gdn_step(state: Tensor, slots: Tensor, q: Tensor, k: Tensor, v: Tensor, g: T
     """
     S = state[slots] * pointwise(torch.exp, g.float())[..., None, None]  # (R, H, dk, dv)
     S_t = S.transpose(-1, -2)  # (R, H, dv, dk)
-    kv = (S_t * k[:, :, None, :]).contiguous().sum(-1)  # (R, H, dv)
+    kv = _sum_last(S_t * k[:, :, None, :])  # (R, H, dv)
     u = (v.float() - kv) * beta.float()[..., None]  # (R, H, dv)
     S = S + k[..., None] * u[:, :, None, :]  # (R, H, dk, dv)
     state[slots] = S
-    return (S.transpose(-1, -2) * q[:, :, None, :]).contiguous().sum(-1)  # (R, H, dv)
+    return _sum_last(S.transpose(-1, -2) * q[:, :, None, :])  # (R, H, dv)
 
 
 # ---------------------------------------------------------------------------- the mixer

@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from actors import triton_route
 from actors.batch import Segment, by_row_blocks, cat_rows
 from actors.config import ModelConfig
 from actors.norms import inv_rms
@@ -278,10 +279,15 @@ def ssd_step(ssm_state: Tensor, slots: Tensor, x: Tensor, dt: Tensor, A: Tensor,
     state = ssm_state.narrow(0, run[0], R) if run else ssm_state.index_select(0, slots)
     state.mul_(decay[..., None, None])  # (R, H, P, N)
     flat_t = state.view(R * G, -1, N).transpose(1, 2)  # (R*G, N, K*P), a view
-    flat_t.baddbmm_(B.float().reshape(R * G, N, 1), xdt)  # += B (x dt)^T
+    routed = triton_route.routes(state)  # CUDA: cuBLAS would pick its kernel (and FMA) by R
+    if routed:
+        flat_t.add_(B.float().reshape(R * G, N, 1) * xdt)  # += B (x dt)^T: one product, one add
+    else:
+        flat_t.baddbmm_(B.float().reshape(R * G, N, 1), xdt)  # += B (x dt)^T
     if run is None:
         ssm_state.index_copy_(0, slots, state)
-    return torch.bmm(C.float().reshape(R * G, 1, N), flat_t).view(R, H, P)  # (R, H, P)
+    readout = triton_route.bmm if routed else torch.bmm
+    return readout(C.float().reshape(R * G, 1, N), flat_t).view(R, H, P)  # (R, H, P)
 
 
 # ---------------------------------------------------------------------------- causal conv

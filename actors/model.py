@@ -59,7 +59,7 @@ from actors.batch import ForwardBatch
 from actors.config import ModelConfig
 from actors.ffn import SwiGLU  # noqa: F401  (re-exported: it lived here)
 from actors.layers import KINDS, LAYOUTS, build_ffn
-from actors import kernel_choice, rowdot
+from actors import kernel_choice, rowdot, triton_route
 from actors.mamba import Kernels, rowwise
 from actors.norms import ARCH_NORM_STYLE, RMSNorm
 
@@ -500,6 +500,8 @@ class HybridLM(nn.Module):
         """Batch-invariant kernels for decode, or plain ones when invariant_tile is None."""
         if self.invariant_tile is None:
             return Kernels()
+        if triton_route.routes(self.embed_tokens.weight):  # CUDA: the fixed-tile Triton matmul
+            return Kernels(linear=triton_route.linear, pointwise=rowwise)
         return Kernels(linear=self._tiled(self.invariant_tile, True, MAX_CALL_ROWS), pointwise=rowwise)
 
     def prefill_kernels(self) -> Kernels:
@@ -511,6 +513,8 @@ class HybridLM(nn.Module):
         elementwise functions run `rowwise`."""
         if self.invariant_tile is None:
             return Kernels()
+        if triton_route.routes(self.embed_tokens.weight):  # CUDA: the fixed-tile Triton matmul
+            return Kernels(linear=triton_route.linear, pointwise=rowwise)
         return Kernels(linear=self._tiled(PREFILL_TILE, True, PREFILL_CALL_ROWS), pointwise=rowwise)
 
     def _tiled(self, tile: int, pack: bool, max_rows: int | None) -> TiledLinear:

@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from actors import triton_route
+
 NORM_STYLES = ("bamba", "fp32_weight", "offset")
 ARCH_NORM_STYLE = {"bamba": "bamba", "granitemoehybrid": "bamba", "nemotron_h": "fp32_weight",
                    "qwen3_5_text": "offset", "qwen3_next": "offset"}
@@ -20,7 +22,10 @@ ARCH_NORM_STYLE = {"bamba": "bamba", "granitemoehybrid": "bamba", "nemotron_h": 
 
 def inv_rms(h: Tensor, eps: float) -> Tensor:
     """h (..., n) -> 1 / sqrt(mean(h^2) + eps) over the last dim, (..., 1) (a per-row reduction;
-    `square` gives pow(2)'s bits at a third of its time on the CPU)."""
+    `square` gives pow(2)'s bits at a third of its time on the CPU; on CUDA a fixed-order Triton
+    reduction, as torch's would split a row by the row count)."""
+    if triton_route.routes(h):
+        return triton_route.inv_rms(h, eps)
     return torch.rsqrt(torch.square(h).mean(-1, keepdim=True) + eps)
 
 
