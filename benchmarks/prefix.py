@@ -129,8 +129,11 @@ def run_workload(client, costs, requests: list[dict], mode: str, name: str) -> d
              "cache_source": rec["cache_source"], "ttft_s": rec["ttft_s"], "token_ids": rec["token_ids"]}
             for r, rec in zip(requests, records)]
     worker_cpu = (cost1["worker_cpu_s"] or 0) - (cost0["worker_cpu_s"] or 0)
-    print(f"{name:>7} {mode:>9}: {sum(len(x['token_ids']) for x in rows) / duration:.1f} tokens/s in "
-          f"{duration:.1f} s, hits {stats['state_cache_hits']}", flush=True)
+    ttft = percentile([x["ttft_s"] for x in rows], 50)
+    print(f"{name:>9} {mode:>9}: {sum(len(x['token_ids']) for x in rows) / duration:.1f} tokens/s in "
+          f"{duration:.1f} s, TTFT p50 {ttft:.2f} s, hits {stats['state_cache_hits']}, cached "
+          f"{sum(x['cached_tokens'] for x in rows)} of {sum(x['prompt_len'] for x in rows)} prompt tokens, "
+          f"load {load:.1f}", flush=True)
     return {"duration_s": duration, "requests": rows, "stats": stats, "worker_cpu_s": worker_cpu, "load_avg_1m": load}
 
 
