@@ -146,3 +146,22 @@ def test_negative_control_a_snapshot_resumed_on_another_candidate_is_not_bit_exa
     ref = uninterrupted(GREEDY).logits["r3"]
     got = _resumed_on_another_engine(KERNELS[0], KERNELS[-1], monkeypatch)
     assert not all(torch.equal(x, y) for x, y in zip(got, ref[6:]))
+
+
+def test_worker_info_names_the_choice_and_two_choices_read_differently(monkeypatch):
+    """`matrix_kernel` (what a worker reports as `WorkerInfo.kernel`) carries the choice per
+    phase; workers on other choices report other strings (so the scheduler's mixed-kernel
+    warning fires), and a model forced onto one kernel says so."""
+    from actors.model import matrix_kernel
+    from actors.presets import load_preset
+
+    model, _ = load_preset("tiny", torch.float32, "cpu")
+    reported = []
+    for kernel in KERNELS:
+        monkeypatch.setenv(ENV_FORCE, kernel)
+        reported.append(matrix_kernel(model))
+        assert reported[-1].startswith(f"decode {kernel}, prefill {kernel}; mkl "), reported[-1]
+    assert len(set(reported)) == len(KERNELS)
+    monkeypatch.delenv(ENV_FORCE)
+    model.linear_kernel = KERNELS[-1]
+    assert matrix_kernel(model).startswith(f"all {KERNELS[-1]}; mkl ")
