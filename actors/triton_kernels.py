@@ -88,6 +88,8 @@ def _launch_matmul(a: Tensor, b: Tensor, bias: Tensor | None, out: Tensor,
     N = b.shape[-1]
     if Z > MAX_BATCH:
         raise ValueError(f"triton bmm: batch of {Z} exceeds the grid's {MAX_BATCH}")
+    if out.numel() == 0:
+        return out  # (a CUDA grid of no programs does not launch)
     grid = (triton.cdiv(M, config.block_m) * triton.cdiv(N, config.block_n), Z)
     _matmul_kernel[grid](a, b, bias if bias is not None else out, out, M, N, K,
                          *a.stride(), *b.stride(), *out.stride(), HAS_BIAS=bias is not None,
@@ -135,7 +137,7 @@ def bmm_ref(a: Tensor, b: Tensor, config: TileConfig = MATMUL) -> Tensor:
 
 
 @triton.jit
-def _row_sum_kernel(x_ptr, out_ptr, R, n, eps, SQUARE_RMS: tl.constexpr, ROWS: tl.constexpr,
+def _row_sum_kernel(x_ptr, out_ptr, R, n, n_float, eps, SQUARE_RMS: tl.constexpr, ROWS: tl.constexpr,
                     BLOCK: tl.constexpr):
     """out[r] = sum(x[r]) (SQUARE_RMS: 1 / sqrt(sum(x[r]^2) / n + eps)), fp32, for ROWS rows per
     program: each row in BLOCK-wide steps into its own lanes, then one tree across them."""
@@ -150,7 +152,7 @@ def _row_sum_kernel(x_ptr, out_ptr, R, n, eps, SQUARE_RMS: tl.constexpr, ROWS: t
         acc += v * v if SQUARE_RMS else v
     total = tl.sum(acc, axis=1)  # (ROWS,)
     if SQUARE_RMS:
-        total = tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(total, n.to(tl.float32)) + eps))  # IEEE-rounded
+        total = tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(total, n_float) + eps))  # IEEE-rounded
     tl.store(out_ptr + rows, total, mask=rows < R)
 
 
@@ -161,8 +163,9 @@ def _row_reduce(x: Tensor, square_rms: bool, eps: float, block: int) -> Tensor:
     out = torch.empty(R, dtype=torch.float32, device=x.device)  # (R,)
     if R:
         grid = (triton.cdiv(R, ROWS_PER_PROGRAM),)
-        _row_sum_kernel[grid](rows, out, R, rows.shape[1], eps, SQUARE_RMS=square_rms,
-                              ROWS=ROWS_PER_PROGRAM, BLOCK=block, num_warps=4)
+        _row_sum_kernel[grid](rows, out, R, rows.shape[1], float(rows.shape[1]), eps,
+                              SQUARE_RMS=square_rms, ROWS=ROWS_PER_PROGRAM, BLOCK=block,
+                              num_warps=4)
     return out.view(x.shape[:-1])
 
 
