@@ -167,7 +167,6 @@ def note_prefills(view: WorkerView, plan: Decision, cfg: SchedulerConfig, runnin
     the first always advances. A request counts as fed only if everything that may go before it
     (each counted at a whole chunk, the most it can take) leaves budget for it."""
     budget, chunk = cfg.prefill_budget_tokens, cfg.prefill_chunk_tokens
-    most = lambda n: min(n, chunk) if chunk else n  # noqa: E731  (tokens one request may feed)
     for r in plan.resume:
         if not r.recompute:  # restored from a snapshot: something was computed
             view.prefilling[r.request_id] = r.num_tokens
@@ -175,13 +174,18 @@ def note_prefills(view: WorkerView, plan: Decision, cfg: SchedulerConfig, runnin
     for i, r in enumerate([r for r in plan.resume if r.recompute] + plan.admit):
         view.prefilling[r.request_id] = r.num_tokens
         _mark(view, r.request_id, fed=i == 0 or not budget or spent < budget)
-        spent += most(r.num_tokens)
+        spent += _most_fed(r.num_tokens, chunk)
     if not view.unfed:
         return
     older = {r.request_id: view.prefilling[r.request_id] for r in running if r.request_id in view.prefilling}
     for rid in [rid for rid in older if rid in view.unfed]:
-        ahead = spent + sum(most(n) for other, n in older.items() if other != rid)
+        ahead = spent + sum(_most_fed(n, chunk) for other, n in older.items() if other != rid)
         _mark(view, rid, fed=not budget or ahead < budget)
+
+
+def _most_fed(num_tokens: int, chunk: int) -> int:
+    """The most tokens one call feeds of a prefill of `num_tokens` (one chunk; 0: no chunks)."""
+    return min(num_tokens, chunk) if chunk else num_tokens
 
 
 def _mark(view: WorkerView, rid: str, fed: bool) -> None:
