@@ -352,7 +352,11 @@ class RequestHandle:
         received; ended (the sink missed its end): the rest from its record."""
         if self.sink is None:
             self.sink = self.client.sink
-            self.client._call("attach_sink", self.request_id, self.sink)
+            if not self.client._call("attach_sink", self.request_id, self.sink):  # it had ended
+                tokens = self.result()["token_ids"][len(self.received):]
+                self.received.extend(tokens)
+                yield tokens, True
+                return
         done = False
         while not done:
             tokens, done, error = ray.get(self.sink.next.remote(self.request_id, len(self.received), SINK_WAIT_S))

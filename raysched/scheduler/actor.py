@@ -180,24 +180,29 @@ class Scheduler:
         return req.request_id
 
     def _attach(self, req: Request, sink: Any, late: bool) -> None:
-        """Read `req` through `sink`; its stop strings are matched there (`raysched.sink`)."""
+        """Read `req` through `sink`; its stop strings are matched there (`raysched.sink`). One
+        attached `late` keeps being matched here too, on its replies, until it ends (the tokens
+        it had come to the sink only with its next plan; both cut at the same token)."""
         self.table.attach(req, sink, late)
-        req.text_stream = None
+        if not late:
+            req.text_stream = None
         if req.sampling.stop:
             me = ray.get_runtime_context().current_actor
             sink.open.remote(req.request_id, self.config.model, tuple(req.sampling.stop), req.sampling.min_tokens, me)
         else:
             sink.open.remote(req.request_id)
 
-    async def attach_sink(self, request_id: str, sink: Any) -> None:
+    async def attach_sink(self, request_id: str, sink: Any) -> bool:
         """From now on `request_id`'s tokens go to `sink` (a reader that starts reading a request
         submitted without one): its worker's call in flight is interrupted, and the next one
-        seeds the sink with the tokens so far and sends each step's tokens there."""
+        seeds the sink with the tokens so far and sends each step's tokens there. False: it had
+        ended (`wait` has its record)."""
         req = self.table.get(request_id)
         if req.state.is_done:
-            return
+            return False
         self._attach(req, sink, late=True)
         self._interrupt_worker_of(req)
+        return True
 
     async def status(self, request_id: str) -> str:
         """"live", "ended" (`wait` returns its record) or "unknown" (a reader whose sink went

@@ -98,6 +98,8 @@ class RequestTable:
         self.notify(req.request_id)
         sink = self.sinks.get(req.request_id)
         if sink is not None:
+            if req.request_id in self.seed_due:  # attached late, ended before a plan seeded it
+                sink.push.remote({req.request_id: (0, list(req.output_ids), None)})
             count = len(req.output_ids) if state is State.FINISHED else None
             sink.end.remote(req.request_id, count, reason, req.error)
             self.forget(req)
