@@ -8,9 +8,13 @@ by Triton's interpreter (`TRITON_INTERPRET=1`, set here before the kernels are d
 (c) Negative controls: the comparison of (b) sees an order change: the same kernel with another
     BLOCK_K (or reduction width) differs in the bits on some row, and a kernel whose tile
     config follows the row count, as a shape-heuristic library's does, fails (b).
-And the routing: with CPU tensors routed as CUDA ones are, the `tiny` model's forward goes
-through these kernels, its logits are torch.equal alone and in batches (prefill and decode),
-close to the CPU path's, and a row-count-dependent matmul in the same place breaks that.
+And the routing, with CPU tensors routed as CUDA ones are (`triton_route.ROUTED_DEVICES`): the
+model picks the Triton matmul; each decode stage (attention, SSD step, delta-rule step, norms)
+calls its kernels, is torch.equal alone and in a batch of 7 and close to the CPU path's, and a
+batch-dependent bmm in the attention breaks that (control). Behind `slow` (about a minute of
+CPU each under the interpreter): the `tiny` model's whole forward, routed, torch.equal alone
+and in a batch of 7 (prefill and decode), close to the CPU path's; control: a matmul whose K
+step follows the row count breaks it.
 
 What the interpreter shows is the kernels' arithmetic and that nothing a program computes
 depends on the grid; it cannot show what the GPU's compiler does with one tile config (that is
