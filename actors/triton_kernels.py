@@ -49,7 +49,7 @@ class TileConfig:
 MATMUL = TileConfig()
 ROW_BLOCK = 128  # lanes of a row reduction's accumulator
 ROWS_PER_PROGRAM = 16  # rows one row-reduction program takes (each reduced alike)
-MAX_BATCH = 65535  # a CUDA grid's second axis (bmm's batch) holds at most this many
+MAX_BATCH = 65535  # a CUDA grid's second axis (bmm's batch) holds at most this many per launch
 
 
 @triton.jit
@@ -83,18 +83,23 @@ def _matmul_kernel(a_ptr, b_ptr, bias_ptr, c_ptr, M, N, K,
 
 def _launch_matmul(a: Tensor, b: Tensor, bias: Tensor | None, out: Tensor,
                    config: TileConfig = MATMUL) -> Tensor:
-    """out[z] = a[z] @ b[z] (+ bias) for a (Z, M, K), b (Z, K, N), out (Z, M, N) (any strides)."""
+    """out[z] = a[z] @ b[z] (+ bias) for a (Z, M, K), b (Z, K, N), out (Z, M, N) (any strides).
+
+    Batches beyond the grid's `MAX_BATCH` go in several launches: every z is its own programs,
+    so the split changes no bits."""
     Z, M, K = a.shape
     N = b.shape[-1]
-    if Z > MAX_BATCH:
-        raise ValueError(f"triton bmm: batch of {Z} exceeds the grid's {MAX_BATCH}")
     if out.numel() == 0:
         return out  # (a CUDA grid of no programs does not launch)
-    grid = (triton.cdiv(M, config.block_m) * triton.cdiv(N, config.block_n), Z)
-    _matmul_kernel[grid](a, b, bias if bias is not None else out, out, M, N, K,
-                         *a.stride(), *b.stride(), *out.stride(), HAS_BIAS=bias is not None,
-                         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-                         INTERPRETED=bool(triton.knobs.runtime.interpret), num_warps=config.num_warps, num_stages=config.num_stages)
+    tiles = triton.cdiv(M, config.block_m) * triton.cdiv(N, config.block_n)
+    for z in range(0, Z, MAX_BATCH):
+        part = slice(z, z + MAX_BATCH)
+        _matmul_kernel[(tiles, min(MAX_BATCH, Z - z))](
+            a[part], b[part], bias if bias is not None else out, out[part], M, N, K,
+            *a.stride(), *b.stride(), *out.stride(), HAS_BIAS=bias is not None,
+            BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+            INTERPRETED=bool(triton.knobs.runtime.interpret), num_warps=config.num_warps,
+            num_stages=config.num_stages)
     return out
 
 

@@ -130,6 +130,15 @@ def test_bmm_rows_and_batch_members_do_not_depend_on_the_batch():
     assert _row_free(lambda rows: tk.bmm(rows[None], b[None])[0], a[:, 0])  # rows of one member
 
 
+def test_a_batch_beyond_one_grid_goes_in_several_launches_with_the_same_bits(monkeypatch):
+    """bmm batches over the grid's limit (65,535 on CUDA; 3 here) split across launches."""
+    monkeypatch.setattr(tk, "MAX_BATCH", 3)
+    a, b = _randn(8, 2, 16, seed=10), _randn(8, 16, 5, seed=11)
+    out = tk.bmm(a, b)
+    torch.testing.assert_close(out, tk.bmm_ref(a, b), **FP32_TOL)
+    assert all(torch.equal(out[z], tk.bmm(a[z:z + 1], b[z:z + 1])[0]) for z in range(8))
+
+
 def test_row_reductions_do_not_depend_on_the_batch():
     x = _randn(32, 300, seed=8)
     assert _row_free(tk.row_sum, x)
