@@ -495,10 +495,10 @@ def engine_checks(quick: bool) -> list[tuple[str, Callable[[], str]]]:
 def child_checks(quick: bool) -> list[tuple[str, list[str], int]]:
     """(name, command, time limit s) of the checks run as child processes."""
     me = [sys.executable, "-m", "benchmarks.gpu_check"]
-    parts = [("ray workers", [*me, "--child", "ray-workers"], 150),
-             ("ray scheduler", [*me, "--child", "ray-scheduler"], 180)]
+    parts = [("ray workers", [*me, "--child", "ray-workers"], 100),
+             ("ray scheduler", [*me, "--child", "ray-scheduler"], 120)]
     if not quick:
-        parts += [(f"bench {b}", [*me, "--child", f"bench-{b}"], 75) for b in BENCHES]
+        parts += [(f"bench {b}", [*me, "--child", f"bench-{b}"], 60) for b in BENCHES]
     return parts
 
 
