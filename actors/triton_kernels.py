@@ -45,6 +45,12 @@ class TileConfig:
     num_warps: int = 4
     num_stages: int = 2
 
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n", "block_k", "num_warps"):
+            value = getattr(self, name)
+            if value < 1 or value & (value - 1):
+                raise ValueError(f"TileConfig.{name} must be a power of two, got {value}")
+
 
 MATMUL = TileConfig()
 ROW_BLOCK = 128  # lanes of a row reduction's accumulator

@@ -111,6 +111,11 @@ def test_row_reductions_match_their_references(n):
     assert tk.inv_rms(x, 1e-6).shape == (5, 3, 1)
 
 
+def test_a_tile_config_that_is_not_a_power_of_two_is_refused_in_one_line():
+    with pytest.raises(ValueError, match="TileConfig.block_k must be a power of two, got 24"):
+        tk.TileConfig(block_k=24)
+
+
 def test_mismatched_dtypes_are_refused_in_one_line():
     x, w, _ = _linear_case(torch.float32)
     with pytest.raises(TypeError, match="operands must share one float dtype"):
