@@ -472,6 +472,16 @@ def run_bench(name: str, out_dir: Path, quick: bool = True) -> dict:
     return module.main(out_dir=out_dir, quick=quick)
 
 
+def _mismatches(result, path: str = "", under: bool = False) -> list[str]:
+    """Paths of the bench result's entries under a "mismatch..." key that are not zero or empty."""
+    if isinstance(result, dict):
+        return [hit for k, v in result.items()
+                for hit in _mismatches(v, f"{path}{k}.", under or "mismatch" in str(k))]
+    if isinstance(result, list) and not (under and result and not isinstance(result[0], (dict, list))):
+        return [hit for i, v in enumerate(result) for hit in _mismatches(v, f"{path}{i}.", under)]
+    return [f"{path.rstrip('.')}={result}"] if under and result else []
+
+
 def _on_device(fn: Callable) -> Callable:
     def call(*args, **kwargs):
         if kwargs.get("device") == "cpu":
@@ -577,8 +587,10 @@ def child_main(part: str, out: Path | None) -> int:
     elif part.startswith("bench-"):
         name = part[len("bench-"):]
         target = (out or Path(tempfile.mkdtemp())) / f"bench-{name}"
-        run_bench(name, target)
-        detail = f"bench {name} on {DEV} ran; JSON under {target}"
+        result = run_bench(name, target)
+        bad = _mismatches(result)
+        assert not bad, f"bench {name} reports mismatches: {', '.join(bad[:5])}"
+        detail = f"bench {name} on {DEV}: no mismatch reported; JSON under {target}"
     else:
         raise SystemExit(f"gpu_check: unknown child check {part!r}")
     print(f"RESULT {detail}", flush=True)
