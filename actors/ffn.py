@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from actors import triton_route
 from actors.batch import by_row_blocks
 from actors.config import ModelConfig
 from actors.mamba import Kernels, Pointwise
@@ -40,10 +41,18 @@ def topk_stable(scores: Tensor, k: int) -> Tensor:
     return torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :k]
 
 
+def last_sum(x: Tensor) -> Tensor:
+    """x (..., n) fp32 -> its sums over the last dim (..., 1): on CUDA in a fixed order (the
+    Triton row sum; torch's reduction picks its order from the shape), elsewhere torch's."""
+    if triton_route.routes(x):
+        return triton_route.row_sum(x).unsqueeze(-1)
+    return x.sum(-1, keepdim=True)
+
+
 def softmax_rows(x: Tensor, pointwise: Pointwise) -> Tensor:
     """Softmax over the last dim with exp through `pointwise` (per-row reductions only)."""
     e = pointwise(torch.exp, x - x.max(-1, keepdim=True).values)
-    return e / e.sum(-1, keepdim=True)
+    return e / last_sum(e)
 
 
 class SwiGLU(nn.Module):
@@ -177,7 +186,7 @@ class NemotronMoE(nn.Module):
         index = topk_stable(scores + self.gate.e_score_correction_bias.float(), self.top_k)
         weights = scores.gather(1, index)  # (T, k)
         if self.normalize:
-            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+            weights = weights / (last_sum(weights) + 1e-20)
         return index, weights * self.scale
 
     def forward(self, x: Tensor, kernels: Kernels = Kernels()) -> Tensor:
@@ -208,7 +217,7 @@ class QwenNextMoE(nn.Module):
         index = topk_stable(probs, self.top_k)  # (T, k)
         weights = probs.gather(1, index)
         if self.normalize:
-            weights = weights / weights.sum(-1, keepdim=True)
+            weights = weights / last_sum(weights)
         out = dispatch(x, index, weights.to(x.dtype), self.num_experts,
                        lambda e, rows: self.experts[e](rows, kernels), torch.zeros_like(x))
         shared_gate = kernels.pointwise(torch.sigmoid,

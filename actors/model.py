@@ -254,6 +254,19 @@ def _plain_call(x: Tensor, weight: Tensor, bias: Tensor | None, min_rows: int) -
     return out[:M].contiguous()
 
 
+def _device_kernel(model: "HybridLM") -> str:
+    """What decides the bits off the CPU: the fixed-tile Triton kernels where the forward routes
+    there (`actors.triton_route`), else torch's own kernels (cuBLAS picks by shape)."""
+    from actors import triton_route
+
+    probe = torch.empty(0, device=model.device)
+    if model.invariant_tile is None or not triton_route.routes(probe):
+        return f"{model.device.type} torch"
+    from actors.triton_kernels import MATMUL
+
+    return f"{model.device.type} triton {MATMUL.block_m}x{MATMUL.block_n}x{MATMUL.block_k}"
+
+
 def matrix_kernel(model: "HybridLM") -> str:
     """The kernels that decide `model`'s bits in this process, as a worker reports them: on the
     CPU its linear layers' (fp32: the kernel chosen per shape and phase, `kernel_choice.summary`,
@@ -263,7 +276,7 @@ def matrix_kernel(model: "HybridLM") -> str:
     packed; mkl 930887e8e594; aten AVX2"; elsewhere the device type ("cuda"). Two workers with
     the same answer give a moved request the same bits."""
     if model.device.type != "cpu":
-        return model.device.type
+        return _device_kernel(model)
     from actors.cpu_info import gemm_fingerprint
 
     if model.invariant_tile is None:

@@ -43,6 +43,7 @@ if not _WAS_SET:
 
 from actors.attention import chunked_decode_attention  # noqa: E402
 from actors.batch import KVTable  # noqa: E402
+from actors.ffn import last_sum, softmax_rows  # noqa: E402
 from actors.gdn import gdn_step, prepare_qk  # noqa: E402
 from actors.mamba import Kernels, gated_rms_norm, ssd_step  # noqa: E402
 from actors.norms import RMSNorm  # noqa: E402
@@ -239,8 +240,20 @@ def _norm_stage(rows: list[int]):
     return torch.cat([norm(h[pick]), gated_rms_norm(h[pick], z[pick], norm.weight, 16, 1e-6)], -1)
 
 
+def _router_stage(rows: list[int]):
+    """The MoE routers' weights, Qwen3-Next's (softmax over all experts, then normalised) and
+    NemotronH's (normalised sigmoid scores): (R, 2 * k)."""
+    gen = torch.Generator().manual_seed(4)
+    logits, scores = torch.randn(7, 32, generator=gen), torch.rand(7, 4, generator=gen)
+    pick = torch.tensor(rows)
+    probs = softmax_rows(logits[pick], Kernels().pointwise)
+    top = probs.topk(4, dim=-1).values
+    return torch.cat([top / last_sum(top), scores[pick] / (last_sum(scores[pick]) + 1e-20)], -1)
+
+
 STAGES = {"attention": (_attention_stage, ("bmm", "row_sum")), "ssd": (_ssd_stage, ("bmm",)),
-          "gdn": (_gdn_stage, ("row_sum",)), "norms": (_norm_stage, ("inv_rms",))}
+          "gdn": (_gdn_stage, ("row_sum",)), "norms": (_norm_stage, ("inv_rms",)),
+          "moe_router": (_router_stage, ("row_sum",))}
 
 
 @pytest.mark.parametrize("stage", STAGES)
