@@ -125,7 +125,7 @@ class PrefixCache:
             if not r.num_generated and not r.retractions and self._producer_of(r, restored) is not None:
                 back.append(r)
                 continue
-            if self._branch(r, restored, here, worker):
+            if self._branch(r, restored, match is None or match.point.exact, here, worker):
                 back.append(r)
                 continue
             here.add(r.request_id)
@@ -137,10 +137,11 @@ class PrefixCache:
         return hits, back
 
     # ------------------------------------------------------------------ branch points
-    def _branch(self, r: Request, restored: int, here: set[str], worker: int) -> bool:
+    def _branch(self, r: Request, restored: int, exact: bool, here: set[str], worker: int) -> bool:
         """Ask for a state at `r`'s branch point when the index has none: from the earlier
-        request that passes it if that one starts in this plan (`here`), else from `r`. True:
-        `r` waits for a state another request is asked for (now or before)."""
+        request that passes it if that one starts in this plan (`here`), else from `r` (unless
+        `r` starts from an inexact state: it parks no exact points). True: `r` waits for a state
+        another request is asked for (now or before)."""
         if self.branches is None or r.num_generated:
             return False
         point, owner = self.branches.add(r.request_id, r.prompt_ids)
@@ -151,6 +152,8 @@ class PrefixCache:
         if asked is not None and asked[0] != r.request_id:
             return True
         parker = asked[0] if asked else owner if owner in here else r.request_id
+        if parker == r.request_id and not exact:
+            return False
         self._park_at.setdefault(worker, []).append((parker, point))
         self._branching[key] = (parker, point)
         return parker != r.request_id
