@@ -233,10 +233,25 @@ class Worker:
         prompt), in all at most `plan.prefill_budget_tokens` (0: no cap; whole chunks, see
         `Engine.prefill`). New items with a parked prefix restore it first
         (`Engine.restore_prefix`) and feed only the rest of their prompt."""
+        items = self._prefill_items(plan, prefixes, result)
+        if not items:
+            return StepOutput()
+        before = {rid: s.num_computed for rid, s in self.engine.prefilling.items()}
+        out = self.engine.prefill(items, plan.prefill_chunk_tokens or None, plan.prefill_budget_tokens or None)
+        paused = self._park_boundaries(before, plan, result)
+        while paused:  # chunks cut at a branch point (`StepPlan.park_at`) go on to their end
+            before = {rid: self.engine.prefilling[rid].num_computed for rid in paused}
+            out.merge(self.engine.prefill(paused, plan.prefill_chunk_tokens or None))
+            paused = self._park_boundaries(before, plan, result)
+        return out
+
+    def _prefill_items(self, plan: StepPlan, prefixes: tuple, result: StepResult) -> list[Sequence | str]:
+        """The plan's new items (restored from their parked prefix where one came, by id then),
+        then the requests still prefilling; each with its branch points (`StepPlan.park_at`)."""
         if len(plan.prefix) != len(prefixes):
             raise ValueError(f"step plan names {len(plan.prefix)} prefixes but {len(prefixes)} snapshots came")
         by_id, stops = dict(zip(plan.prefix, prefixes)), _stops(plan)
-        waiting = list(self.engine.prefilling)  # before this call's new ones join
+        waiting: list[Sequence | str] = list(self.engine.prefilling)  # before this call's new ones join
         for rid in waiting:
             self.engine.prefilling[rid].stops += stops.get(rid, ())
         items: list[Sequence | str] = []
@@ -248,17 +263,7 @@ class Worker:
                 items.append(seq.request_id)  # continues from the restored state
             else:
                 items.append(seq)
-        items += waiting
-        if not items:
-            return StepOutput()
-        before = {rid: s.num_computed for rid, s in self.engine.prefilling.items()}
-        out = self.engine.prefill(items, plan.prefill_chunk_tokens or None, plan.prefill_budget_tokens or None)
-        paused = self._park_boundaries(before, plan, result)
-        while paused:  # chunks cut at a branch point (`StepPlan.park_at`) go on to their end
-            before = {rid: self.engine.prefilling[rid].num_computed for rid in paused}
-            out.merge(self.engine.prefill(paused, plan.prefill_chunk_tokens or None))
-            paused = self._park_boundaries(before, plan, result)
-        return out
+        return items + waiting
 
     def _park_boundaries(self, before: dict[str, int], plan: StepPlan, result: StepResult) -> list[str]:
         """A point at each prefill chunk boundary and each branch point (`Sequence.stops`)
