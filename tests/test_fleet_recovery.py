@@ -323,10 +323,11 @@ def in_scheduler(client: Any, fn: Any, timeout_s: float = 60) -> Any:
     return ray.get(client.scheduler.__ray_call__.remote(call), timeout=timeout_s)
 
 
-def kill_worker_0(sched: Any) -> None:
-    from raysched.workers import kill_worker
-
-    kill_worker(sched.workers[0].handle)
+async def kill_worker_0(sched: Any) -> None:
+    """Kill simulated worker 0 (`raysched.workers.kill_worker`'s way), and wait until it is dead:
+    every later call of it fails."""
+    h = sched.workers[0].handle
+    await h.host.kill.remote(h.index)
 
 
 def gated_spawns() -> Any:
