@@ -73,6 +73,12 @@ class Sequence:
         """Tokens a prefill still has to feed (at least the last one)."""
         return len(self.token_ids) - self.num_computed
 
+    @property
+    def num_unprefilled(self) -> int:
+        """Prompt tokens a chunked prefill still feeds. A recompute's generated tokens are not
+        among them: they are replayed through decode steps (`Engine._replay`)."""
+        return max(0, self.prompt_len - self.num_computed)
+
 
 @dataclass
 class StepOutput:
@@ -138,9 +144,11 @@ class Engine:
         its `token_ids` are taken at once, so a started prefill never runs out of room; its
         `num_computed` must be 0), or the id (or the same `Sequence` object) of a request in
         `self.prefilling`, which continues from its `num_computed` tokens on top of the state in
-        its slots. A sequence whose last token is fed samples its next token (draw index
-        `num_generated`, so a history that already holds generated tokens resumes by recompute)
-        and moves to `running`; the others stay in `prefilling` for a later call.
+        its slots. A sequence whose last prompt token is fed samples its next token (draw index
+        `num_generated`) and moves to `running`; the others stay in `prefilling` for a later call.
+        A history that already holds generated tokens (a recompute) prefills its prompt so, then
+        replays its generated tokens one decode step each, as they were computed when sampled
+        (`_replay`), and samples from the last: its bits are those of the uninterrupted run.
         New sequences that do not fit the pool are listed in `not_admitted`; nothing else changes.
         """
         if chunk_tokens is not None and chunk_tokens < 1:
@@ -153,22 +161,50 @@ class Engine:
         for s in admitted:
             if budget_tokens is not None and active and spent >= budget_tokens:
                 break
-            n = _until_stop(s, s.num_uncomputed if chunk_tokens is None else min(
-                chunk_tokens - s.num_computed % chunk_tokens, s.num_uncomputed))
+            n = _until_stop(s, s.num_unprefilled if chunk_tokens is None else min(
+                chunk_tokens - s.num_computed % chunk_tokens, s.num_unprefilled))
             active.append(s)
             counts.append(n)
             spent += n
-        if not active:
-            return out
-        logits = self._forward(self._prefill_batch(active, counts))  # (B, vocab)
-        done = [i for i, (s, n) in enumerate(zip(active, counts)) if n == s.num_uncomputed]
+        fed = [i for i, n in enumerate(counts) if n]
+        logits = self._forward(self._prefill_batch([active[i] for i in fed], [counts[i] for i in fed])) \
+            if fed else None  # (len(fed), vocab)
         for s, n in zip(active, counts):
             s.num_computed += n
-        for i in done:
-            self.running[active[i].request_id] = self.prefilling.pop(active[i].request_id)
-        if done:
-            self._sample_and_append([active[i] for i in done], logits[done], out)
+        self._finish_prefills(active, fed, logits, out)
         return out
+
+    def _finish_prefills(self, active: list[Sequence], fed: list[int], logits: torch.Tensor | None,
+                         out: StepOutput) -> None:
+        """Move the sequences whose prompt is all fed to `running` and sample their next token:
+        from the prefill's logits (rows in `fed` order), or, for a recompute, from the last step
+        of replaying its generated tokens."""
+        done = [s for s in active if s.num_unprefilled == 0]
+        for s in done:
+            self.running[s.request_id] = self.prefilling.pop(s.request_id)
+        new = [s for s in done if s.num_computed == len(s.token_ids)]
+        replayed = [s for s in done if s.num_computed < len(s.token_ids)]
+        if new:
+            row = {id(active[i]): r for r, i in enumerate(fed)}
+            self._sample_and_append(new, logits[[row[id(s)] for s in new]], out)
+        if replayed:
+            self._sample_and_append(replayed, self._replay(replayed), out)
+
+    def _replay(self, seqs: list[Sequence]) -> torch.Tensor:
+        """Feed each sequence's tokens after `num_computed` one decode step at a time, in batches
+        of those still replaying (decode is row-free: a row's bits do not depend on the batch).
+        A chunked prefill over generated tokens would not reproduce the decode steps that
+        computed them (the scan and the attention reduce in another order), so a recompute
+        that prefilled them would continue on other bits. -> the last step's logits (R, vocab)."""
+        last: dict[str, torch.Tensor] = {}
+        while left := [s for s in seqs if s.num_computed < len(s.token_ids)]:
+            left.sort(key=lambda s: self.pool.mamba.slot(s.request_id))  # SSM state in place
+            logits = self._feed_one(left, [s.num_computed for s in left])  # (R, vocab)
+            for i, s in enumerate(left):
+                s.num_computed += 1
+                if s.num_computed == len(s.token_ids):
+                    last[s.request_id] = logits[i]
+        return torch.stack([last[s.request_id] for s in seqs])
 
     def _prefill_item(self, item: Sequence | str) -> Sequence:
         """The engine's own Sequence for a continued request, or a new one checked for admission."""
@@ -247,9 +283,13 @@ class Engine:
     def _decode_logits(self, seqs: list[Sequence]) -> torch.Tensor:
         """One decode forward of `seqs`: at a fixed bucket shape when `fixed_decode` has one
         (the same bits, see `actors.graph`), else eagerly at the batch's own shape. (R, vocab)."""
-        kv_slots = [self.pool.kv.token_slots(s.request_id)[: s.num_cached + 1] for s in seqs]
-        ids = [s.token_ids[-1] for s in seqs]
-        positions = [s.num_cached for s in seqs]
+        return self._feed_one(seqs, [s.num_cached for s in seqs])
+
+    def _feed_one(self, seqs: list[Sequence], positions: list[int]) -> torch.Tensor:
+        """One decode forward feeding token `positions[i]` of each sequence on top of the state
+        of the tokens before it. (R, vocab)."""
+        kv_slots = [self.pool.kv.token_slots(s.request_id)[: p + 1] for s, p in zip(seqs, positions)]
+        ids = [s.token_ids[p] for s, p in zip(seqs, positions)]
         mamba = [self.pool.mamba.slot(s.request_id) for s in seqs]
         if self.fixed_decode is not None:
             logits = self.fixed_decode(ids, positions, kv_slots, mamba)  # None: no bucket fits
