@@ -77,7 +77,7 @@ def _row(client: Any, n: int, vocab: int) -> dict:
 
 def _move_one(client: Any, prompt: list[int], mode: str) -> dict:
     """Stream a request, move it after MOVE_AFTER tokens; its tokens, arrival gaps and the move."""
-    handle = client.submit(prompt, {"max_new_tokens": MOVE_AFTER + AFTER})
+    handle = client.submit(prompt, {"max_new_tokens": MOVE_AFTER + AFTER}, stream=True)
     arrivals: list[float] = []
     tokens: list[int] = []
     enough = threading.Event()

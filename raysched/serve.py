@@ -142,16 +142,11 @@ class OpenAIServer:
         self.tokenizer = load_tokenizer(config.model)
         self.metrics = ServeMetrics(described["workers"])
         self.created = int(time.time())
-        self._sink: Any = None  # this replica's `raysched.sink.TokenSink`: workers send streamed
-        #   requests' tokens there, past the scheduler (made on first use)
+        from raysched.sink import new_sink
 
-    @property
-    def sink(self) -> Any:
-        if self._sink is None:
-            from raysched.sink import new_sink
-
-            self._sink = new_sink()
-        return self._sink
+        self.sink = new_sink()  # this replica's `raysched.sink.TokenSink`: workers send streamed
+        #   requests' tokens there, past the scheduler (started here, so that no request waits
+        #   for it)
 
     # ------------------------------------------------------------------ routes
     # GET routes answer HEAD too (the same status and headers; the HTTP server sends no body)

@@ -191,7 +191,11 @@ class TokenSink:
 
 
 def new_sink() -> Any:
-    """A `TokenSink` actor owned by this process (it ends with it): no CPU reserved, many waits."""
+    """A `TokenSink` actor owned by this process (it ends with it): no CPU reserved, many waits.
+    Returned once it has started (~1 s for a new process): pushes sent to an actor still
+    starting queue up, so the first streamed request would get all its tokens at once."""
     import ray
 
-    return ray.remote(TokenSink).options(num_cpus=0, max_concurrency=10_000, enable_task_events=False).remote()
+    sink = ray.remote(TokenSink).options(num_cpus=0, max_concurrency=10_000, enable_task_events=False).remote()
+    ray.get(sink.__ray_ready__.remote())
+    return sink
