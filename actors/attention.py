@@ -29,6 +29,18 @@ from actors.config import ModelConfig
 from actors.mamba import Kernels, Pointwise, whole
 from actors.norms import ARCH_NORM_STYLE, RMSNorm
 
+PREFILL_TILE = 64  # query rows per prefill attention call, at absolute positions: the grid of
+#   prefix points (`raysched.scheduler.state_cache.GRID_TOKENS`, `actors.mamba.SCAN_BLOCK`)
+
+
+def _padded(t: Tensor, rows: int) -> Tensor:
+    """t (S, ...) cut or zero-padded to `rows` rows."""
+    if t.shape[0] >= rows:
+        return t[:rows]
+    out = t.new_zeros((rows,) + t.shape[1:])
+    out[:t.shape[0]] = t
+    return out
+
 
 def rope_cos_sin(positions: Tensor, rotary_dim: int, theta: float, dtype: torch.dtype,
                  pointwise: Pointwise = whole) -> tuple[Tensor, Tensor]:
@@ -148,12 +160,25 @@ class Attention(nn.Module):
 
     def _prefill_one(self, q: Tensor, k: Tensor, v: Tensor, seg: Segment, k_cache: Tensor,
                      v_cache: Tensor) -> Tensor:
-        """One sequence's L queries (L, Hq, D) over its keys -> (L, Hq*D)."""
-        if not seg.start:
-            return self._sdpa(q, k, v, causal=True)
-        L, ctx = q.shape[0], seg.context_slots
-        mask = torch.ones(L, seg.start + L, dtype=torch.bool, device=q.device).tril(seg.start)  # (L, S+L)
-        return self._sdpa(q, k_cache[ctx], v_cache[ctx], mask=mask)
+        """One sequence's L queries (L, Hq, D) over its keys -> (L, Hq*D), in tiles of
+        PREFILL_TILE query rows at absolute positions (the last one padded), each tile over the
+        keys up to its end, masked causally. A row's kernel call then has the same shape and
+        inputs wherever a chunk starts or ends, so a prefill resumed at any multiple of the tile
+        (a parked prefix point) gives the bits of an uncached run; one causal call over a chunk
+        would not (its rows depend on the call's shape)."""
+        L, T = q.shape[0], PREFILL_TILE
+        end_all = seg.start + L
+        keys, values = (k, v) if not seg.start else (k_cache[seg.context_slots], v_cache[seg.context_slots])
+        outs = []
+        for a in range(seg.start // T * T, end_all, T):
+            lo, hi, end = max(a, seg.start), min(a + T, end_all), a + T  # rows here; keys [0, end)
+            tile = q.new_zeros((T,) + q.shape[1:])  # (T, Hq, D)
+            tile[lo - a:hi - a] = q[lo - seg.start:hi - seg.start]
+            kk, vv = _padded(keys, end), _padded(values, end)  # (end, Hkv, D), zeros past end_all
+            mask = torch.ones(T, end, dtype=torch.bool, device=q.device).tril(a)  # (T, end)
+            mask[:, end_all:] = False
+            outs.append(self._sdpa(tile, kk, vv, mask=mask)[lo - a:hi - a])
+        return torch.cat(outs)  # (L, Hq*D)
 
     def decode(self, h: Tensor, positions: Tensor, k_cache: Tensor, v_cache: Tensor,
                out_slots: Tensor, table: KVTable, kernels: Kernels) -> Tensor:

@@ -215,7 +215,7 @@ class Dispatcher:
         return StepPlan(drop=tuple(drop), resume=tuple(r.request_id for r in resume_snap), prefill=tuple(prefill),
                         sinks=self.sinks_to_send(w, resume_snap) if self.table.sinks else (),
                         decode_steps=decision.decode_steps, prefix=tuple(r.request_id for r in prefixed),
-                        park_min_tokens=self.cache.park_min_tokens(),
+                        park_min_tokens=self.cache.park_min_tokens(), park_at=self.cache.park_at(w.index),
                         fault=self.faults.step_point(w, w.view.calls, decision.decode_steps, cross_node,
                                                      folded=folded > 0),
                         prefill_chunk_tokens=cfg.prefill_chunk_tokens, prefill_budget_tokens=cfg.prefill_budget_tokens,

@@ -90,6 +90,7 @@ class Migrator:
         and prefill its history again on the destination): the last two are baselines."""
         if mode not in MODES:
             raise RequestError(f"migration mode must be one of {', '.join(MODES)}, got {mode!r}")
+        self.check_index(worker)  # bad input first, whatever state the request is in
         req = self.table.requests.get(request_id)
         if req is None or req.state is not State.RUNNING or req.worker is None:
             raise RequestError(f"request {request_id!r} is not running (migrate moves running requests)")
@@ -118,6 +119,11 @@ class Migrator:
     def involves(self, w: WorkerSlot) -> bool:
         """Is `w` the source or the destination of a migration under way?"""
         return any(w.index in ends for ends in self.moving.values())
+
+    def check_index(self, worker: int | None) -> None:
+        """A worker named by index must be one of the fleet's (None: any)."""
+        if worker is not None and not (isinstance(worker, int) and 0 <= worker < len(self.fleet.slots)):
+            raise RequestError(f"worker must be one of 0..{len(self.fleet.slots) - 1}, got {worker!r}")
 
     def destination(self, src: WorkerSlot, worker: int | None) -> WorkerSlot:
         """The worker asked for (checked), or the live, undrained one with the most room."""
