@@ -22,9 +22,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from raysched.config import PoolConfig, ServeConfig
 from raysched.messages import PrefillItem, StepPlan
 from raysched.sampling import SamplingParams
+from tests.test_prefix_reuse import make_worker as reuse_worker, prompt
 
 GREEDY = SamplingParams(max_new_tokens=4)
 CHUNK = 512  # prefill chunk (= K/V block): every point below is inside the first chunk
@@ -34,16 +34,7 @@ POINTS = tuple(range(GRID, PRODUCER_LEN, GRID))  # 64 .. 448
 
 
 def make_worker():
-    from actors.worker import Worker
-
-    cfg = ServeConfig(model="tiny", device="cpu", pool=PoolConfig(kv_tokens=4096, state_slots=4))
-    w = Worker(cfg, 0)
-    w.engine.record_logits = True
-    return w
-
-
-def prompt(n: int, seed: int) -> list[int]:
-    return torch.randint(0, 512, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+    return reuse_worker(kv_tokens=4096)
 
 
 def drive(w, rid: str, tokens: list[int], park_at: tuple[int, ...] = (), prefix: list | None = None):

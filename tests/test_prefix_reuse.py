@@ -26,11 +26,11 @@ GREEDY = SamplingParams(max_new_tokens=6)
 C = 16  # prefill chunk = block tokens
 
 
-def make_worker():
+def make_worker(kv_tokens: int = 1024):
     """A worker (no Ray); the chunk size comes with each step plan, so one worker serves all."""
     from actors.worker import Worker
 
-    cfg = ServeConfig(model="tiny", device="cpu", pool=PoolConfig(kv_tokens=1024, state_slots=4))
+    cfg = ServeConfig(model="tiny", device="cpu", pool=PoolConfig(kv_tokens=kv_tokens, state_slots=4))
     w = Worker(cfg, 0)
     w.engine.record_logits = True
     return w
