@@ -65,7 +65,7 @@ MARGIN = 0.03  # another candidate must beat the default by this fraction of its
 #   default, kept on a near tie, is at most this much slower than the fastest measured)
 REPEATS = 5  # timings per candidate and row count (best taken)
 SAMPLE_S = 1e-3  # a timing repeats a short call until it takes about this long
-_CHOSEN: dict[tuple[str, int, int, int], str] = {}  # (phase, out, in, threads) -> kernel, this process
+_CHOSEN: dict[tuple[str, int, int], str] = {}  # (phase, out, in) -> kernel, this process
 _FILE: dict[str, Any] = {}  # "path": the cache file in use (None: none writable), "data": its entries
 _LOCK = threading.RLock()
 _HELD = [0]  # depth of this process's hold on the file lock (`cached` nests: probe inside choice)
@@ -80,21 +80,23 @@ def candidates() -> tuple[str, ...]:
 
 
 def choose(shape: tuple[int, int], phase: str) -> str:
-    """The kernel of fp32 products with a weight of `shape` (out, in) in `phase`, at torch's
-    thread count: measured on the first ask on this machine (see the module doc), then kept."""
+    """The kernel of fp32 products with a weight of `shape` (out, in) in `phase`: measured with
+    one thread on the first ask on this machine (see the module doc), then kept. It depends on
+    the CPU and the shape alone, never on the asking process's thread count, so a driver and
+    its workers (each on its own thread count) take the same kernel and get the same bits."""
     if phase not in PHASES:
         raise ValueError(f"phase must be one of {PHASES}, got {phase!r}")
     forced = os.environ.get(ENV_FORCE)
     if forced:
         return _forced(forced)
-    key = (phase, int(shape[0]), int(shape[1]), torch.get_num_threads())
+    key = (phase, int(shape[0]), int(shape[1]))
     kernel = _CHOSEN.get(key)
     if kernel is None:
         names = candidates()
         if len(names) <= 1:
             kernel = names[0] if names else "tiles"
         else:
-            entry = cached(f"choice {phase} {key[1]}x{key[2]} {key[3]}t", lambda: _measure(key, names))
+            entry = cached(f"choice {phase} {key[1]}x{key[2]}", lambda: _one_thread(_measure, key, names))
             kernel = entry["kernel"]
         _CHOSEN[key] = kernel
     return kernel
@@ -107,9 +109,8 @@ def _forced(name: str) -> str:
 
 
 def choices() -> dict[str, str]:
-    """This process's choices: "<phase> <out>x<in>[ (<n> threads)]" -> kernel."""
-    return {f"{p} {o}x{i}" + (f" ({n} threads)" if n > 1 else ""): k
-            for (p, o, i, n), k in sorted(_CHOSEN.items())}
+    """This process's choices: "<phase> <out>x<in>" -> kernel."""
+    return {f"{p} {o}x{i}": k for (p, o, i), k in sorted(_CHOSEN.items())}
 
 
 def summary(shapes: list[tuple[int, int]]) -> str:
@@ -138,9 +139,19 @@ def decide(scores: dict[str, float], names: tuple[str, ...]) -> str:
     return min(better, key=lambda n: (scores[n], names.index(n))) if better else names[0]
 
 
-def _measure(key: tuple[str, int, int, int], names: tuple[str, ...]) -> dict:
-    """{"kernel": the choice, "score": per candidate}: the rule on fresh timings."""
-    phase, out_f, in_f, _ = key
+def _one_thread(fn: Callable[..., dict], *args) -> dict:
+    """`fn(*args)` with torch on one thread (the thread count restored after)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return fn(*args)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _measure(key: tuple[str, int, int], names: tuple[str, ...]) -> dict:
+    """{"kernel": the choice, "score": per candidate}: the rule on fresh timings (one thread)."""
+    phase, out_f, in_f = key
     t0 = time.perf_counter()
     g = torch.Generator().manual_seed(0)
     w = torch.randn(min(out_f, MAX_TIMED_OUT), in_f, generator=g)  # (out, in), rows capped

@@ -137,15 +137,17 @@ class Client:
         self._closed = False
         self.direct_tokens = True  # streams read tokens from this client's sink, sent there by the
         #   workers (`raysched.sink`); False: through the scheduler (`next_tokens`), the old path
-        self._sink: Any = None
+        from raysched.sink import new_sink
+
+        self._sink = new_sink(wait=False)  # started now, so that a first reader finds it running
+        self._sink_ready = False
 
     @property
     def sink(self) -> Any:
-        """This client's `raysched.sink.TokenSink` actor (made on first use, owned here)."""
-        if self._sink is None:
-            from raysched.sink import new_sink
-
-            self._sink = new_sink()
+        """This client's `raysched.sink.TokenSink` actor (owned here; waited for on first use)."""
+        if not self._sink_ready:
+            ray.get(self._sink.__ray_ready__.remote())
+            self._sink_ready = True
         return self._sink
 
     @property
@@ -259,6 +261,7 @@ class Client:
         `timeout_s`: how long the scheduler may take to end its workers before it is killed."""
         if self._closed:
             return
+        _kill_quietly(self._sink)  # this client's readers end with it
         if self.owns_scheduler:
             self.stop(timeout_s)
         elif self._owns_ray:
@@ -410,3 +413,11 @@ class RequestHandle:
 
     def abort(self) -> bool:
         return _get(self.scheduler.abort.remote(self.request_id))
+
+
+def _kill_quietly(actor: Any) -> None:
+    """End an actor this process owns; one already gone (or Ray already down) is fine."""
+    try:
+        ray.kill(actor)
+    except Exception:  # noqa: BLE001 - nothing to end is not an error here
+        pass

@@ -190,12 +190,13 @@ class TokenSink:
                 "mismatches": sum(r.mismatches for r in self.received.values())}
 
 
-def new_sink() -> Any:
+def new_sink(wait: bool = True) -> Any:
     """A `TokenSink` actor owned by this process (it ends with it): no CPU reserved, many waits.
-    Returned once it has started (~1 s for a new process): pushes sent to an actor still
-    starting queue up, so the first streamed request would get all its tokens at once."""
+    `wait`: returned once it has started (~1 s for a new process): pushes sent to an actor still
+    starting queue up, so a streamed request would get its first tokens all at once."""
     import ray
 
     sink = ray.remote(TokenSink).options(num_cpus=0, max_concurrency=10_000, enable_task_events=False).remote()
-    ray.get(sink.__ray_ready__.remote())
+    if wait:
+        ray.get(sink.__ray_ready__.remote())
     return sink

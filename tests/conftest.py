@@ -14,6 +14,8 @@ has its own object store, so snapshots really cross nodes.
 
 from __future__ import annotations
 
+import os
+import shutil
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -25,6 +27,12 @@ import ray
 
 from raysched.ray_compat import actors
 from raysched.sampling import SamplingParams
+
+# Without a GPU, Triton kernels run under Triton's interpreter. It is read when triton and the
+# kernels are first imported, so it is set before any test imports them (a test that imported
+# them without it, and one that needs it later, cannot share one process otherwise).
+if "TRITON_INTERPRET" not in os.environ and shutil.which("nvidia-smi") is None:
+    os.environ["TRITON_INTERPRET"] = "1"
 
 NODE_OBJECT_STORE_BYTES = 100 << 20  # the smallest store Ray accepts is 75 MiB
 

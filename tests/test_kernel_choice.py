@@ -80,7 +80,7 @@ def test_negative_control_an_entry_planted_in_the_file_is_obeyed(tmp_path):
     planted = {}
     for (o, i), kernel in zip(SHAPES, (KERNELS[0], KERNELS[-1])):
         for phase in kernel_choice.PHASES:
-            data["entries"][f"choice {phase} {o}x{i} 1t"] = {"kernel": kernel}
+            data["entries"][f"choice {phase} {o}x{i}"] = {"kernel": kernel}
             planted[f"{phase} {o}x{i}"] = kernel
     path.write_text(json.dumps(data))
     answer = _answer(_choose_in_subprocess(tmp_path))
