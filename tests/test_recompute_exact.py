@@ -54,8 +54,15 @@ def _prefill_history(engine, rid: str, history: list[int], prompt_len: int) -> l
     return out.new_tokens.get(rid, [])
 
 
-@pytest.mark.parametrize("fixed", [False, True], ids=["eager", "fixed-shape"])
-@pytest.mark.parametrize("preset", ["tiny", "tiny-qwen35", "tiny-nemotronh"])
+SLOW = pytest.mark.slow  # the same rule on more layouts: pytest -m slow tests/test_recompute_exact.py
+
+
+@pytest.mark.parametrize("preset, fixed", [
+    ("tiny", False), ("tiny-qwen35", False), ("tiny", True),
+    pytest.param("tiny-qwen35", True, marks=SLOW), pytest.param("tiny-nemotronh", False, marks=SLOW),
+    pytest.param("tiny-nemotronh", True, marks=SLOW),
+], ids=["tiny-eager", "tiny-qwen35-eager", "tiny-fixed-shape", "tiny-qwen35-fixed-shape",
+        "tiny-nemotronh-eager", "tiny-nemotronh-fixed-shape"])
 def test_a_recomputed_request_continues_on_the_bits_of_its_uninterrupted_run(preset, fixed) -> None:
     engine = _engine(preset, fixed)
     target = _target(engine.config.vocab_size)
