@@ -139,12 +139,17 @@ class Client:
         #   workers (`raysched.sink`); False: through the scheduler (`next_tokens`), the old path
         from raysched.sink import new_sink
 
-        self._sink = new_sink(wait=False)  # started now, so that a first reader finds it running
+        # started now (where Ray runs), so that a first reader finds it running
+        self._sink: Any = new_sink(wait=False) if ray.is_initialized() else None
         self._sink_ready = False
 
     @property
     def sink(self) -> Any:
         """This client's `raysched.sink.TokenSink` actor (owned here; waited for on first use)."""
+        if self._sink is None:
+            from raysched.sink import new_sink
+
+            self._sink = new_sink(wait=False)
         if not self._sink_ready:
             ray.get(self._sink.__ray_ready__.remote())
             self._sink_ready = True
@@ -261,7 +266,8 @@ class Client:
         `timeout_s`: how long the scheduler may take to end its workers before it is killed."""
         if self._closed:
             return
-        _kill_quietly(self._sink)  # this client's readers end with it
+        if self._sink is not None:
+            _kill_quietly(self._sink)  # this client's readers end with it
         if self.owns_scheduler:
             self.stop(timeout_s)
         elif self._owns_ray:
@@ -355,7 +361,7 @@ class RequestHandle:
         received; ended (the sink missed its end): the rest from its record."""
         if self.sink is None:
             self.sink = self.client.sink
-            if not self.client._call("attach_sink", self.request_id, self.sink):  # it had ended
+            if not self._attach():  # it had ended
                 tokens = self.result()["token_ids"][len(self.received):]
                 self.received.extend(tokens)
                 yield tokens, True
@@ -370,6 +376,20 @@ class RequestHandle:
             self.received.extend(tokens)
             yield tokens, done
         self.sink.forget.remote(self.request_id)
+
+    def _attach(self) -> bool:
+        """Have the workers send this request's tokens to `self.sink` from now on; False: it had
+        ended. A scheduler that died (or was restarted and forgot the request) gets it again,
+        with the tokens received and the sink (`resubmit`)."""
+        try:
+            return self.client._call("attach_sink", self.request_id, self.sink)
+        except SchedulerDiedError:
+            pass
+        except RequestError as err:
+            if "unknown request id" not in str(err):
+                raise
+        self.resubmit()
+        return True
 
     def _look_for_scheduler(self) -> tuple[list[int], bool]:
         """The sink went quiet: (tokens, done) from the scheduler's record if the request ended;
