@@ -162,7 +162,7 @@ def reference(sampling: dict) -> list[int]:
 
 def migrate_midway(client: raysched.Client, sampling: dict, after_tokens: int = 8) -> tuple[dict, dict]:
     """Submit, wait for `after_tokens` streamed tokens, migrate; (migrate result, request record)."""
-    handle = client.submit(PROMPT, sampling)
+    handle = client.submit(PROMPT, sampling, stream=True)  # read from its first token on
     stream = handle.stream()
     for _ in range(after_tokens):
         next(stream)
