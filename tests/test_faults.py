@@ -302,7 +302,7 @@ class TestOnCluster:
         equals the reference, as every other)."""
         specs = synthetic(32, requests=6, max_new_tokens=(60, 80))
         with serving(config({}, [kill(1, 8, "kill_scheduler")])) as client:
-            handles = [client.submit(list(s.prompt_ids), s.sampling, s.request_id) for s in specs]
+            handles = [client.submit(list(s.prompt_ids), s.sampling, s.request_id, stream=True) for s in specs]
             with concurrent.futures.ThreadPoolExecutor(len(handles)) as pool:
                 streams = list(pool.map(lambda h: list(h.stream()), handles))
             stats = client.stats()
