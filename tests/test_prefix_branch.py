@@ -22,11 +22,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from raysched.messages import PrefillItem, StepPlan
-from raysched.sampling import SamplingParams
-from tests.test_prefix_reuse import make_worker as reuse_worker, prompt
+from tests.test_prefix_reuse import drive as reuse_drive, make_worker as reuse_worker, prompt
 
-GREEDY = SamplingParams(max_new_tokens=4)
 CHUNK = 512  # prefill chunk (= K/V block): every point below is inside the first chunk
 GRID = 64  # the branch-point grid (`state_cache.GRID_TOKENS`)
 PRODUCER_LEN = 480
@@ -40,23 +37,8 @@ def make_worker():
 def drive(w, rid: str, tokens: list[int], park_at: tuple[int, ...] = (), prefix: list | None = None):
     """Run one request to the end, a 512-token chunk per call, parking at `park_at`; (logits,
     parked points, their objects by key, tokens restored)."""
-    item = PrefillItem(rid, tuple(tokens), len(tokens), GREEDY.to_dict())
-    common = dict(decode_steps=1, park_min_tokens=GRID, prefill_chunk_tokens=CHUNK)
-    plan = StepPlan(prefill=(item,), prefix=(rid,) if prefix else (),
-                    park_at=tuple((rid, p) for p in park_at), **common)
-    parked, cached = [], None
-    while True:
-        result = w.step(plan, *([prefix] if prefix and cached is None else []))
-        assert not result.prefix_failed, result.prefix_failed
-        cached = result.cached.get(rid, 0) if cached is None else cached
-        parked += result.parked
-        if rid in result.finished:
-            break
-        plan = StepPlan(**common)
-    keys = [p.key for p in parked] + [p.block_key(i) for p in parked for i, _ in p.blocks]
-    objects = w.take_parked(keys) if keys else ()
-    objects = (objects,) if len(keys) == 1 else objects
-    return w.engine.logits.pop(rid), parked, dict(zip(keys, objects)), cached
+    _, logits, parked, objects, cached = reuse_drive(w, rid, tokens, CHUNK, GRID, prefix, park_at)
+    return logits, parked, objects, cached
 
 
 def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:

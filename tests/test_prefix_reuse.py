@@ -40,12 +40,14 @@ def prompt(n: int, seed: int) -> list[int]:
     return torch.randint(0, 512, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def drive(w, rid: str, tokens: list[int], chunk: int = C, park: int = 0, prefix: list | None = None):
-    """Run one request to the end, one chunk per call; (tokens, logits, parked points, their
-    objects by key, tokens restored)."""
+def drive(w, rid: str, tokens: list[int], chunk: int = C, park: int = 0, prefix: list | None = None,
+          park_at: tuple[int, ...] = ()):
+    """Run one request to the end, one chunk per call (pausing to park at `park_at`); (tokens,
+    logits, parked points, their objects by key, tokens restored)."""
     item = PrefillItem(rid, tuple(tokens), len(tokens), GREEDY.to_dict())
     common = dict(decode_steps=1, park_min_tokens=park, prefill_chunk_tokens=chunk)
-    plan = StepPlan(prefill=(item,), prefix=(rid,) if prefix else (), **common)
+    plan = StepPlan(prefill=(item,), prefix=(rid,) if prefix else (),
+                    park_at=tuple((rid, p) for p in park_at), **common)
     new, parked, cached = [], [], None
     while True:
         result = w.step(plan, *([prefix] if prefix and cached is None else []))
