@@ -26,7 +26,7 @@ from raysched.scheduler.dispatch import Dispatcher
 from raysched.scheduler.faults import FaultSeam
 from raysched.scheduler.fleet import Fleet
 from raysched.scheduler.joins import OpenCall
-from raysched.scheduler.migration import Migrator
+from raysched.scheduler.migration import Abandoned, Migrator
 from raysched.scheduler.planner import Decision, WorkerView, decode_need
 from raysched.scheduler.recovery import Recovery
 from raysched.scheduler.retraction import RetractionLedger
@@ -702,6 +702,47 @@ class FakeActors:
 
     def is_death(self, err: BaseException) -> bool:
         return False
+
+
+class Died(Exception):
+    """A worker's death, as `DeathActors.is_death` tells it."""
+
+
+class DeathActors(FakeActors):
+    def is_death(self, err: BaseException) -> bool:
+        return isinstance(err, Died)
+
+
+@pytest.mark.parametrize("failed", ["source", "destination"])
+def test_a_migration_call_failing_after_recovery_already_moved_the_request_says_recovered(failed: str) -> None:
+    """The source dies in a pre-copy stage, and its dispatch loop sees the death first: recovery
+    requeues the request and it is resumed on another worker before the migration's own call
+    fails. The migration once answered "stayed" (the request was RUNNING again); the source's
+    death recovers it, so it says "recovered". Control: the destination failing its call leaves
+    the request where it runs ("stayed")."""
+    async def scenario() -> dict:
+        workers = [FakeWorker(i) for i in range(3)]
+        p = parts(ServeConfig(workers=3), workers)
+        p["recovery"].actors = DeathActors(None)
+        w0, w1, w2 = p["fleet"].slots
+        mig = Migrator(MigrationConfig(), p["table"], p["fleet"], p["counters"], p["recovery"], p["faults"], p["ledger"])
+        req = running_request(p, w0)
+        out = {"from": 0, "to": 1, "mode": "stayed"}
+        if failed == "source":  # the dispatch loop's recovery ran first, and w2 resumed it
+            p["recovery"].on_worker_failure(w0, Died("source"))
+            assert req.state is State.RETRACTED
+            p["table"].retracted.remove(req)
+            p["dispatch"].mark_running(w2, [req])
+        dead = w0 if failed == "source" else w1
+        failing = asyncio.get_running_loop().create_future()
+        failing.set_exception(Died(failed))
+        with pytest.raises(Abandoned):
+            await mig._call(dead, failing, req, out)
+        assert req.state is State.RUNNING
+        return out
+
+    out = asyncio.run(scenario())
+    assert out["mode"] == ("recovered" if failed == "source" else "stayed")
 
 
 def test_workers_started_at_once_never_share_a_spawn_index() -> None:

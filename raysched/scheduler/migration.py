@@ -144,7 +144,7 @@ class Migrator:
         rid, cfg = req.request_id, self.cfg
         room = req.num_cached + cfg.block_tokens
         ok = await self._call(dst, dst.handle.reserve.remote(rid, room, self.faults.migration_point(
-            dst, "refuse_migration", rid)), req, out, None)
+            dst, "refuse_migration", rid)), req, out)
         if not ok:
             raise Abandoned("the destination has no room")
         dst.view.free_tokens -= room  # until its next step reply reports the reservation
@@ -159,13 +159,13 @@ class Migrator:
                 blocks, info = src.handle.migrate_out.options(num_returns=2).remote(
                     rid, sent, cfg.block_tokens, False, fault)
                 try:
-                    nbytes, end, held = await self._call(src, info, req, out, dst)
+                    nbytes, end, held = await self._call(src, info, req, out)
                 except Abandoned:  # (e.g. r left the source meanwhile): its blocks' ref holds the same
                     self.fleet.forget(blocks)  # error; read it, so that Ray does not print it as unread
                     raise
                 if end > sent:
                     fault = self.faults.migration_point(dst, "kill_migration_dest", rid, out["stages"])
-                    if not await self._call(dst, dst.handle.migrate_in.remote(rid, [blocks], fault), req, out, dst):
+                    if not await self._call(dst, dst.handle.migrate_in.remote(rid, [blocks], fault), req, out):
                         raise Abandoned("the destination has no room for the pre-copied blocks")
                     out["precopy_bytes"] += nbytes
                     sent = end
@@ -239,15 +239,18 @@ class Migrator:
             out["mode"] = "ended" if req.state.is_done else "stayed"
             raise Abandoned(f"the request {'ended' if req.state.is_done else 'was retracted'} mid-copy")
 
-    async def _call(self, w: WorkerSlot, ref: Any, req: Request, out: dict, peer: WorkerSlot | None) -> Any:
+    async def _call(self, w: WorkerSlot, ref: Any, req: Request, out: dict) -> Any:
         """Await one migration call of `w`; a failure abandons the migration (a dead worker is
         retired at once: recovery resumes what it held)."""
         try:
             return await ref
         except Exception as err:
-            if self.recovery.actors.is_death(err) and w.alive:
+            death = self.recovery.actors.is_death(err)
+            if death and w.alive:
                 self.recovery.on_worker_failure(w, err)
-            if req.state is State.RETRACTED:
+            # the source's death recovers `req`, whichever loop saw it first (by now it may
+            # be running again elsewhere); the destination's leaves it on the source
+            if req.state is State.RETRACTED or (death and w.index == out["from"]):
                 out["mode"] = "recovered"
             raise Abandoned(f"worker {w.index} failed a migration call ({type(err).__name__})") from None
 
