@@ -226,3 +226,41 @@ def test_a_worker_killed_mid_stream_gives_every_token_exactly_once() -> None:
     for h, r in zip(handles, readers):
         assert r.error is None
         assert r.tokens == reference(h.request_id, [5, 5, int(h.prompt_ids[-1])], 80)
+
+
+@pytest.mark.parametrize("fold", [True, pytest.param(False, marks=pytest.mark.slow)],
+                         ids=["folded-calls", "pipelined-calls"])
+def test_a_reader_attached_late_gets_every_token_through_its_sink_by_the_end(fold: bool) -> None:
+    """A request submitted without a sink and read from midway (`attach_sink`, as `stream()` on
+    a handle submitted without `stream=True` does), while its worker runs long calls, folded or
+    pipelined (a successor call in flight when the sink is attached: the seed is sent with the
+    first plan after both replies were applied, so no token falls between the seed and the
+    worker's first push). The sink itself holds every token, with the request's end, once the
+    request has ended: its reader needs no record from the scheduler. Control: a sink opened
+    for the request but never attached gets no token."""
+    import raysched
+    from raysched.sink import new_sink
+
+    prompt, max_new = [2, 7, 1], 240
+    client = raysched.launch(sim_config(workers=1, scheduler={"decode_steps_per_call": 4, "fold_calls": 8,
+                                                              "fold_successor": fold}))
+    try:
+        handle = client.submit(prompt, {"max_new_tokens": max_new})
+        rid = handle.request_id
+        wait_until(lambda: client.stats()["tokens"] >= 40, 60, "40 tokens before the reader comes")
+        late, never = new_sink(), new_sink()
+        ray.get(never.open.remote(rid))
+        assert client._call("attach_sink", rid, late)
+        record = handle.result(timeout=120)
+
+        def sink_done() -> bool:
+            return ray.get(late.next.remote(rid, 0, 1.0))[1]
+
+        wait_until(sink_done, 30, "the late sink holds the request's end")
+        tokens, done, error = ray.get(late.next.remote(rid, 0, 1.0))
+        control = ray.get(never.next.remote(rid, 0, 0.1))
+    finally:
+        client.shutdown()
+    assert done and error is None
+    assert tokens == record["token_ids"] == reference(rid, prompt, max_new)
+    assert control == ([], False, None)
