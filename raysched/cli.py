@@ -224,7 +224,7 @@ def format_status(workers: list[dict], stats: dict) -> None:
 
 
 STATUS_GROUPS = (  # `raysched status` prints every counter: these by topic, the rest on a "more:" line
-    ("requests", ("submitted", "finished", "aborted", "failed", "tokens", "resubmitted", "resubmitted_tokens")),
+    ("requests", ("submitted", "finished", "aborted", "readers_lost", "failed", "tokens", "resubmitted", "resubmitted_tokens")),
     ("retractions", ("retractions", "retractions_snapshot", "retractions_recompute", "preemptions", "resumes",
                      "resumes_snapshot", "resumes_recompute", "snapshot_bytes", "snapshot_bytes_held",
                      "snapshot_bytes_held_peak", "store_pressure_fallbacks", "snapshots_refused", "snapshots_lost",

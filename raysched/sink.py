@@ -6,7 +6,8 @@ owned by it. Its handle travels with each streamed request to the worker that ru
 every sink concerned, one fire-and-forget `push` per sink per step. The sink keeps what each
 request received, and that is what a reader reads and what a request resubmitted after the
 scheduler's death continues from (`RequestHandle.received`). The scheduler sees none of it:
-it gets each call's tokens once, in the call's reply.
+it gets each call's tokens once, in the call's reply. A sink that dies (its reader's process
+exited) has its requests aborted by the scheduler within a second (`Scheduler._watch_readers`).
 
 Tokens carry their position in the request's output, so the sink takes each token exactly once:
 a worker that recomputes a request after a failure sends tokens the sink holds already (they are

@@ -24,6 +24,7 @@ class Counters:
     submitted: int = 0
     finished: int = 0
     aborted: int = 0
+    readers_lost: int = 0  # requests aborted because their reader's sink died (its process left)
     failed: int = 0
     tokens: int = 0
     calls: int = 0

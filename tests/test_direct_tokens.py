@@ -6,7 +6,7 @@ frees its slots, and a worker killed mid-stream still gives every token exactly 
 
 The scheduler's own death with streams read through sinks is `tests/test_faults.py`
 (`test_streams_keep_their_tokens_across_a_scheduler_restart`); an HTTP reader that disconnects
-aborts its request in `tests/test_serve.py`.
+aborts its request in `tests/test_serve.py`; a Python reader whose sink dies, here.
 """
 
 from __future__ import annotations
@@ -264,3 +264,32 @@ def test_a_reader_attached_late_gets_every_token_through_its_sink_by_the_end(fol
     assert done and error is None
     assert tokens == record["token_ids"] == reference(rid, prompt, max_new)
     assert control == ([], False, None)
+
+
+def test_a_reader_that_goes_away_aborts_its_requests() -> None:
+    """Two streamed requests, each read through its own sink; one sink dies (as it does when
+    its reader's process exits: the sink is fate-shared with it) after 10 tokens. The scheduler
+    notices within a check (`Scheduler._watch_readers`) and aborts that request long before its
+    2,000 tokens; its worker drops it and the pools end empty. Control: the request whose reader
+    stays runs its full length with the reference tokens."""
+    import raysched
+    from raysched.sink import new_sink
+
+    client = raysched.launch(sim_config(workers=1, scheduler={"decode_steps_per_call": 4}))
+    try:
+        gone_sink, kept_sink = new_sink(), new_sink()
+        gone = client._call("submit", [4, 4, 1], {"max_new_tokens": 2000}, None, 0, True, gone_sink)
+        kept = client._call("submit", [4, 4, 2], {"max_new_tokens": 200}, None, 0, True, kept_sink)
+        wait_until(lambda: len(ray.get(gone_sink.next.remote(gone, 0, 1.0))[0]) >= 10, 60, "10 tokens read")
+        ray.kill(gone_sink)
+        gone_record = ray.get(client.scheduler.wait.remote(gone), timeout=60)
+        kept_record = ray.get(client.scheduler.wait.remote(kept), timeout=60)
+        wait_until(lambda: client.check_idle()["workers_idle"], 60, "the aborted request's slots freed")
+        stats, idle = client.stats(), client.check_idle()
+    finally:
+        client.shutdown()
+    assert gone_record["finish_reason"] == "abort" and len(gone_record["token_ids"]) < 2000, gone_record
+    assert kept_record["finish_reason"] == "length"
+    assert kept_record["token_ids"] == reference(kept, [4, 4, 2], 200)
+    assert stats["readers_lost"] == 1 and stats["aborted"] == 1, stats
+    assert idle["tables"]["requests"] == 0

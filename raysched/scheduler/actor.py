@@ -50,6 +50,8 @@ from raysched.workers import kill_worker, release_workers, worker_bundle
 
 log = logging.getLogger("raysched.scheduler")
 
+READER_CHECK_S = 1.0  # how often the readers' sinks are asked whether they live
+
 
 class Scheduler:
     def __init__(self, config: ServeConfig) -> None:
@@ -120,6 +122,7 @@ class Scheduler:
             self._in_background(self.migrator.rebalance_loop(rb.threshold, rb.interval_s, rb.max_moves))
         if self.config.autoscale is not None:
             self._in_background(self._autoscale_loop(self.config.autoscale))
+        self._in_background(self._watch_readers())
 
     def _in_background(self, coro: Coroutine[Any, Any, None]) -> None:
         """Run `coro` as a task this actor keeps a reference to until it ends."""
@@ -300,6 +303,30 @@ class Scheduler:
             raise RuntimeError("could not start a worker: the cluster has no room for one")
         self.fleet.notify()
         return slot.line()
+
+    # ================================================================== readers
+    async def _watch_readers(self) -> None:
+        """Every READER_CHECK_S: a reader whose sink died (its process exited, its client shut
+        down, its Serve replica went away) aborts the requests it was reading, as an HTTP client
+        that disconnects does; its workers drop them at their next call."""
+        while not self.recovery.closing:
+            await asyncio.sleep(READER_CHECK_S)
+            readers = list(self.table.readers().values())
+            if not readers:
+                continue
+            pings = await asyncio.gather(*[sink.__ray_ready__.remote() for sink, _ in readers],
+                                         return_exceptions=True)
+            for (sink, rids), ping in zip(readers, pings):
+                if isinstance(ping, BaseException) and self.recovery.actors.is_death(ping):
+                    await self._reader_lost(sink, rids)
+
+    async def _reader_lost(self, sink: Any, rids: list[str]) -> None:
+        live = [rid for rid in rids if self.table.sinks.get(rid) is sink]
+        log.info("the reader of %d request(s) went away (its sink died); aborting them", len(live))
+        for rid in live:
+            del self.table.sinks[rid]  # (nothing more is sent to it)
+            if await self.abort(rid, forget=True):
+                self.counters.readers_lost += 1
 
     # ================================================================== autoscale
     async def _autoscale_loop(self, cfg: AutoscaleConfig) -> None:

@@ -153,6 +153,13 @@ class RequestTable:
             sink.push.remote({rid: (0, list(req.output_ids), None)})
         return sink
 
+    def readers(self) -> dict[Any, tuple[Any, list[str]]]:
+        """The live sinks, one entry per reader: actor id -> (a handle, the ids it reads)."""
+        out: dict[Any, tuple[Any, list[str]]] = {}
+        for rid, sink in self.sinks.items():
+            out.setdefault(getattr(sink, "_actor_id", id(sink)), (sink, []))[1].append(rid)
+        return out
+
     def status(self, request_id: str) -> str:
         """"live", "ended" (its record is readable), or "unknown" (never here, or long gone)."""
         if request_id in self.requests:
