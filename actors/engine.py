@@ -24,13 +24,16 @@ Request states:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
 
 from actors.batch import ForwardBatch, KVTable
+from actors.attention import PREFILL_TILE
 from actors.graph import FixedShapeDecode
+from actors.mamba import scan_chunk
 from actors.config import ModelConfig
 from actors.pools import HybridPool
 from actors.sampler import sample
@@ -97,6 +100,20 @@ class StepOutput:
         self.not_admitted.extend(other.not_admitted)
 
 
+def prefix_grid(config: ModelConfig, device: torch.device) -> int:
+    """The token grid on which this engine's prefill may pause and resume with the bits of an
+    uncached run: a multiple of each position-dependent blocking of its layers (attention's
+    query tiles, the SSD scan's chunks, the delta rule's chunks). Parked prefix points (branch
+    points) must lie on it; the scheduler uses the grid every worker shares."""
+    kinds = set(config.layer_types)
+    sizes = [PREFILL_TILE] if "attention" in kinds else []
+    if "mamba" in kinds:
+        sizes.append(scan_chunk(config.mamba_chunk_size, device))
+    if "gdn" in kinds:
+        sizes.append(config.linear_chunk_size)
+    return math.lcm(*sizes) if sizes else 1
+
+
 class Engine:
     def __init__(self, model: torch.nn.Module, config: ModelConfig, pool: HybridPool,
                  weights_fingerprint: str, record_logits: bool = False,
@@ -105,6 +122,7 @@ class Engine:
         self.fixed_decode = fixed_decode  # decode at bucket shapes (CUDA graphs); None: eager
         self.dtype, self.device = pool.k.dtype, pool.k.device
         self.fingerprint = model_fingerprint(config, weights_fingerprint, self.dtype)
+        self.prefix_grid = prefix_grid(config, self.device)
         self.running: dict[str, Sequence] = {}  # decoding
         self.prefilling: dict[str, Sequence] = {}  # admitted, prompt partly computed
         self.hold_finished = False  # True: finished requests keep their slots (in `held`) until

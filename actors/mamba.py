@@ -133,6 +133,12 @@ SCAN_BLOCK = 64  # longest chunk `MambaMixer.prefill` scans with on the CPU (the
 # `small`'s 128 took 335 (6 layers, 2,048 tokens, 1 thread; benchmarks/README "Stop 22"). A GPU
 # keeps the model's chunk size (not measured there; more chunks mean more launches).
 
+
+def scan_chunk(model_chunk: int, device: torch.device) -> int:
+    """The chunk the SSD scan of prefill runs with on `device`: a prefill that pauses and
+    resumes on a multiple of it gives an uncached run's bits (`actors.engine.prefix_grid`)."""
+    return min(model_chunk, SCAN_BLOCK) if device.type == "cpu" else model_chunk
+
 LOG_DECAY_FLOOR = -60.0  # log-decays below this count as 0 (exp(-60) ~ 1e-26)
 
 
@@ -427,7 +433,7 @@ class MambaMixer(nn.Module):
         x, B, C = self._split_xBC(xBC)  # (T, H, P), (T, G, N), (T, G, N)
         dt = discretize_dt(dt, self.dt_bias, c.time_step_limit, kernels.pointwise)  # (T, H) fp32
         A = self._A()
-        chunk = min(c.mamba_chunk_size, SCAN_BLOCK) if h.device.type == "cpu" else c.mamba_chunk_size
+        chunk = scan_chunk(c.mamba_chunk_size, h.device)
         y = scan_segments(segments, ssm_state, lambda rows, s0: ssd_chunked(
             x[rows], dt[rows], A, B[rows], C[rows], chunk, s0))  # (T, H, P)
         return self._output(y, x, z, kernels)

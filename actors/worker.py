@@ -56,7 +56,7 @@ class Worker:
         return WorkerInfo(self.index, _node_id(), str(e.device), e.fingerprint, e.config.vocab_size,
                           e.config.max_position_embeddings, self.usage(),
                           e.config.kv_bytes_per_token(itemsize), e.config.state_bytes_per_slot(itemsize),
-                          copy_bps, prefill_tps, matrix_kernel(e.model), joins=True)
+                          copy_bps, prefill_tps, matrix_kernel(e.model), joins=True, prefix_grid=e.prefix_grid)
 
     def usage(self) -> Usage:
         return self.engine.usage()

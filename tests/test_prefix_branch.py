@@ -120,3 +120,31 @@ def test_negative_control_a_point_off_the_scan_grid_restores_to_other_logits(til
     want, _, _, _ = drive(w, "u-off", q)
     got, _, _, cached = drive(w, "q-off", q, prefix=[objects[("off", "chunk", off)]])
     assert cached == off and not torch.equal(got[0], want[0])
+
+
+def test_the_grid_follows_the_scan_chunk_a_gpu_keeps() -> None:
+    """On a GPU the SSD scan keeps the model's chunk (`actors.mamba.scan_chunk`), 128 or 256
+    tokens for real checkpoints, so a branch point on the CPU's 64-token grid would cut a scan
+    chunk in two there. The engine reports its grid (`prefix_grid`, `WorkerInfo.prefix_grid`),
+    and the scheduler parks on the one every worker shares. Here the scan runs in 128-token
+    chunks, as on such a GPU: the engine says 128, a point at 128 restores bit-exactly, and
+    (the negative control) a point at 64, on the old fixed grid, restores to other logits."""
+    import actors.engine
+    import actors.mamba
+
+    with pytest.MonkeyPatch.context() as mp:
+        for module in (actors.engine, actors.mamba):
+            mp.setattr(module, "scan_chunk", lambda model_chunk, device: 128)
+        w = make_worker()
+        grid = w.engine.prefix_grid
+        p = prompt(300, seed=5)
+        out = {}
+        for at in (64, 128):  # one producer each (a pause at 64 would cut the one at 128's chunk)
+            _, _, objects, _ = drive(w, f"p{at}", p, park_at=(at,))
+            q = p[:at] + prompt(40, seed=50 + at)
+            want, _, _, _ = drive(w, f"u{at}", q)
+            got, _, _, cached = drive(w, f"q{at}", q, prefix=[objects[(f"p{at}", "chunk", at)]])
+            out[at] = (cached, same(got, want))
+    assert grid == 128 and make_worker().engine.prefix_grid == 64  # (the CPU's, unpatched)
+    assert out[128] == (128, True)
+    assert out[64] == (64, False)  # negative control: off the 128-token scan grid

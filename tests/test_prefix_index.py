@@ -325,3 +325,26 @@ def test_admission_asks_for_a_state_at_the_branch_point_from_the_request_that_pa
     p, _, _, a, b = setup(False)
     glue = p["dispatch"].cache
     assert glue.admit([a, b], 0) == ([], []) and glue.park_at(0) == ()
+
+
+@pytest.mark.parametrize("grids, point", [([64], 192), ([64, 128], 128), ([128, 256], 0)],
+                         ids=["cpu-workers", "a-gpu-worker-joins", "coarser-than-the-prompt"])
+def test_branch_points_lie_on_the_grid_every_worker_shares(grids: list[int], point: int) -> None:
+    """A repeated 200-token prompt parks its last grid point: 192 on CPU workers' 64-token grid;
+    128 once a worker whose scan runs in 128-token chunks (a GPU keeping the model's chunk,
+    `WorkerInfo.prefix_grid`) joins, since a point must be exact on whichever worker restores
+    it; none where the shared grid is longer than the prompt. (The 64-token answer is the
+    control: the grid is the workers', not a constant.)"""
+    from raysched.config import ServeConfig
+    from raysched.scheduler.prefix_cache import PrefixCache
+    from tests.test_scheduler_parts import LIMITS, FakeWorker, parts
+
+    p = parts(ServeConfig(), [FakeWorker(0, kv=1024)])
+    glue = PrefixCache(StateCache(budget_bytes=1 << 20, min_tokens=16, block_tokens=512), p["table"], p["counters"],
+                       branch_points=True)
+    glue.use_grid(grids)
+    first, again = (p["table"].submit([t % 50 + 3 for t in range(200)], {"max_new_tokens": 2}, LIMITS)
+                    for _ in range(2))
+    glue.admit([first], 0)
+    glue.admit([again], 0)
+    assert glue.park_at(0) == (((again.request_id, point),) if point else ())

@@ -131,6 +131,8 @@ class Scheduler:
         task.add_done_callback(self._background.discard)
 
     def _start_loop(self, w: WorkerSlot) -> None:
+        """A worker joined: its loop starts; branch points move to the grid every worker shares."""
+        self.prefix_cache.use_grid([o.info.prefix_grid for o in self.fleet.alive()])
         self.dispatch.start_loop(w)
 
     def _before_decide(self, w: WorkerSlot) -> None:

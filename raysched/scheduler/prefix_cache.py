@@ -28,6 +28,7 @@ No Ray import: worker handles are opaque.
 from __future__ import annotations
 
 import logging
+import math
 from collections import deque
 from dataclasses import dataclass
 
@@ -311,6 +312,13 @@ class PrefixCache:
                 "state_cache_points": i.num_points, "state_cache_chunks": i.num_blocks,
                 "state_cache_evictions": i.evictions, "state_cache_budget_bytes": i.budget_bytes,
                 "state_cache_inline_bytes": i.inline_bytes}
+
+    def use_grid(self, grids: list[int]) -> None:
+        """Branch points on the grid the workers share (the least common multiple of their
+        `WorkerInfo.prefix_grid`) from now on: prompts remembered on another grid are forgotten."""
+        grid = math.lcm(*grids) if grids else GRID_TOKENS
+        if self.branches is not None and grid != self.branches.grid:
+            self.branches = BranchPoints(grid, self.branches.capacity)
 
     def clear(self) -> None:
         if self.index is not None:
