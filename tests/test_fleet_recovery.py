@@ -193,18 +193,11 @@ def test_a_failed_retraction_reads_its_snapshot_ref_so_nothing_logs_it_as_unhand
     taken out, asyncio logs the error."""
     import gc
 
-    from raysched.scheduler.planner import Decision
-    from tests.test_scheduler_parts import running_request
+    from tests.test_scheduler_parts import failing_retraction
 
     async def scenario() -> None:
-        workers = [FakeWorker(0)]
-        p = parts(ServeConfig(), workers)
-        w = p["fleet"].slots[0]
-        req = running_request(p, w)
-        workers[0].held[req.request_id] = [list(req.token_ids), 8, 3]
-        snap, _ = p["ledger"].take_victims(w, Decision(victims=[req]))
-        workers[0].dead = True  # the retract call fails
-        calls = [p["ledger"].send(w, req)]
+        p, w, req, snap, call = failing_retraction()
+        calls = [call]
         sizes = await asyncio.gather(calls[0][1], return_exceptions=True)
         if not read:
             p["fleet"].forget = lambda ref: None
@@ -311,7 +304,10 @@ def local_ray() -> Iterator[None]:
 
 
 def in_scheduler(client: Any, fn: Any, timeout_s: float = 60) -> Any:
-    """Run `fn(scheduler)` on the scheduler actor's event loop (test-only, via `__ray_call__`)."""
+    """Run `fn(scheduler)` on the scheduler actor's event loop (test-only, via `__ray_call__`).
+    (`tests.test_cluster_serving.in_scheduler` as well, but defined here: this module is pickled
+    by value, and the classes its `fn`s build find their globals only through functions pickled
+    with them.)"""
     def call(sched: Any) -> Any:
         async def run() -> Any:
             out = fn(sched)

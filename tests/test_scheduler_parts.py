@@ -664,16 +664,22 @@ def test_ledger_falls_back_to_recompute_past_the_snapshot_budget() -> None:
     assert list(p["table"].retracted) == [b]  # a is queued once its retract call is sent
 
 
+def failing_retraction() -> tuple[dict, Any, Request, list[Request], tuple]:
+    """A request chosen as a snapshot victim on a worker that is gone by the time its retract
+    call is sent: (parts, worker slot, request, snapshot victims, the retract call)."""
+    workers = [FakeWorker(0)]
+    p = parts(ServeConfig(), workers)
+    w = p["fleet"].slots[0]
+    req = running_request(p, w)
+    workers[0].held[req.request_id] = [list(req.token_ids), 8, 3]
+    snap, _ = p["ledger"].take_victims(w, Decision(victims=[req]))
+    workers[0].dead = True  # the retract call fails
+    return p, w, req, snap, p["ledger"].send(w, req)
+
+
 def test_ledger_send_queues_the_pending_snapshot_and_a_failed_retraction_recomputes() -> None:
     async def scenario() -> None:
-        workers = [FakeWorker(0)]
-        p = parts(ServeConfig(), workers)
-        w = p["fleet"].slots[0]
-        req = running_request(p, w)
-        workers[0].held[req.request_id] = [list(req.token_ids), 8, 3]
-        snap, _ = p["ledger"].take_victims(w, Decision(victims=[req]))
-        workers[0].dead = True  # the retract call fails
-        call = p["ledger"].send(w, req)
+        p, w, req, snap, call = failing_retraction()
         assert list(p["table"].retracted) == [req] and req.snapshot_ref is call[0]
         sizes = await asyncio.gather(call[1], return_exceptions=True)
         p["ledger"].on_sizes(w, snap, [call], sizes)
