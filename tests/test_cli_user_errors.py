@@ -133,7 +133,7 @@ def late_workload(tmp_path: Path) -> Path:
     return workload
 
 
-@pytest.mark.parametrize("sig, group", [(signal.SIGINT, True), (signal.SIGTERM, False)],
+@pytest.mark.parametrize("sig, group", [(signal.SIGINT, True), pytest.param(signal.SIGTERM, False, marks=pytest.mark.slow)],
                          ids=["ctrl-c-to-the-group", "sigterm-to-the-pid"])
 def test_interrupted_run_writes_the_summary_and_report_of_what_finished(tmp_path: Path, sig: int,
                                                                          group: bool) -> None:
@@ -161,7 +161,8 @@ def test_interrupted_run_writes_the_summary_and_report_of_what_finished(tmp_path
 @pytest.mark.parametrize("command, sig, group", [("serve", signal.SIGINT, True), ("run", signal.SIGTERM, False),
                                                  ("run", signal.SIGINT, True)],
                          ids=["ctrl-c-to-serves-group", "sigterm-to-runs-pid", "ctrl-c-to-runs-group"])
-@pytest.mark.parametrize("delay_s", [0.0, 1.0], ids=["ray-starting", "ray-connecting"])
+@pytest.mark.parametrize("delay_s", [0.0, pytest.param(1.0, marks=pytest.mark.slow)],
+                         ids=["ray-starting", "ray-connecting"])
 def test_a_signal_while_ray_starts_is_one_line(tmp_path: Path, command: str, sig: int, group: bool,
                                                delay_s: float) -> None:
     """Ray's start-up is not cut in the middle (a KeyboardInterrupt there once crashed the process

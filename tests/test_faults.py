@@ -117,12 +117,16 @@ SCENARIOS = {
                                        [kill(0, 3, "kill_in_step", after_decode_steps=1),
                                         kill(1, 4, "kill_in_restore")], 29),
 }
+SLOW_SCENARIOS = {  # combinations of stages the default suite covers one at a time (`pytest -m slow`)
+    "decode-7", "both-workers", "recompute-mode", "mixed-modes", "in-step-after-2-decodes",
+    "in-pipelined-step-pressure", "in-retract-mixed-modes", "in-step-and-in-restore"}
 IN_CALL = ("kill_in_step", "kill_in_retract", "kill_in_restore")
 
 
 @pytest.mark.usefixtures("cluster")
 class TestOnCluster:
-    @pytest.mark.parametrize("name", list(SCENARIOS))
+    @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_SCENARIOS else n
+                                      for n in SCENARIOS])
     def test_killed_worker_loses_no_request_and_no_token(self, name):
         case = SCENARIOS[name]
         specs = synthetic(case.seed, requests=case.requests, max_new_tokens=(24, 48))

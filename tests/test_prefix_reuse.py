@@ -148,6 +148,7 @@ def cluster():
         yield c
 
 
+@pytest.mark.slow  # (45 s; a lost node's snapshots and turns: tests/test_faults.py, tests/test_turn_cache.py)
 def test_a_lost_node_holding_parked_blocks_means_a_full_prefill_with_the_right_tokens(cluster) -> None:
     """Request A parks its chunk points on worker X; B (same 1,024-token prefix, another suffix)
     is placed on X and restores them there. X's node is removed with the only copies of its K/V
