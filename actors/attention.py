@@ -29,8 +29,8 @@ from actors.config import ModelConfig
 from actors.mamba import Kernels, Pointwise, whole
 from actors.norms import ARCH_NORM_STYLE, RMSNorm
 
-PREFILL_TILE = 64  # query rows per prefill attention call, at absolute positions: the grid of
-#   prefix points (`raysched.scheduler.state_cache.GRID_TOKENS`, `actors.mamba.SCAN_BLOCK`)
+PREFILL_TILE = 32  # query rows per prefill attention call, at absolute positions: a factor of the
+#   grid of exact prefix points (`actors.engine.prefix_grid`, with `actors.mamba.SCAN_BLOCK`)
 
 
 def _padded(t: Tensor, rows: int) -> Tensor:

@@ -110,7 +110,7 @@ def prefix_grid(config: ModelConfig, device: torch.device) -> int:
     if "mamba" in kinds:
         sizes.append(scan_chunk(config.mamba_chunk_size, device))
     if "gdn" in kinds:
-        sizes.append(config.linear_chunk_size)
+        sizes.append(scan_chunk(config.linear_chunk_size, device))
     return math.lcm(*sizes) if sizes else 1
 
 

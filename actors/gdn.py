@@ -28,7 +28,7 @@ from actors import triton_route
 from actors.config import ModelConfig
 from actors.batch import Segment
 from actors.mamba import (Kernels, Pointwise, SlotRun, causal_conv_step, conv_segments, decay_exp_,
-                          scan_segments, whole)
+                          scan_chunk, scan_segments, whole)
 from actors.norms import rms_normalize
 
 
@@ -182,7 +182,7 @@ class GatedDeltaNet(nn.Module):
                             kernels.pointwise)  # (T, conv_dim)
         q, k, v = self._split(qkv)
         g, beta = self._gates(a, b, kernels.pointwise)  # (T, Hv) each
-        chunk = self.config.linear_chunk_size
+        chunk = scan_chunk(self.config.linear_chunk_size, h.device)
         y = scan_segments(segments, state, lambda rows, s0: gdn_chunked(
             q[rows], k[rows], v[rows], g[rows], beta[rows], chunk, s0))  # (T, Hv, dv)
         return self._output(y, z, kernels)

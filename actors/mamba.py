@@ -127,16 +127,19 @@ def _start_state(x: Tensor, B: Tensor, initial_state: Tensor | None) -> Tensor:
     return x.new_zeros(x.shape[1], x.shape[2], B.shape[-1], dtype=torch.float32)  # (H, P, N)
 
 
-SCAN_BLOCK = 64  # longest chunk `MambaMixer.prefill` scans with on the CPU (the model's own if shorter)
-# The chunked SSD is exact for any chunk length; the length only moves work between the
+SCAN_BLOCK = 32  # longest chunk the prefill scans (SSD, delta rule) run with on the CPU (the model's own if shorter)
+# A chunked scan is exact for any chunk length; the length only moves work between the
 # quadratic diagonal blocks and the recurrence over chunks. On the CPU, 64 took 227 ms where
-# `small`'s 128 took 335 (6 layers, 2,048 tokens, 1 thread; benchmarks/README "Stop 22"). A GPU
-# keeps the model's chunk size (not measured there; more chunks mean more launches).
+# `small`'s 128 took 335 (6 layers, 2,048 tokens, 1 thread; stop 22); 32 gives the same prefill
+# time as 64 (`small`, 2,048 tokens, 1 thread, Zen 3: 1.931 s vs 1.933 s, best of 3, alternating;
+# the delta rule at 2,048 tokens, 16 heads of 128: 0.215-0.25 s vs 0.246-0.261 s) and a 32-token
+# grid of exact prefix points (`actors.engine.prefix_grid`). A GPU keeps the model's chunk size
+# (not measured there; more chunks mean more launches).
 
 
 def scan_chunk(model_chunk: int, device: torch.device) -> int:
-    """The chunk the SSD scan of prefill runs with on `device`: a prefill that pauses and
-    resumes on a multiple of it gives an uncached run's bits (`actors.engine.prefix_grid`)."""
+    """The chunk a prefill scan (SSD, delta rule) runs with on `device`: a prefill that pauses
+    and resumes on a multiple of it gives an uncached run's bits (`actors.engine.prefix_grid`)."""
     return min(model_chunk, SCAN_BLOCK) if device.type == "cpu" else model_chunk
 
 LOG_DECAY_FLOOR = -60.0  # log-decays below this count as 0 (exp(-60) ~ 1e-26)

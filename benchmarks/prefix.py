@@ -16,7 +16,7 @@ Answers are greedy (16-32 tokens); every run must give the same tokens for every
 Reuse is counted against the *aligned* shared part, over the requests that can reuse anything
 (all but the first of each group): for `shared` and `trap` the whole prefill chunks inside the
 shared prefix (1,536, 1,536 and 1,024 tokens with 512-token chunks); for `system300` and
-`repeat` the 64-token scan grid short of the prompt's last token (256 of 300; a repeated
+`repeat` the workers' 32-token scan grid short of the prompt's last token (288 of 300; a repeated
 prompt: all but its last block). Targets: `shared` TTFT p50 >= 5x lower and throughput >= 2x
 with reuse on (in every pair), >= 95% reused; `trap` >= 90% reused in both splits; `system300`
 >= 90% of the shared tokens cached on every follower; `repeat` all but the last block cached.
@@ -33,10 +33,11 @@ from typing import Any
 from benchmarks.common import (Column, load_average, local_ray, machine, measured_client, percentile, plot_ttft_cdf,
                                print_table, print_targets, ratio, report, warm_up)
 from raysched.config import PoolConfig, SchedulerConfig, ServeConfig, StateCacheConfig
+from raysched.scheduler.state_cache import GRID_TOKENS
 
 MODES = ("reuse_on", "reuse_off")
 PASSES = 2  # on, off, on, off
-GRID = 64  # the branch-point grid (`raysched.scheduler.state_cache.GRID_TOKENS`)
+GRID = GRID_TOKENS  # the branch-point grid (the CPU workers' `WorkerInfo.prefix_grid`)
 STORE_BYTES = 1 << 30
 
 

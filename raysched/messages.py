@@ -183,5 +183,5 @@ class WorkerInfo:
     kernel: str = ""  # the kernels that decide its bits ("rowdot avx2+fma; mkl <GEMM fingerprint>; aten
     #   AVX2", "cuda"): a request moved between workers that differ here continues up to rounding only
     joins: bool = False  # takes `join` into a long call (`StepPlan.joins`; both workers of this repository do)
-    prefix_grid: int = 64  # its prefill pauses and resumes exactly on multiples of this many tokens
+    prefix_grid: int = 32  # its prefill pauses and resumes exactly on multiples of this many tokens
     #   (`actors.engine.prefix_grid`): where branch points may be parked (`StepPlan.park_at`)

@@ -7,7 +7,7 @@ in the same call; another prompt that shares the first p tokens restores it and 
 - Bit-exactness against the uncached run (every logit `torch.equal`), at every grid point below
   a 512-token chunk, for a follower of another length and for a repeated prompt (all but its
   last block restored), and for the producer itself (pausing changes none of its bits). It holds
-  because prefill attention runs in 64-row query tiles at absolute positions
+  because prefill attention runs in 32-row query tiles at absolute positions
   (`actors.attention.PREFILL_TILE`): a row's kernel call has the same shape wherever a chunk
   starts. Negative control: one causal call per chunk (the attention before the tiles) gives
   other bits at some grid point, where this CPU's kernel rows depend on the call's shape (a
@@ -25,9 +25,9 @@ import torch
 from tests.test_prefix_reuse import drive as reuse_drive, make_worker as reuse_worker, prompt
 
 CHUNK = 512  # prefill chunk (= K/V block): every point below is inside the first chunk
-GRID = 64  # the branch-point grid (`state_cache.GRID_TOKENS`)
+GRID = 32  # the branch-point grid on the CPU (`actors.engine.prefix_grid`; checked below)
 PRODUCER_LEN = 480
-POINTS = tuple(range(GRID, PRODUCER_LEN, GRID))  # 64 .. 448
+POINTS = tuple(range(GRID, PRODUCER_LEN, GRID))  # 32 .. 448
 
 
 def make_worker():
@@ -124,11 +124,11 @@ def test_negative_control_a_point_off_the_scan_grid_restores_to_other_logits(til
 
 def test_the_grid_follows_the_scan_chunk_a_gpu_keeps() -> None:
     """On a GPU the SSD scan keeps the model's chunk (`actors.mamba.scan_chunk`), 128 or 256
-    tokens for real checkpoints, so a branch point on the CPU's 64-token grid would cut a scan
+    tokens for real checkpoints, so a branch point on the CPU's 32-token grid would cut a scan
     chunk in two there. The engine reports its grid (`prefix_grid`, `WorkerInfo.prefix_grid`),
     and the scheduler parks on the one every worker shares. Here the scan runs in 128-token
     chunks, as on such a GPU: the engine says 128, a point at 128 restores bit-exactly, and
-    (the negative control) a point at 64, on the old fixed grid, restores to other logits."""
+    (the negative control) a point at 64, on a 64-token grid, restores to other logits."""
     import actors.engine
     import actors.mamba
 
@@ -145,6 +145,6 @@ def test_the_grid_follows_the_scan_chunk_a_gpu_keeps() -> None:
             want, _, _, _ = drive(w, f"u{at}", q)
             got, _, _, cached = drive(w, f"q{at}", q, prefix=[objects[(f"p{at}", "chunk", at)]])
             out[at] = (cached, same(got, want))
-    assert grid == 128 and make_worker().engine.prefix_grid == 64  # (the CPU's, unpatched)
+    assert grid == 128 and make_worker().engine.prefix_grid == GRID  # (the CPU's, unpatched)
     assert out[128] == (128, True)
     assert out[64] == (64, False)  # negative control: off the 128-token scan grid

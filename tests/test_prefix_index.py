@@ -290,7 +290,7 @@ def test_branch_points_forget_the_oldest_prompts_beyond_capacity_and_refuse_a_ba
 
 def test_admission_asks_for_a_state_at_the_branch_point_from_the_request_that_passes_it_first() -> None:
     """Two prompts sharing a 100-token system text start in one plan: the first is asked to park
-    the grid point 64 (`park_at`), the second waits for it (held back while the first prefills)
+    the grid point 96 (`park_at`, on the default 32-token grid), the second waits for it (held back while the first prefills)
     and hits it once parked. A repeated prompt admitted alone parks its own last grid point.
     Negative control: with branch points off nothing is asked and nobody waits."""
     from raysched.config import ServeConfig
@@ -308,14 +308,14 @@ def test_admission_asks_for_a_state_at_the_branch_point_from_the_request_that_pa
     p, index, system, a, b = setup(True)
     glue, w = p["dispatch"].cache, p["fleet"].slots[0]
     hits, back = glue.admit([a, b], w.index)
-    assert (hits, back, glue.park_at(w.index), glue.park_at(w.index)) == ([], [b], ((a.request_id, 64),), ())
+    assert (hits, back, glue.park_at(w.index), glue.park_at(w.index)) == ([], [b], ((a.request_id, 96),), ())
     p["table"].waiting.remove(a)
     p["dispatch"].mark_running(w, [a])
     held, _ = glue.survey(p["table"].waiting, {0: 1.0})
     assert b.request_id in held  # waits for a's point instead of computing it again
-    index.park(tuple(system[:64]), "pt64", 10, "chunk", exact=True)
+    index.park(tuple(system[:96]), "pt96", 10, "chunk", exact=True)
     hits, back = glue.admit([b], w.index)
-    assert [(r, m.num_tokens) for r, m in hits] == [(b, 64)] and back == [] and glue.park_at(w.index) == ()
+    assert [(r, m.num_tokens) for r, m in hits] == [(b, 96)] and back == [] and glue.park_at(w.index) == ()
     first, again = (p["table"].submit([t % 50 + 3 for t in range(200)], {"max_new_tokens": 2}, LIMITS)
                     for _ in range(2))
     glue.admit([first], w.index)
@@ -330,10 +330,10 @@ def test_admission_asks_for_a_state_at_the_branch_point_from_the_request_that_pa
 @pytest.mark.parametrize("grids, point", [([64], 192), ([64, 128], 128), ([128, 256], 0)],
                          ids=["cpu-workers", "a-gpu-worker-joins", "coarser-than-the-prompt"])
 def test_branch_points_lie_on_the_grid_every_worker_shares(grids: list[int], point: int) -> None:
-    """A repeated 200-token prompt parks its last grid point: 192 on CPU workers' 64-token grid;
+    """A repeated 200-token prompt parks its last grid point: 192 on a 64-token grid;
     128 once a worker whose scan runs in 128-token chunks (a GPU keeping the model's chunk,
     `WorkerInfo.prefix_grid`) joins, since a point must be exact on whichever worker restores
-    it; none where the shared grid is longer than the prompt. (The 64-token answer is the
+    it; none where the shared grid is longer than the prompt. (The 64-token grid's answer is the
     control: the grid is the workers', not a constant.)"""
     from raysched.config import ServeConfig
     from raysched.scheduler.prefix_cache import PrefixCache

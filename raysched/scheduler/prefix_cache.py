@@ -15,7 +15,7 @@ prompt being prefilled right now than the index holds waits for those blocks' po
 instead of prefilling them a second time.
 
 Branch points (`branch_points=True`): at admission each new prompt is added to a radix tree of
-recent prompts on the 64-token scan grid (`state_cache.BranchPoints`); where it leaves an
+recent prompts on the workers' scan grid (32 tokens on the CPU) (`state_cache.BranchPoints`); where it leaves an
 earlier one (rounded down to the grid, short of its last token) is a point two prompts pass.
 When the index has no state there, the plan asks for one (`park_at(worker)`, sent as
 `StepPlan.park_at`): the earlier request parks it if it starts in the same plan (the new one

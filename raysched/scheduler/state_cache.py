@@ -34,9 +34,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 KINDS = ("chunk", "prompt", "finished")  # a prefill chunk boundary, a prompt's end, a finished turn
-GRID_TOKENS = 64  # branch points are rounded down to this grid until the workers say theirs
+GRID_TOKENS = 32  # branch points are rounded down to this grid until the workers say theirs
 #   (`WorkerInfo.prefix_grid`: a multiple of every position-dependent blocking of their prefill,
-#   64 for every preset on the CPU, the model's scan chunk on a GPU; `PrefixCache.use_grid`)
+#   32 for every preset on the CPU, the model's scan chunk on a GPU; `PrefixCache.use_grid`)
 
 
 @dataclass(frozen=True)
