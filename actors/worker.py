@@ -240,7 +240,8 @@ class Worker:
         out = self.engine.prefill(items, plan.prefill_chunk_tokens or None, plan.prefill_budget_tokens or None)
         paused = self._park_boundaries(before, plan, result)
         while paused:  # chunks cut at a branch point (`StepPlan.park_at`) go on to their end
-            before = {rid: self.engine.prefilling[rid].num_computed for rid in paused}
+            before = {rid: s.num_computed for rid, s in self.engine.prefilling.items()}  # (the others
+            #   stand still: their boundaries reached above are parked once)
             out.merge(self.engine.prefill(paused, plan.prefill_chunk_tokens or None))
             paused = self._park_boundaries(before, plan, result)
         return out

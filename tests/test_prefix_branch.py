@@ -148,3 +148,28 @@ def test_the_grid_follows_the_scan_chunk_a_gpu_keeps() -> None:
     assert grid == 128 and make_worker().engine.prefix_grid == GRID  # (the CPU's, unpatched)
     assert out[128] == (128, True)
     assert out[64] == (64, False)  # negative control: off the 128-token scan grid
+
+
+def test_a_pause_at_a_branch_point_parks_the_other_prompts_boundaries_once() -> None:
+    """Two prompts prefill in one call: "a" reaches its 512-token chunk boundary, "b" pauses at
+    a branch point inside its chunk (`park_at`), then feeds the rest of it in the same call.
+    Each point is parked once: "a"'s boundary was parked a second time when "b" went on (the
+    pause loop counted only "b" as advancing), so the result listed its key twice and the
+    scheduler's `take_parked` of both raised KeyError (seen as "Unhandled error" tracebacks in
+    `bench overhead`). Every listed key is handed over. Control: "b" alone parks its point."""
+    from raysched.messages import PrefillItem, StepPlan
+    from tests.test_prefix_reuse import GREEDY
+
+    def parked_keys(items: list[tuple[str, list[int]]], park_at: tuple) -> list[tuple]:
+        w = make_worker()
+        plan = StepPlan(prefill=tuple(PrefillItem(r, tuple(t), len(t), GREEDY.to_dict()) for r, t in items),
+                        park_at=park_at, decode_steps=0, park_min_tokens=64, prefill_chunk_tokens=CHUNK)
+        keys = [p.key for p in w.step(plan).parked]
+        assert len(w.take_parked(keys)) == len(keys)  # every listed point is there to take
+        return keys
+
+    a, b = prompt(600, seed=3), prompt(300, seed=4)
+    both = parked_keys([("a", a), ("b", b)], (("b", 96),))
+    alone = parked_keys([("b", b)], (("b", 96),))
+    assert sorted(both) == [("a", "chunk", 512), ("b", "chunk", 96), ("b", "prompt", 300)], both
+    assert sorted(alone) == [("b", "chunk", 96), ("b", "prompt", 300)]
