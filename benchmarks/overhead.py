@@ -23,10 +23,10 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import Column, load_average, local_ray, machine, print_table, report, timed
-from raysched.config import PoolConfig, SchedulerConfig, ServeConfig
+from raysched.config import PoolConfig, SchedulerConfig, ServeConfig, StateCacheConfig
 from raysched.workload import RequestSpec, WorkloadConfig, build_requests
 
-TARGET_RATIO = 0.9
+TARGET_RATIO = 0.97  # on a CPU (issue 33; >= 0.95 with a GPU worker)
 
 
 @dataclass(frozen=True)
@@ -47,9 +47,11 @@ QUICK = Setup("tiny", kv_tokens=1024, state_slots=8, repeats=1,
 
 
 def serve_config(setup: Setup) -> ServeConfig:
+    """Prefix reuse off: every side runs the same prompts again (run 0, 1, streamed), and the bare
+    engine has no cache, so both sides must compute every prompt."""
     return ServeConfig(model=setup.model, workers=1, device="cpu",
                        pool=PoolConfig(kv_tokens=setup.kv_tokens, state_slots=setup.state_slots),
-                       scheduler=SchedulerConfig(admission="reserve"))
+                       scheduler=SchedulerConfig(admission="reserve"), state_cache=StateCacheConfig(enabled=False))
 
 
 def main(out_dir: Path = Path("bench-out"), quick: bool = False) -> dict:

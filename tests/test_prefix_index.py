@@ -348,3 +348,29 @@ def test_branch_points_lie_on_the_grid_every_worker_shares(grids: list[int], poi
     glue.admit([first], 0)
     glue.admit([again], 0)
     assert glue.park_at(0) == (((again.request_id, point),) if point else ())
+
+
+@pytest.mark.parametrize("surveyed", [True, False], ids=["second-seen-waiting", "control-not-seen"])
+def test_the_first_of_a_group_parks_the_branch_point_for_a_second_still_waiting(surveyed: bool) -> None:
+    """Two prompts share a 100-token system text; the first is admitted alone while the second
+    waits (the scheduler has looked at its queue: `survey`). The first is asked to park the
+    branch point (96 on the 32-token grid), so the second restores it instead of computing it
+    and parking it for a third. Control: with the second never seen, the first parks nothing
+    (no second prompt shares anything yet), and a prompt alone never adds a point."""
+    from raysched.config import ServeConfig
+    from raysched.scheduler.prefix_cache import PrefixCache
+    from tests.test_scheduler_parts import LIMITS, FakeWorker, parts
+
+    p = parts(ServeConfig(), [FakeWorker(0, kv=1024)])
+    glue = PrefixCache(StateCache(budget_bytes=1 << 20, min_tokens=16, block_tokens=512), p["table"], p["counters"],
+                       branch_points=True)
+    system = [t % 60 + 1 for t in range(100)]
+    a, b = (p["table"].submit(system + [70 + i] * 20, {"max_new_tokens": 2}, LIMITS) for i in range(2))
+    if surveyed:
+        glue.survey(p["table"].waiting, {0: 1.0})
+    assert glue.admit([a], 0) == ([], [])
+    assert glue.park_at(0) == (((a.request_id, 96),) if surveyed else ())
+    lone = p["table"].submit([t % 50 + 3 for t in range(200)], {"max_new_tokens": 2}, LIMITS)
+    glue.survey(p["table"].waiting, {0: 1.0})
+    glue.admit([lone], 0)
+    assert glue.park_at(0) == ()

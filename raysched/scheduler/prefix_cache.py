@@ -103,6 +103,8 @@ class PrefixCache:
         if self.index is None:
             return held, None
         for r in _head(waiting):
+            if self.branches is not None and not r.num_generated and not self.branches.knows(r.request_id):
+                self.branches.add(r.request_id, r.prompt_ids)  # a prompt admitted before it sees it
             match = self.index.lookup(r.prompt_ids, touch=False) if not r.num_generated else None
             producer = None if r.num_generated else self._producer_of(r, match.num_tokens if match else 0)
             producer = self._branch_producer(r, match) if producer is None else producer
@@ -163,7 +165,7 @@ class PrefixCache:
         """The worker parking the state at `r`'s branch point for another request, if any."""
         if self.branches is None or r.num_generated or not self._branching:
             return None
-        point, _ = self.branches.find(r.prompt_ids)
+        point, _ = self.branches.find(r.prompt_ids, r.request_id)
         if point < self.index.min_tokens or (match is not None and match.num_tokens >= point):
             return None
         asked = self._branching.get(hash(r.prompt_ids[:point]))

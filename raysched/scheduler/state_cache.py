@@ -329,11 +329,14 @@ class BranchPoints:
     also has, capped to leave it at least one token to feed (a repeated prompt: all but its last
     block, or its last partial one). At least two prompts pass such a point, so a state parked
     there serves a second request; a point no two prompts share is never proposed. A hash
-    collision only proposes a useless point (a restore checks the tokens).
+    collision only proposes a useless point (a restore checks the tokens). Waiting prompts are
+    added as the scheduler looks at its queue (`PrefixCache.survey`), so the first of two
+    prompts is asked for the point when it starts, and the second, still waiting, restores it.
 
-        tree = BranchPoints(grid=64)
+        tree = BranchPoints(grid=32)
         tree.add("a", system + question_a)   # -> (0, None): nothing shared yet
-        tree.add("b", system + question_b)   # -> (256, "a") for a 300-token system prompt
+        tree.add("b", system + question_b)   # -> (288, "a") for a 300-token system prompt
+        tree.add("a", system + question_a)   # -> (288, "b"): "a" again (admitted after "b" came)
     """
 
     def __init__(self, grid: int = GRID_TOKENS, capacity: int = 4096) -> None:
@@ -356,21 +359,29 @@ class BranchPoints:
         return keys
 
     def add(self, request_id: str, prompt: tuple[int, ...]) -> tuple[int, str | None]:
-        """Remember `prompt`; (its branch point with the earlier prompts, the latest earlier
-        request that passes it), or (0, None). A request added before is not added again (and
-        may be its own answer's owner then)."""
+        """Remember `prompt`; (its branch point with the other prompts remembered, the latest
+        other request that passes it, or itself when that one came earlier), or (0, None). A
+        request added before (a waiting one, `knows`) is not added again."""
         keys = self.keys(prompt)
-        found = self._deepest(keys)
+        found = self._deepest(keys, request_id)
         if request_id not in self._ids:
             self._remember(request_id, keys)
         return found
 
-    def find(self, prompt: tuple[int, ...]) -> tuple[int, str | None]:
-        """`add`'s answer for `prompt`, remembering nothing."""
-        return self._deepest(self.keys(prompt))
+    def knows(self, request_id: str) -> bool:
+        return request_id in self._ids
 
-    def _deepest(self, keys: list[int]) -> tuple[int, str | None]:
-        depth = next((k for k in range(len(keys), 0, -1) if keys[k - 1] in self._owner), 0)
+    def find(self, prompt: tuple[int, ...], request_id: str | None = None) -> tuple[int, str | None]:
+        """`add`'s answer for `prompt` (whose own keys, if remembered as `request_id`, do not
+        count), remembering nothing."""
+        return self._deepest(self.keys(prompt), request_id)
+
+    def _deepest(self, keys: list[int], request_id: str | None) -> tuple[int, str | None]:
+        def shared(key: int) -> bool:  # by another prompt than `request_id`'s own
+            entry = self._owner.get(key)
+            return entry is not None and (entry[1] > 1 or entry[0] != request_id)
+
+        depth = next((k for k in range(len(keys), 0, -1) if shared(keys[k - 1])), 0)
         return (depth * self.grid, self._owner[keys[depth - 1]][0]) if depth else (0, None)
 
     def _remember(self, request_id: str, keys: list[int]) -> None:
