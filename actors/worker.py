@@ -46,7 +46,7 @@ class Worker:
         #   copies, until taken or discarded
         self._interrupted = 0  # the `StepPlan.call_id` whose decoding is to end early
         self._joins = JoinBox()  # requests sent to start inside a long call (`join`)
-        self.sinks = Sinks()  # streamed requests' readers: each step's tokens go to them directly
+        self.sinks = Sinks(threaded=True)  # streamed requests' readers: each step's tokens go there
 
     # ------------------------------------------------------------------ queries
     def info(self) -> WorkerInfo:
@@ -137,6 +137,7 @@ class Worker:
                     yield self._piece(joined)
         out.not_admitted.extend(self._joins.close(plan))
         self._park_finished(plan, result)
+        self.sinks.flush()
         self.sinks.keep_only(self.running_ids())
         yield self._result(result, out, time.perf_counter() - t0)
 

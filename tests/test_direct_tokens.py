@@ -103,13 +103,17 @@ class FakeSink:
         self.pushes.append(pieces)
 
 
-def test_a_worker_sends_one_push_per_sink_per_step_with_positions() -> None:
+@pytest.mark.parametrize("threaded", [False, True], ids=["at-once", "sender-thread"])
+def test_a_worker_sends_one_push_per_sink_per_step_with_positions(threaded: bool) -> None:
+    """One push per sink per step, with positions, in order; from the model worker's sender
+    thread too, where `flush` (before a call's reply) returns once every push has gone out."""
     a, b = FakeSink(), FakeSink()
-    sinks = Sinks()
+    sinks = Sinks(threaded=threaded)
     sinks.note_plan(StepPlan(prefill=(PrefillItem("x", (1, 2, 7, 8), 2, {}, a), PrefillItem("y", (1,), 1, {}, a)),
                              sinks=(("z", b, 5),)))
     assert sinks.send({"x": [9], "y": [3], "z": [4], "w": [0]}, {}) == 2
     assert sinks.send({"x": [10], "z": [5]}, {"z": "length"}) == 2
+    sinks.flush()
     assert a.pushes == [{"x": (2, [9], None), "y": (0, [3], None)}, {"x": (3, [10], None)}]
     assert b.pushes == [{"z": (5, [4], None)}, {"z": (6, [5], "length")}]
     sinks.keep_only(["y"])
