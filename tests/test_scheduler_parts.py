@@ -1100,3 +1100,18 @@ def test_the_scheduler_process_collects_less_often_and_records_each_pause():
                          env={k: v for k, v in os.environ.items() if not k.startswith("RAY")})
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["0"] + ["True"] * 7, out.stdout
+
+
+def test_a_reader_is_one_entry_whatever_handle_each_of_its_requests_carries() -> None:
+    """Each request brings its own handle to its reader's sink (deserialized apart: other
+    objects, one actor id). The reader watch pings each reader once and, when it died, aborts
+    every request it reads: grouping or matching by handle identity aborted only one of them.
+    Control: a second reader is its own entry and keeps its request."""
+    table = RequestTable(Counters())
+    handle = lambda actor: type("Handle", (), {"_actor_id": actor})()  # noqa: E731
+    reqs = [table.submit([1, 2], {"max_new_tokens": 2}, LIMITS) for _ in range(3)]
+    for req, actor in zip(reqs, ("a", "a", "b")):
+        table.attach(req, handle(actor), late=False)
+    assert sorted(table.readers()) == ["a", "b"]
+    assert table.read_by("a") == [reqs[0].request_id, reqs[1].request_id]
+    assert table.read_by("b") == [reqs[2].request_id]

@@ -313,17 +313,17 @@ class Scheduler:
         that disconnects does; its workers drop them at their next call."""
         while not self.recovery.closing:
             await asyncio.sleep(READER_CHECK_S)
-            readers = list(self.table.readers().values())
+            readers = self.table.readers()
             if not readers:
                 continue
-            pings = await asyncio.gather(*[sink.__ray_ready__.remote() for sink, _ in readers],
+            pings = await asyncio.gather(*[sink.__ray_ready__.remote() for sink in readers.values()],
                                          return_exceptions=True)
-            for (sink, rids), ping in zip(readers, pings):
+            for key, ping in zip(readers, pings):
                 if isinstance(ping, BaseException) and self.recovery.actors.is_death(ping):
-                    await self._reader_lost(sink, rids)
+                    await self._reader_lost(key)
 
-    async def _reader_lost(self, sink: Any, rids: list[str]) -> None:
-        live = [rid for rid in rids if self.table.sinks.get(rid) is sink]
+    async def _reader_lost(self, key: Any) -> None:
+        live = self.table.read_by(key)
         log.info("the reader of %d request(s) went away (its sink died); aborting them", len(live))
         for rid in live:
             del self.table.sinks[rid]  # (nothing more is sent to it)

@@ -153,12 +153,14 @@ class RequestTable:
             sink.push.remote({rid: (0, list(req.output_ids), None)})
         return sink
 
-    def readers(self) -> dict[Any, tuple[Any, list[str]]]:
-        """The live sinks, one entry per reader: actor id -> (a handle, the ids it reads)."""
-        out: dict[Any, tuple[Any, list[str]]] = {}
-        for rid, sink in self.sinks.items():
-            out.setdefault(getattr(sink, "_actor_id", id(sink)), (sink, []))[1].append(rid)
-        return out
+    def readers(self) -> dict[Any, Any]:
+        """The live sinks, one per reader: its key (`reader_of`) -> a handle to it (each request
+        carries a handle of its own to the same actor)."""
+        return {reader_of(sink): sink for sink in self.sinks.values()}
+
+    def read_by(self, key: Any) -> list[str]:
+        """The ids whose sink is still the reader `key`'s."""
+        return [rid for rid, sink in self.sinks.items() if reader_of(sink) == key]
 
     def status(self, request_id: str) -> str:
         """"live", "ended" (its record is readable), or "unknown" (never here, or long gone)."""
@@ -283,3 +285,8 @@ def ended_by(req: Request) -> str | None:
     if not req.output_ids:
         return None
     return req.sampling.finish_reason(req.output_ids[-1], len(req.output_ids))
+
+
+def reader_of(sink: Any) -> Any:
+    """One key per reader: its sink actor's id (handles to it deserialized apart are other objects)."""
+    return getattr(sink, "_actor_id", None) or id(sink)
