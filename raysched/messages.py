@@ -12,6 +12,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+GRID_TOKENS = 32  # the grid of exact prefix points a worker reports unless it says another
+#   (`WorkerInfo.prefix_grid`; the CPU's, `actors.engine.prefix_grid`)
+
 SNAPSHOT_LOST = "snapshot lost"  # prefix of a `StepResult.resume_failed` reason: recompute, no blame
 
 
@@ -183,5 +186,5 @@ class WorkerInfo:
     kernel: str = ""  # the kernels that decide its bits ("rowdot avx2+fma; mkl <GEMM fingerprint>; aten
     #   AVX2", "cuda"): a request moved between workers that differ here continues up to rounding only
     joins: bool = False  # takes `join` into a long call (`StepPlan.joins`; both workers of this repository do)
-    prefix_grid: int = 32  # its prefill pauses and resumes exactly on multiples of this many tokens
+    prefix_grid: int = GRID_TOKENS  # its prefill pauses and resumes exactly on multiples of this many tokens
     #   (`actors.engine.prefix_grid`): where branch points may be parked (`StepPlan.park_at`)

@@ -33,10 +33,11 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from raysched.messages import GRID_TOKENS  # branch points lie on this grid until the workers say
+#   theirs (`WorkerInfo.prefix_grid`: a multiple of every position-dependent blocking of their
+#   prefill, 32 for every preset on the CPU, the model's scan chunk on a GPU; `PrefixCache.use_grid`)
+
 KINDS = ("chunk", "prompt", "finished")  # a prefill chunk boundary, a prompt's end, a finished turn
-GRID_TOKENS = 32  # branch points are rounded down to this grid until the workers say theirs
-#   (`WorkerInfo.prefix_grid`: a multiple of every position-dependent blocking of their prefill,
-#   32 for every preset on the CPU, the model's scan chunk on a GPU; `PrefixCache.use_grid`)
 
 
 @dataclass(frozen=True)
