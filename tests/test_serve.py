@@ -360,10 +360,14 @@ UNRETRIEVED_WINDOW_S = 5.0  # how long after the aborts the log must stay free o
 
 
 def _unretrieved_in_logs() -> int:
-    """'... exception was never retrieved' lines in this Ray session's logs (the replica's stderr)."""
+    """'... exception was never retrieved' reports in this Ray session's logs (the replica's
+    stderr), but those of Ray Serve's own HTTP entrypoint task, which Ray 2.60 sometimes leaves
+    unretrieved when it cancels a disconnected call (`_call_http_entrypoint` ...
+    TaskCancelledError: seen once in a fresh clone's suite); ours are what this counts."""
     logs = Path(ray._private.worker.global_worker.node.get_logs_dir_path())
-    return sum(p.read_text(errors="replace").count("exception was never retrieved")
-               for p in logs.rglob("*") if p.is_file() and p.suffix in (".err", ".out", ".log"))
+    found = re.compile(r"exception was never retrieved\s*\nfuture: <[^\n]*")
+    return sum(1 for p in logs.rglob("*") if p.is_file() and p.suffix in (".err", ".out", ".log")
+               for m in found.finditer(p.read_text(errors="replace")) if "_call_http_entrypoint" not in m.group(0))
 
 
 def test_client_disconnect_aborts_and_frees_slots(running: Running) -> None:
