@@ -90,8 +90,8 @@ def test_serve_on_a_taken_port_is_one_line_before_ray_starts(tmp_path: Path) -> 
 class Spawned:
     """A raysched command in a session of its own; its stderr is collected as it comes."""
 
-    def __init__(self, args: list[object], home: Path) -> None:
-        self.proc = subprocess.Popen([*RAYSCHED, *map(str, args)], cwd=REPO, env=user_env(home),
+    def __init__(self, args: list[object], home: Path, env: dict[str, str] | None = None) -> None:
+        self.proc = subprocess.Popen([*RAYSCHED, *map(str, args)], cwd=REPO, env={**user_env(home), **(env or {})},
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                      start_new_session=True)
         self.err = self.out = ""
@@ -221,11 +221,15 @@ def test_ray_shutdown_leaves_our_sigterm_handler_in_place(tmp_path: Path) -> Non
 
 def test_sigterm_to_serves_process_group_exits_promptly(tmp_path: Path) -> None:
     """What systemd's KillMode=control-group does: Ray's own processes get the SIGTERM too.
-    Measured on a loaded 2-core box: 11 s (before: 62 s, with GCS errors)."""
+    Measured on a loaded 2-core box: 11 s (before: 62 s, with GCS errors). Before the signal,
+    the server answers a completion with its API key and refuses one without (401).
+    (`test_serve.py::test_raysched_serve_exits_cleanly_on_sigterm`, the signal to the CLI's
+    process alone, is under `slow`.)"""
     config = tmp_path / "serve.yaml"
     config.write_text(TINY)
     port = free_port()
-    server = Spawned(["serve", "--config", config, "--port", port], tmp_path / "home")
+    key = "test-key-sigterm"
+    server = Spawned(["serve", "--config", config, "--port", port], tmp_path / "home", {"RAYSCHED_API_KEY": key})
     try:
         def up() -> bool:  # the banner: what tells a user (or a test) that start-up is over
             try:
@@ -235,6 +239,11 @@ def test_sigterm_to_serves_process_group_exits_promptly(tmp_path: Path) -> None:
                 return server.proc.poll() is not None
         wait_until(up, 300, "raysched serve to print its banner and answer /health")
         assert server.proc.poll() is None, server.err[-3000:]
+        url = f"http://127.0.0.1:{port}/v1/completions"
+        answered = httpx.post(url, json={"prompt": "Hi", "max_tokens": 3},
+                              headers={"Authorization": f"Bearer {key}"}, timeout=60)
+        assert answered.status_code == 200 and answered.json()["usage"]["completion_tokens"] >= 1, answered.text
+        assert httpx.post(url, json={"prompt": "Hi"}, timeout=60).status_code == 401
         sent = server.signal(signal.SIGTERM, group=True)
         out = server.finish()
         took = time.monotonic() - sent

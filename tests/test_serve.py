@@ -647,9 +647,12 @@ def test_scheduler_gone_is_a_503(running: Running) -> None:
         assert http.get(f"{running.server.url}/health").status_code == 503
 
 
+@pytest.mark.slow
 def test_raysched_serve_exits_cleanly_on_sigterm(tmp_path) -> None:
     """The CLI in its own process (own embedded Ray and Serve): answers with the key, then a
-    SIGTERM shuts down Serve, the scheduler and Ray, and the process exits with status 0."""
+    SIGTERM shuts down Serve, the scheduler and Ray, and the process exits with status 0.
+    Under `slow`: the default suite signals the whole process group instead, with the same
+    key checks (`test_cli_user_errors.py::test_sigterm_to_serves_process_group_exits_promptly`)."""
     import os
     import signal
     import subprocess
