@@ -279,10 +279,13 @@ class TestOnCluster:
             assert_idle(client.check_idle())
 
 
+    @pytest.mark.slow
     def test_killed_scheduler_is_restarted_and_run_completes_every_request_once(self):
         """kill_scheduler: the scheduler's process exits mid-run (its workers die with it, their
         owner). Ray restarts it; `run_workload` (what `raysched run` runs) resubmits the pending
-        requests, the restarted scheduler starts new workers and completes each of them once."""
+        requests, the restarted scheduler starts new workers and completes each of them once.
+        Under `slow`: the default suite kills the scheduler under `raysched run` itself
+        (`test_cli_run.py::test_run_survives_the_death_of_its_scheduler`) and under streams (below)."""
         specs = synthetic(31, requests=20, max_new_tokens=(24, 48))
         with serving(config({"force_retract_every": 2}, [kill(0, 6, "kill_scheduler")])) as client:
             report = run_workload(client, specs, progress=False)
@@ -352,11 +355,13 @@ def _waiting_snapshots_by_producer(client: raysched.Client) -> dict[int, int]:
 # ---------------------------------------------------------------------------- small object store
 
 
+@pytest.mark.slow
 def test_a_snapshot_every_call_through_a_small_store_loses_nothing():
     """A local Ray with an 80 MiB store; prompts of several hundred tokens, retracted every call:
     every snapshot is put, fetched across workers and freed, and nothing is lost. (The `tiny`
     snapshots never fill this store; spilling under real pressure is `tests/test_store_pressure.py`,
-    marker `slow`.)"""
+    marker `slow`.) Under `slow`: the default suite retracts every call in the `resume-in-flight`,
+    `in-restore` and `in-restore-cross-node` kill scenarios."""
     specs = synthetic(19, requests=16, prompt_len=(200, 500), max_new_tokens=(16, 32))
     raw = config({"force_retract_every": 1}, pool={"kv_tokens": 2048, "state_slots": 6},
                  object_store_memory=80 << 20)

@@ -22,7 +22,8 @@ import pytest
 
 from raysched.sampling import SamplingParams
 from tests.conftest import reference_tokens, wait_until
-from tests.user_cli import RAYSCHED, REPO, RayHead, free_port, one_line_error, python, raysched, user_env
+from tests.user_cli import (RAYSCHED, REPO, RayHead, first_run_home, free_port, one_line_error, python, raysched,
+                            user_env)
 
 CONFIG = "model: tiny\nworkers: 1\npool: {kv_tokens: 256, state_slots: 4}\n"
 PROMPT, MAX_NEW = [5, 17, 42, 7], 6
@@ -49,7 +50,7 @@ def _answers(url: str, proc: subprocess.Popen) -> bool:
 
 
 def test_readme_long_lived_path_after_an_embedded_run(tmp_path: Path) -> None:
-    home = tmp_path / "home"
+    home = first_run_home(tmp_path / "home")  # rowdot compiled and kernels measured under it
     config = tmp_path / "serve.yaml"
     config.write_text(CONFIG)
     embedded = python("import ray; from raysched.cluster import init_ray\n"
@@ -61,6 +62,7 @@ def test_readme_long_lived_path_after_an_embedded_run(tmp_path: Path) -> None:
         started = raysched("start", "--config", config, "--address", head.address, home=home, timeout_s=240)
         assert started.returncode == 0, started.stderr[-3000:]
         assert "scheduler 'raysched' started" in started.stdout
+        assert list((home / ".cache" / "raysched").glob("kernel-choice-*.json")), "a first run measures its kernels"
         status = raysched("status", "--address", head.address, home=home)
         assert status.returncode == 0 and "worker 0:" in status.stdout, status.stderr[-3000:]
         connected = python(_connect_and_submit(head.address), home)

@@ -9,6 +9,10 @@ The test process's own `ray.init` puts RAY_AUTH_MODE (and more) into its environ
 subprocess that inherited it would hide what a user meets in a new shell, so every RAY_*
 variable is stripped. `RayHead` ends only the processes its own `ray start` began (they share
 one session id): `ray stop` would end every Ray cluster of this user on the machine.
+
+A new home shares this machine's kernel cache (rowdot's compiled builds and the measured kernel
+choice: per machine, not per home), as for a person who ran raysched on it before; a home given
+to `first_run_home` gets its own, as on a machine's first run (the README walk uses one).
 """
 
 from __future__ import annotations
@@ -33,11 +37,26 @@ WORKLOAD_YAML = REPO / "examples" / "workload.yaml"
 STORE_BYTES = 100 << 20  # object store of a test head (the smallest Ray accepts is 75 MiB)
 
 
+_FIRST_RUN_HOMES: set[Path] = set()
+
+
+def first_run_home(home: Path) -> Path:
+    """`home`, for `user_env`, as on a machine where raysched never ran: no kernel cache yet."""
+    _FIRST_RUN_HOMES.add(home.resolve())
+    return home
+
+
 def user_env(home: Path, **extra: str) -> dict[str, str]:
     """This environment as a new shell of a user whose home is `home` would have it: no RAY_*
-    variables, OMP_NUM_THREADS=1 (as in a Ray worker; two threads on a busy 2-core box crawl)."""
+    variables, OMP_NUM_THREADS=1 (as in a Ray worker; two threads on a busy 2-core box crawl),
+    and this machine's kernel cache unless `home` is a `first_run_home` (see the module doc)."""
+    from actors.kernel_choice import cache_file
+
     home.mkdir(parents=True, exist_ok=True)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_") and k != "RAYSCHED_KERNEL_CACHE"}
+    machine_cache = cache_file()
+    if home.resolve() not in _FIRST_RUN_HOMES and machine_cache is not None:
+        env["RAYSCHED_KERNEL_CACHE"] = str(machine_cache.parent)
     env.update(HOME=str(home), OMP_NUM_THREADS="1", PATH=f"{BIN}{os.pathsep}{env.get('PATH', '')}", **extra)
     return env
 
@@ -83,8 +102,10 @@ def session_pids(sid: int) -> list[int]:
     return pids
 
 
-def end_session(sid: int, grace_s: float = 10.0) -> None:
-    """SIGTERM every process of session `sid`, then SIGKILL what is left after `grace_s`."""
+def end_session(sid: int, grace_s: float = 3.0) -> None:
+    """SIGTERM every process of session `sid`, then SIGKILL what is left after `grace_s` (a test
+    head's GCS, raylet and autoscaler take over 10 s to go on SIGTERM alone: their state is
+    thrown away with the head's temp dir)."""
     for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
         for pid in session_pids(sid):
             try:
