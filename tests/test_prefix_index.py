@@ -2,7 +2,9 @@
 
 - Longest match over whole token blocks and point tails; the prompt must extend the point.
 - K/V blocks are stored once and shared by every point that contains them; a point adds only
-  its own state and tail; eviction is LRU over points and a block goes with its last user.
+  its own state and tail; eviction is LRU among points no lookup matched, a block goes with its
+  last user, and matched points outlive a burst of one-off prompts (negative control: plain LRU)
+  up to their share of the budget, beyond which the least recently used is demoted.
 - A point whose blocks are missing (and not offered) is not parked.
 - Branch points (`BranchPoints`): where a prompt leaves an earlier one, rounded down to the grid
   (against a token-by-token reference); every point proposed is passed by two prompts (negative
@@ -374,3 +376,52 @@ def test_the_first_of_a_group_parks_the_branch_point_for_a_second_still_waiting(
     glue.survey(p["table"].waiting, {0: 1.0})
     glue.admit([lone], 0)
     assert glue.park_at(0) == ()
+
+
+def _shared_then_burst(protected_fraction: float) -> tuple[StateCache, tuple[int, ...]]:
+    """A system prompt's point that a request matched, then 20 prompts nobody shares, each
+    parking a point, through a budget of 10 points."""
+    cache = StateCache(budget_bytes=10 * 10, min_tokens=1, protected_fraction=protected_fraction)
+    system = (7,) * 12
+    cache.park(system, "system", 10, "chunk", exact=True)
+    assert cache.lookup(system + (1, 2)).point.ref == "system"  # a follower matched it
+    for i in range(20):
+        cache.park((100 + i,) * 9, f"once{i}", 10, "prompt")
+    return cache, system
+
+
+def test_points_a_request_matched_outlive_a_burst_of_prompts_nobody_shares() -> None:
+    """Eviction by hits and age: the matched point stays while 20 one-off points pass through
+    the budget (the newest of them are kept). Negative control: with no room for matched points
+    (`protected_fraction` 0, plain LRU) the burst evicts it."""
+    cache, system = _shared_then_burst(0.8)
+    assert cache.lookup(system + (3,)).point.ref == "system"
+    assert cache.num_points == 10 and cache.protected_bytes == 10 and cache.bytes == 100
+    assert cache.lookup((119,) * 10).point.ref == "once19" and cache.lookup((100,) * 10) is None
+    lru, system = _shared_then_burst(0.0)
+    assert lru.lookup(system + (3,)) is None and lru.protected_bytes == 0
+
+
+def test_matched_points_beyond_their_share_of_the_budget_are_demoted_oldest_first() -> None:
+    """Points with hits hold at most `protected_fraction` of the budget: past it the least
+    recently used of them loses its hits and joins the others as their newest (a second chance);
+    the oldest without hits goes. The bytes with hits add up after every step (recounted)."""
+    cache = StateCache(budget_bytes=4 * 10, min_tokens=1, protected_fraction=0.5)
+    for i in range(4):
+        cache.park((i,) * 5, f"p{i}", 10, "prompt")
+    for i in (2, 0, 3):  # matched in this order: p2 is the least recently used of them
+        cache.lookup((i,) * 6)
+
+    def hits() -> dict[str, int]:
+        counted = {p.ref: p.hits for p in cache._points.values()}
+        assert cache.protected_bytes == 10 * sum(1 for h in counted.values() if h) <= 20, counted
+        return counted
+
+    _, dropped = cache.park((9,) * 5, "new", 10, "prompt")
+    # 30 bytes with hits > 20: p2 is demoted behind "new"; p1, the oldest without hits, goes
+    assert dropped == ["p1"] and hits() == {"p0": 1, "p3": 1, "new": 0, "p2": 0}
+    _, dropped = cache.park((8,) * 5, "newer", 10, "prompt")
+    assert dropped == ["new"] and hits() == {"p0": 1, "p3": 1, "p2": 0, "newer": 0}
+    assert cache.lookup((2,) * 6).point.ref == "p2"  # its second chance paid: matched again
+    _, dropped = cache.park((6,) * 5, "newest", 10, "prompt")
+    assert dropped == ["newer"] and hits() == {"p3": 1, "p2": 1, "p0": 0, "newest": 0}

@@ -13,7 +13,12 @@ token blocks (a child is found by the exact tuple of its block's tokens), so a l
 node per block of the prompt: its cost grows with the prompt's length, never with the number of
 points kept. Each node keeps its points in a dict keyed by their tail tokens.
 
-Eviction is least recently used over points; a block goes when no kept point uses it. Parked
+Eviction is by hits and age (a segmented LRU): points no lookup has matched since they were
+parked (or since they were demoted) go first, oldest first; points a request matched are kept
+until none of the others is left, or until they hold more than `protected_fraction` of the
+budget, when the least recently used of them is demoted (it joins the others as their newest).
+A burst of prompts nobody shares (each parks points) cannot push out the ones being shared; a
+block goes when no kept point uses it. Parked
 bytes (blocks + points) stay within `budget_bytes`; objects under `inline_limit` (Ray returns
 results that small into the caller's memory, so they live in the scheduler's process) also
 within `inline_budget_bytes`.
@@ -37,6 +42,7 @@ from raysched.messages import GRID_TOKENS  # branch points lie on this grid unti
 #   theirs (`WorkerInfo.prefix_grid`: a multiple of every position-dependent blocking of their
 #   prefill, 32 for every preset on the CPU, the model's scan chunk on a GPU; `PrefixCache.use_grid`)
 
+PROTECTED_FRACTION = 0.8  # of the budget, at most, for points that lookups matched (see the module doc)
 KINDS = ("chunk", "prompt", "finished")  # a prefill chunk boundary, a prompt's end, a finished turn
 
 
@@ -72,6 +78,7 @@ class Point:
     node: "_Node" = field(repr=False, default=None)  # deepest block node (the root if no blocks)
     tail: tuple[int, ...] = ()
     key: int = 0
+    hits: int = 0  # lookups that matched it since it was parked or demoted (0: evicted first)
 
 
 @dataclass(frozen=True)
@@ -122,10 +129,12 @@ class _Node:
 
 
 class StateCache:
-    """Points and blocks in a radix tree of token blocks, LRU over points, bounded in bytes."""
+    """Points and blocks in a radix tree of token blocks, evicted by hits and age (see the
+    module doc), bounded in bytes."""
 
     def __init__(self, budget_bytes: int, min_tokens: int, inline_budget_bytes: int | None = None,
-                 inline_limit: int = 100 * 1024, block_tokens: int = 0) -> None:
+                 inline_limit: int = 100 * 1024, block_tokens: int = 0,
+                 protected_fraction: float = PROTECTED_FRACTION) -> None:
         self.budget_bytes = budget_bytes
         self.min_tokens = min_tokens
         self.block_tokens = block_tokens  # 0: no blocks, every point holds all of its K/V
@@ -133,6 +142,9 @@ class StateCache:
         self.inline_limit = inline_limit
         self.root = _Node(None, (), None)
         self._points: OrderedDict[int, Point] = OrderedDict()  # oldest use first
+        self._unhit: OrderedDict[int, Point] = OrderedDict()  # the points without hits, first to go
+        self.protected_fraction = protected_fraction
+        self.protected_bytes = 0  # bytes of the points with hits
         self._keys = itertools.count()
         self.bytes = self.inline_bytes = 0
         self.num_blocks = 0
@@ -164,6 +176,7 @@ class StateCache:
             return None
         if touch:
             self._points.move_to_end(best.key)
+            self._hit(best)
         return Match(best, tuple(n.block for n in best.node.chain()))
 
     def parked_blocks(self, prompt: tuple[int, ...]) -> int:
@@ -245,6 +258,7 @@ class StateCache:
         for n in chain:
             n.users += 1
         dropped = [self._remove_point(old)] if old is not None else []
+        new.hits = old.hits if old is not None else 0  # the same prefix: its standing carries over
         self._add_point(new)
         for n in chain:
             n.users -= 1
@@ -256,11 +270,25 @@ class StateCache:
         for n in p.node.chain():
             n.users += 1
         self._points[p.key] = p
+        if p.hits:
+            self.protected_bytes += p.nbytes
+        else:
+            self._unhit[p.key] = p
         self._count(p.nbytes, +1)
+
+    def _hit(self, p: Point) -> None:
+        if not p.hits:
+            del self._unhit[p.key]
+            self.protected_bytes += p.nbytes
+        p.hits += 1
 
     def _remove_point(self, p: Point) -> Any:
         """Forget a point; blocks no other point uses go too (their refs are dropped here)."""
         del self._points[p.key]
+        if p.hits:
+            self.protected_bytes -= p.nbytes
+        else:
+            del self._unhit[p.key]
         del p.node.points[p.tail]
         lengths = p.node.tail_lengths
         lengths[len(p.tail)] -= 1
@@ -281,12 +309,33 @@ class StateCache:
     def _evict(self) -> list[Any]:
         dropped = []
         while self._points and (self.bytes > self.budget_bytes or self.inline_bytes > self.inline_budget_bytes):
-            over_inline = self.bytes <= self.budget_bytes
-            oldest = next((p for p in self._points.values() if not over_inline or self._inline(p.nbytes)),
-                          next(iter(self._points.values())))
-            dropped.append(self._remove_point(oldest))
+            self._demote_over_cap()
+            dropped.append(self._remove_point(self._victim(over_inline=self.bytes <= self.budget_bytes)))
             self.evictions += 1
         return dropped
+
+    def _victim(self, over_inline: bool) -> Point:
+        """The point to evict: the oldest without hits, else the least recently used; only
+        small (inline) ones when only the inline budget is exceeded."""
+        fits = (lambda p: self._inline(p.nbytes)) if over_inline else (lambda p: True)
+        for points in (self._unhit, self._points):
+            found = next((p for p in points.values() if fits(p)), None)
+            if found is not None:
+                return found
+        return next(iter(self._points.values()))
+
+    def _demote_over_cap(self) -> None:
+        """Points with hits holding more than `protected_fraction` of the budget: the least
+        recently used of them lose their hits and join the points without as their newest (a
+        second chance, as in a segmented LRU)."""
+        cap = self.protected_fraction * self.budget_bytes
+        for p in self._points.values():  # least recently used first
+            if self.protected_bytes <= cap:
+                return
+            if p.hits:
+                p.hits = 0
+                self.protected_bytes -= p.nbytes
+                self._unhit[p.key] = p
 
     def _inline(self, nbytes: int) -> bool:
         return nbytes < self.inline_limit
@@ -318,7 +367,8 @@ class StateCache:
     def clear(self) -> None:
         self.root = _Node(None, (), None)
         self._points.clear()
-        self.bytes = self.inline_bytes = self.num_blocks = 0
+        self._unhit.clear()
+        self.bytes = self.inline_bytes = self.num_blocks = self.protected_bytes = 0
 
 
 class BranchPoints:
