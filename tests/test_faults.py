@@ -130,7 +130,11 @@ class TestOnCluster:
     def test_killed_worker_loses_no_request_and_no_token(self, name):
         case = SCENARIOS[name]
         specs = synthetic(case.seed, requests=case.requests, max_new_tokens=(24, 48))
-        with serving(config(case.scheduler, case.faults, pool=case.pool)) as client:
+        # No rebalancing: its moves (on by default) take requests off a worker at moments no
+        # scenario schedules, so a kill could meet a worker that had just handed its only requests
+        # over (seen once in CI: `recovered` 0). Kills mid-migration: `tests/test_migration.py`.
+        scheduler = {"rebalance": {"enabled": False}, **case.scheduler}
+        with serving(config(scheduler, case.faults, pool=case.pool)) as client:
             report = run_workload(client, specs, progress=False)
             assert_exactly_once(report, specs)
             summary = report["summary"]
@@ -244,7 +248,7 @@ class TestOnCluster:
         print(f"\nscheduler death noticed by result() and run_workload in {elapsed:.2f} s")
 
     def test_removed_node_loses_no_waiting_snapshot(self, cluster):
-        """Last on the cluster: the node does not come back.
+        """The node does not come back: the tests after it run on the nodes left.
 
         Long requests on small pools: decode overflows and victims wait, snapshotted, for room.
         Once one worker has produced at least two snapshots that still wait, its node is removed
@@ -277,6 +281,11 @@ class TestOnCluster:
             print(f"\nnode removed: {s['snapshots_lost']} waiting snapshot(s) lost and recomputed")
             wait_for_replacements(client, 1)  # on the spare node: the removed one is gone
             assert_idle(client.check_idle())
+        # The tests after this one start actors (a reader's sink needs no resource): until Ray's
+        # health check marks the killed node dead, it may place one there, and that actor dies
+        # unstarted (seen in CI). Leave once the cluster knows the node is gone.
+        wait_until(lambda: not any(n["NodeID"] == victim_node and n["Alive"] for n in ray.nodes()), 120,
+                   "Ray to mark the removed node dead")
 
 
     @pytest.mark.slow
