@@ -590,7 +590,8 @@ class FaultSpec:
     worker's calls.
 
     Inside a call (the worker's process exits there, told by a `FaultPoint` in the call):
-    kill_in_step: in the worker's next call with decode steps, after `after_decode_steps` of them
+    kill_in_step: in the worker's next call with at least `after_decode_steps` decode steps (and
+    one), after that many of them
     (with `pipelined`, in its next pipelined call: one sent before the call ahead of it returned;
     with `folded`, in its next folded call: one that runs its successor's steps too).
     kill_in_retract: in its next retract call, after the

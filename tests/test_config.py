@@ -303,6 +303,24 @@ def test_a_worker_kill_waits_for_a_call_that_leaves_state_on_the_worker() -> Non
     assert injector.due_between_calls(worker=0, call=3, scheduler_calls=8, holding=False) == [cfg.faults[1]]
 
 
+def test_a_kill_in_step_waits_for_a_call_with_its_decode_steps() -> None:
+    """A kill after 2 decode steps of a call does not fire in a call with only one (the worker
+    would die after that one, not where the scenario says: seen in a slow-suite run); it fires
+    in the worker's next call with two or more. Control: after 0 steps, any call with a decode
+    step will do."""
+    from raysched.faults import FaultInjector
+
+    cfg = load_serve_config({"faults": [{"kind": "kill_in_step", "worker": 1, "after_steps": 3,
+                                         "after_decode_steps": 2},
+                                        {"kind": "kill_in_step", "worker": 0, "after_steps": 0}]})
+    injector = FaultInjector(cfg.faults)
+    assert injector.in_step(worker=1, call=3, decode_steps=1, resume_cross_node=None, pipelined=False) is None
+    point = injector.in_step(worker=1, call=4, decode_steps=4, resume_cross_node=None, pipelined=False)
+    assert point is not None and point.after_decode_steps == 2
+    assert injector.in_step(worker=0, call=0, decode_steps=0, resume_cross_node=None, pipelined=False) is None
+    assert injector.in_step(worker=0, call=1, decode_steps=1, resume_cross_node=None, pipelined=False) is not None
+
+
 def test_fault_options_of_another_kind_are_rejected_not_ignored() -> None:
     fault = {"kind": "kill_in_retract", "worker": 0, "after_steps": 1, "after_decode_steps": 2}
     with pytest.raises(ConfigError, match=r"faults\[0\].after_decode_steps applies only to kind kill_in_step, "

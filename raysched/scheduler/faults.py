@@ -59,9 +59,12 @@ class FaultInjector:
     def in_step(self, worker: int, call: int, decode_steps: int, resume_cross_node: bool | None,
                 pipelined: bool, requests: tuple[str, ...] = (), folded: bool = False) -> FaultPoint | None:
         """The fault point of step call number `call`, if one is due there. `resume_cross_node`:
-        whether the call's first snapshot resume comes from another node (None: it has none)."""
+        whether the call's first snapshot resume comes from another node (None: it has none).
+        A kill_in_step waits for a call with at least its `after_decode_steps` decode steps (and
+        one), so that it dies where it says, inside the call."""
         for i, f in self._armed(worker, call):
-            if (f.kind == "kill_in_step" and decode_steps > 0 and (pipelined or not f.pipelined)
+            if (f.kind == "kill_in_step" and decode_steps >= max(1, f.after_decode_steps)
+                    and (pipelined or not f.pipelined)
                     and (folded or not f.folded)) or (
                     f.kind == "kill_in_restore" and resume_cross_node is not None
                     and (resume_cross_node or not f.cross_node)):
