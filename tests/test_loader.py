@@ -143,10 +143,11 @@ def test_a_worker_builds_its_model_without_filling_parameters_it_loads_after():
 import sys, torch
 from actors import model
 from actors.engine import build_engine
+from raysched.sampling import SamplingParams
 {patch}
 engine = build_engine("tiny", kv_tokens=64, state_slots=2)
 assert torch.nn.init.normal_.__module__ == "torch.nn.init"  # put back after the build
-out = engine.generate([[5, 17, 42]], [__import__("raysched.sampling").sampling.SamplingParams(max_new_tokens=4)])
+out = engine.generate([[5, 17, 42]], [SamplingParams(max_new_tokens=4)])
 print("dynamo", "torch._dynamo" in sys.modules, "tokens", out[0])
 """
     filled = "import contextlib; model.unfilled_parameters = contextlib.nullcontext"
