@@ -77,17 +77,18 @@ class Sinks:
         """Push one step's tokens: one `push` per sink; returns how many pushes went out."""
         if not self.by_request:
             return 0
-        batches: dict[int, tuple[Any, dict]] = {}
+        batches: dict[Any, dict] = {}  # by sink: Ray's handles are equal when they name the same
+        #   actor (each plan item brings its own copy of the handle)
         for rid, tokens in new_tokens.items():
             entry = self.by_request.get(rid)
             if entry is None or not tokens:
                 continue
             sink, start = entry
-            batches.setdefault(id(sink), (sink, {}))[1][rid] = (start, list(tokens), finished.get(rid))
+            batches.setdefault(sink, {})[rid] = (start, list(tokens), finished.get(rid))
             entry[1] = start + len(tokens)
             if rid in finished:
                 del self.by_request[rid]
-        for sink, pieces in batches.values():
+        for sink, pieces in batches.items():
             self._push(sink, pieces)
         return len(batches)
 

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -142,6 +143,8 @@ class Client:
         # started now (where Ray runs), so that a first reader finds it running
         self._sink: Any = new_sink(wait=False) if ray.is_initialized() else None
         self._sink_ready = False
+        self._reader: Any = None  # `raysched.sink.SinkReader` of `_sink`, made on the first read
+        self._reader_lock = threading.Lock()
 
     @property
     def sink(self) -> Any:
@@ -154,6 +157,25 @@ class Client:
             ray.get(self._sink.__ray_ready__.remote())
             self._sink_ready = True
         return self._sink
+
+    def read_sink(self, sink: Any, rid: str, cursor: int, wait_s: float) -> tuple[list[int], bool, str | None]:
+        """`TokenSink.next` of `sink`: this client's own is read by its `SinkReader` (one call
+        for all of its streams), another one directly."""
+        if sink is not self._sink:
+            return ray.get(sink.next.remote(rid, cursor, wait_s))
+        with self._reader_lock:  # streams read from many threads
+            if self._reader is None:
+                from raysched.sink import SinkReader
+
+                self._reader = SinkReader(sink)
+        return self._reader.next(rid, cursor, wait_s)
+
+    def forget_stream(self, sink: Any, rid: str) -> None:
+        """The stream of `rid` was read to its end."""
+        if sink is self._sink and self._reader is not None:
+            self._reader.forget(rid)
+        else:
+            sink.forget.remote(rid)
 
     @property
     def scheduler(self) -> Any:
@@ -185,6 +207,8 @@ class Client:
         if isinstance(prompt, str):  # text in: stop at the tokenizer's eos token too
             prompt_ids, params = self.encode(prompt), with_eos_stop(params, self.tokenizer)
         sink = self.sink if stream and self.direct_tokens else None
+        if sink is not None and self._reader is not None and request_id is not None:
+            self._reader.drop(request_id)  # an id used again is read afresh
         rid = self._call("submit", prompt_ids, params, request_id, priority, stream, sink)
         return RequestHandle(self, rid, prompt_ids, params, priority=priority, sink=sink)
 
@@ -266,6 +290,8 @@ class Client:
         `timeout_s`: how long the scheduler may take to end its workers before it is killed."""
         if self._closed:
             return
+        if self._reader is not None:
+            self._reader.close()
         if self._sink is not None:
             _kill_quietly(self._sink)  # this client's readers end with it
         if self.owns_scheduler:
@@ -368,14 +394,14 @@ class RequestHandle:
                 return
         done = False
         while not done:
-            tokens, done, error = ray.get(self.sink.next.remote(self.request_id, len(self.received), SINK_WAIT_S))
+            tokens, done, error = self.client.read_sink(self.sink, self.request_id, len(self.received), SINK_WAIT_S)
             if error:
                 raise RuntimeError(error)
             if not tokens and not done:
                 tokens, done = self._look_for_scheduler()
             self.received.extend(tokens)
             yield tokens, done
-        self.sink.forget.remote(self.request_id)
+        self.client.forget_stream(self.sink, self.request_id)
 
     def _attach(self) -> bool:
         """Have the workers send this request's tokens to `self.sink` from now on; False: it had

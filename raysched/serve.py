@@ -142,11 +142,12 @@ class OpenAIServer:
         self.tokenizer = load_tokenizer(config.model)
         self.metrics = ServeMetrics(described["workers"])
         self.created = int(time.time())
-        from raysched.sink import new_sink
+        from raysched.sink import AsyncSinkReader, new_sink
 
         self.sink = new_sink()  # this replica's `raysched.sink.TokenSink`: workers send streamed
         #   requests' tokens there, past the scheduler (started here, so that no request waits
         #   for it)
+        self.reader = AsyncSinkReader(self.sink)  # every open stream in one long-poll
 
     # ------------------------------------------------------------------ routes
     # GET routes answer HEAD too (the same status and headers; the HTTP server sends no body)
@@ -225,14 +226,14 @@ class OpenAIServer:
         except APIError as err:  # the scheduler died mid-stream: say so in the stream
             yield _sse(err.body())
         finally:
-            self.sink.forget.remote(rid)
+            self.reader.forget(rid)
             if not ended:  # client disconnected (or the stream failed): free the request's slots
                 self._abort(rid)
 
     async def _next_tokens(self, rid: str, cursor: int) -> tuple[list[int], bool]:
         """(tokens after `cursor`, done) from the sink; when it stays quiet, the scheduler is
         asked how the request stands (gone: a 503 in the stream; ended: the rest of its record)."""
-        tokens, done, error = await self.sink.next.remote(rid, cursor, SINK_WAIT_S)
+        tokens, done, error = await self.reader.next(rid, cursor, SINK_WAIT_S)
         if error:
             raise APIError(503, f"the raysched scheduler failed: {error}")
         if tokens or done:

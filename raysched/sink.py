@@ -26,10 +26,13 @@ from its worker as an abort does.
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 FORGOTTEN_KEPT = 4096
+POLL_WAIT_S = 1.0  # a `SinkReader`'s call waits this long for news before it asks again
 Piece = tuple[int, list[int], "str | None"]  # (position of the first token, tokens, finish reason or None)
 
 
@@ -109,6 +112,13 @@ class TokenSink:
         self.forgotten: dict[str, None] = {}  # read to their end (the last FORGOTTEN_KEPT): late
         #   pieces for them are dropped
         self.pushes = 0
+        self.reads = 0  # `next` and `next_many` calls
+        self.version = 0  # counts pushes, ends, opens and pokes: `next_many` returns when it moves
+        self.changed = asyncio.Event()
+
+    def _moved(self) -> None:
+        self.version += 1
+        self.changed.set()
 
     def _get(self, rid: str) -> Received:
         got = self.received.get(rid)
@@ -129,6 +139,7 @@ class TokenSink:
                 self.events[rid].set()
             if got.stopped and not stopped:
                 self._tell_stop(rid, got)
+        self._moved()
 
     def open(self, rid: str, model: Any = None, stop: tuple[str, ...] = (), min_tokens: int = 0,
              scheduler: Any = None) -> None:
@@ -151,6 +162,7 @@ class TokenSink:
         if got.stopped:
             self._tell_stop(rid, got)
             self.events[rid].set()
+            self._moved()
 
     def _tell_stop(self, rid: str, got: Received) -> None:
         if got.scheduler is not None:
@@ -162,10 +174,12 @@ class TokenSink:
             return
         self._get(rid).end(count, reason, error)
         self.events[rid].set()
+        self._moved()
 
     async def next(self, rid: str, cursor: int, wait_s: float) -> tuple[list[int], bool, str | None]:
         """(tokens after `cursor`, done, error), waiting up to `wait_s` for one (nothing new and
         not done after it: ([], False, None), so the reader can look for the scheduler)."""
+        self.reads += 1
         got, event = self._get(rid), self.events.get(rid)
         if len(got.tokens) <= cursor and not got.done:
             event.clear()
@@ -174,6 +188,33 @@ class TokenSink:
             except asyncio.TimeoutError:
                 pass
         return got.tokens[cursor:], got.done, got.error
+
+    async def next_many(self, cursors: dict[str, int], seen: int, wait_s: float) -> tuple[dict, int]:
+        """Many streams in one call (`SinkReader`): ({id: (tokens after its cursor, done, error)}
+        for those with news, the sink's version). Waits up to `wait_s` while none has news and
+        nothing moved since version `seen` (a push for another stream, a `poke`, returns it)."""
+        self.reads += 1
+        news = self._news(cursors)
+        if not news and self.version == seen:
+            self.changed.clear()
+            try:
+                await asyncio.wait_for(self.changed.wait(), wait_s)
+            except asyncio.TimeoutError:
+                pass
+            news = self._news(cursors)
+        return news, self.version
+
+    def _news(self, cursors: dict[str, int]) -> dict[str, tuple[list[int], bool, str | None]]:
+        news = {}
+        for rid, cursor in cursors.items():
+            got = self.received.get(rid)
+            if got is not None and (len(got.tokens) > cursor or got.done):
+                news[rid] = (got.tokens[cursor:], got.done, got.error)
+        return news
+
+    def poke(self) -> None:
+        """A reader has a new stream to read: its `next_many` in flight returns, to ask again."""
+        self._moved()
 
     def history(self, rid: str) -> list[int]:
         return list(self._get(rid).tokens)
@@ -187,8 +228,181 @@ class TokenSink:
             del self.forgotten[next(iter(self.forgotten))]
 
     def stats(self) -> dict:
-        return {"requests": len(self.received), "pushes": self.pushes,
+        return {"requests": len(self.received), "pushes": self.pushes, "reads": self.reads,
                 "mismatches": sum(r.mismatches for r in self.received.values())}
+
+
+class _Mirror:
+    """What a reader process holds of the streams it reads from its sink: each stream's tokens,
+    end and error as the sink had them at its last answer, and that answer's version. The
+    bookkeeping of both readers (no Ray, no waiting)."""
+
+    def __init__(self) -> None:
+        self.streams: dict[str, list] = {}  # id -> [tokens, done, error]
+        self.version = -1
+
+    def open(self, rid: str) -> bool:
+        """Read `rid` from now on; True when it is new (a call in flight does not ask for it)."""
+        if rid in self.streams:
+            return False
+        self.streams[rid] = [[], False, None]
+        return True
+
+    def ask(self) -> tuple[dict[str, int], int]:
+        """The next `TokenSink.next_many`'s cursors and seen version: every live stream."""
+        return {rid: len(got[0]) for rid, got in self.streams.items() if not got[1]}, self.version
+
+    def take(self, cursors: dict[str, int], news: dict, version: int) -> None:
+        self.version = version
+        for rid, (tokens, done, error) in news.items():
+            got = self.streams.get(rid)
+            if got is not None and len(got[0]) == cursors[rid]:  # not forgotten (and reopened) meanwhile
+                got[0].extend(tokens)
+                got[1], got[2] = done, error
+
+    def has_news(self, rid: str, cursor: int) -> bool:
+        got = self.streams.get(rid)
+        return got is None or len(got[0]) > cursor or got[1]
+
+    def answer(self, rid: str, cursor: int) -> tuple[list[int], bool, str | None]:
+        """`TokenSink.next`'s answer from what is held (a forgotten stream: nothing)."""
+        tokens, done, error = self.streams.get(rid, ([], False, None))
+        return tokens[cursor:], done, error
+
+
+class SinkReader:
+    """Every stream a process reads from its sink, in one long-poll (`TokenSink.next_many`) made
+    by one thread, instead of a call per stream per step: with 16 streams a step costs the sink
+    and the reader one round trip, not 16. `next` has `TokenSink.next`'s answer; a stream is read
+    from its first `next` until `forget`. A failed call (the sink died) is raised to every
+    reader. `AsyncSinkReader` is the same for an asyncio process."""
+
+    def __init__(self, sink: Any) -> None:
+        self.sink = sink
+        self.mirror = _Mirror()
+        self._cond = threading.Condition()
+        self._waiting = 0
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    def next(self, rid: str, cursor: int, wait_s: float) -> tuple[list[int], bool, str | None]:
+        """(tokens after `cursor`, done, error), waiting up to `wait_s` for one."""
+        deadline = time.monotonic() + wait_s
+        with self._cond:
+            if self.mirror.open(rid):
+                self.sink.poke.remote()
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="raysched-sink-reader", daemon=True)
+                self._thread.start()
+            self._waiting += 1
+            self._cond.notify_all()
+            try:
+                while not self.mirror.has_news(rid, cursor) and self._error is None:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        break
+                    self._cond.wait(left)
+            finally:
+                self._waiting -= 1
+            if self._error is not None:
+                raise self._error
+            return self.mirror.answer(rid, cursor)
+
+    def forget(self, rid: str) -> None:
+        """Done with `rid` (the sink forgets it too)."""
+        self.drop(rid)
+        self.sink.forget.remote(rid)
+
+    def drop(self, rid: str) -> None:
+        """Forget what is held of `rid` here (an id submitted again is read afresh)."""
+        with self._cond:
+            self.mirror.streams.pop(rid, None)
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    def _run(self) -> None:
+        import ray
+
+        while True:
+            with self._cond:
+                while not self._waiting and not self._closed:
+                    self._cond.wait()
+                if self._closed:
+                    return
+                cursors, seen = self.mirror.ask()
+            try:
+                news, version = ray.get(self.sink.next_many.remote(cursors, seen, POLL_WAIT_S))
+            except BaseException as err:  # the sink is gone: every reader hears it
+                with self._cond:
+                    self._error = err
+                    self._cond.notify_all()
+                return
+            with self._cond:
+                self.mirror.take(cursors, news, version)
+                self._cond.notify_all()
+
+
+class AsyncSinkReader:
+    """`SinkReader` in an asyncio process (the HTTP server's replica): one task polls the sink
+    for every stream its handlers read."""
+
+    def __init__(self, sink: Any) -> None:
+        self.sink = sink
+        self.mirror = _Mirror()
+        self._waiting = 0
+        self._wanted = asyncio.Event()  # some handler waits
+        self._answered = asyncio.Event()  # set, then replaced, at each answer
+        self._error: BaseException | None = None
+        self._task: asyncio.Task | None = None
+
+    async def next(self, rid: str, cursor: int, wait_s: float) -> tuple[list[int], bool, str | None]:
+        """(tokens after `cursor`, done, error), waiting up to `wait_s` for one."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait_s
+        if self.mirror.open(rid):
+            self.sink.poke.remote()
+        if self._task is None:
+            self._task = loop.create_task(self._run())
+        self._waiting += 1
+        self._wanted.set()
+        try:
+            while not self.mirror.has_news(rid, cursor) and self._error is None:
+                left = deadline - loop.time()
+                if left <= 0:
+                    break
+                try:
+                    await asyncio.wait_for(self._answered.wait(), left)
+                except asyncio.TimeoutError:
+                    break
+        finally:
+            self._waiting -= 1
+        if self._error is not None:
+            raise self._error
+        return self.mirror.answer(rid, cursor)
+
+    def forget(self, rid: str) -> None:
+        self.mirror.streams.pop(rid, None)
+        self.sink.forget.remote(rid)
+
+    async def _run(self) -> None:
+        while True:
+            while not self._waiting:
+                self._wanted.clear()
+                await self._wanted.wait()
+            cursors, seen = self.mirror.ask()
+            try:
+                news, version = await self.sink.next_many.remote(cursors, seen, POLL_WAIT_S)
+            except Exception as err:  # the sink is gone: every handler hears it
+                self._error = err
+                self._answered.set()
+                return
+            self.mirror.take(cursors, news, version)
+            answered, self._answered = self._answered, asyncio.Event()
+            answered.set()
 
 
 def new_sink(wait: bool = True) -> Any:

@@ -95,9 +95,21 @@ def test_a_sink_ended_by_count_waits_for_the_rest_and_ignores_more() -> None:
 
 
 class FakeSink:
-    def __init__(self) -> None:
-        self.pushes: list[dict] = []
+    """A sink handle; its copies (as each plan item brings one) are equal to it, as Ray's handles
+    of one actor are, and share its pushes."""
+
+    def __init__(self, pushes: list | None = None) -> None:
+        self.pushes: list[dict] = [] if pushes is None else pushes
         self.push = self
+
+    def copy(self) -> "FakeSink":
+        return FakeSink(self.pushes)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, FakeSink) and other.pushes is self.pushes
+
+    def __hash__(self) -> int:
+        return id(self.pushes)
 
     def remote(self, pieces: dict) -> None:
         self.pushes.append(pieces)
@@ -105,11 +117,12 @@ class FakeSink:
 
 @pytest.mark.parametrize("threaded", [False, True], ids=["at-once", "sender-thread"])
 def test_a_worker_sends_one_push_per_sink_per_step_with_positions(threaded: bool) -> None:
-    """One push per sink per step, with positions, in order; from the model worker's sender
+    """One push per sink per step, with positions, in order, also when the plan's items bring
+    copies of one sink's handle (Ray deserialises one per item); from the model worker's sender
     thread too, where `flush` (before a call's reply) returns once every push has gone out."""
     a, b = FakeSink(), FakeSink()
     sinks = Sinks(threaded=threaded)
-    sinks.note_plan(StepPlan(prefill=(PrefillItem("x", (1, 2, 7, 8), 2, {}, a), PrefillItem("y", (1,), 1, {}, a)),
+    sinks.note_plan(StepPlan(prefill=(PrefillItem("x", (1, 2, 7, 8), 2, {}, a), PrefillItem("y", (1,), 1, {}, a.copy())),
                              sinks=(("z", b, 5),)))
     assert sinks.send({"x": [9], "y": [3], "z": [4], "w": [0]}, {}) == 2
     assert sinks.send({"x": [10], "z": [5]}, {"z": "length"}) == 2
@@ -297,3 +310,42 @@ def test_a_reader_that_goes_away_aborts_its_requests() -> None:
     assert kept_record["token_ids"] == reference(kept, [4, 4, 2], 200)
     assert stats["readers_lost"] == 1 and stats["aborted"] == 1, stats
     assert idle["tables"]["requests"] == 0
+
+
+def test_a_client_reads_all_its_streams_in_one_call_per_step() -> None:
+    """A client's streams are read by one long-poll for all of them (`raysched.sink.SinkReader`),
+    not a call per stream per step: 8 streams of 60 tokens, read in 8 threads, cost the client's
+    sink far fewer reads than tokens, and each stream has the tokens of an uninterrupted run.
+    Negative control: the same kind of requests read through a sink that is not the client's own
+    (`TokenSink.next` per stream, as before) cost several times as many reads."""
+    import raysched
+    from raysched.client import RequestHandle
+    from raysched.sink import new_sink
+
+    streams, max_new = 8, 60
+    client = raysched.launch(sim_config(workers=1, pool={"kv_tokens": 4096, "state_slots": streams}))
+    try:
+        handles = [client.submit([6, 1, i], {"max_new_tokens": max_new}, stream=True) for i in range(streams)]
+        readers = [Reader(h) for h in handles]
+        for r in readers:
+            r.thread.join(120)
+        own = ray.get(client.sink.stats.remote())
+        other = new_sink()
+        ids = [client._call("submit", [6, 2, i], {"max_new_tokens": max_new}, None, 0, True, other)
+               for i in range(streams)]
+        controls = [Reader(RequestHandle(client, rid, [6, 2, i], {"max_new_tokens": max_new}, sink=other))
+                    for i, rid in enumerate(ids)]
+        for r in controls:
+            r.thread.join(120)
+        theirs = ray.get(other.stats.remote())
+    finally:
+        client.shutdown()
+    for h, r in zip(handles, readers):
+        assert r.error is None and r.tokens == reference(h.request_id, [6, 1, int(h.prompt_ids[-1])], max_new)
+    for i, (rid, r) in enumerate(zip(ids, controls)):
+        assert r.error is None and r.tokens == reference(rid, [6, 2, i], max_new)
+    print(f"\nreads of the sink for {streams} streams x {max_new} tokens: one long-poll {own['reads']}, "
+          f"a call per stream {theirs['reads']}")
+    assert own["reads"] < streams * max_new / 3, own
+    assert own["pushes"] < 2 * max_new, own  # one per step for all 8 (each brought its own handle copy)
+    assert theirs["reads"] >= 3 * own["reads"], (own, theirs)  # negative control
