@@ -5,8 +5,10 @@ its handle comes with the request in the step plan (`PrefillItem.sink`, `StepPla
 each step the worker sends every sink the step's tokens of its requests in one fire-and-forget
 `push` (with each request's position, so the sink takes each token once), without waiting for
 the scheduler, from a sender thread of its own (so the Ray call costs the step nothing: 0.868 ->
-0.948-0.975 of the bare engine's tokens/s with streamed reads, `bench overhead`); a call's reply
-waits until its pushes went out. Both workers (`actors.worker`, `actors.sim`) use this table.
+0.948-0.975 of the bare engine's tokens/s with streamed reads, `bench overhead`); steps queued
+while a push was going out go out as one push; a call's reply waits until its pushes went out.
+A plan's items each bring their own copy of a sink's handle: pushes are grouped by the actor
+the handles name (Ray's handles of one actor are equal). Both workers (`actors.worker`, `actors.sim`) use this table.
 
     sinks = Sinks()
     sinks.note_plan(plan)                                 # at the start of a step call
@@ -45,12 +47,21 @@ class Sinks:
         self._out.put((sink, pieces))
 
     def _send_loop(self) -> None:
+        """Send what is queued; steps queued while a push was going out (steps shorter than a
+        push: a small model, a GPU) go out together, one push per sink (`merge_pushes`)."""
         while True:
-            sink, pieces = self._out.get()
+            batch = [self._out.get()]
+            while True:
+                try:
+                    batch.append(self._out.get_nowait())
+                except queue.Empty:
+                    break
             try:
-                sink.push.remote(pieces)
+                for sink, pieces in merge_pushes(batch):
+                    sink.push.remote(pieces)
             finally:
-                self._out.task_done()
+                for _ in batch:
+                    self._out.task_done()
 
     def flush(self) -> None:
         """Return once every push queued so far has gone out (a call's reply waits for it)."""
@@ -97,3 +108,23 @@ class Sinks:
         live = set(live)
         for rid in [rid for rid in self.by_request if rid not in live]:
             del self.by_request[rid]
+
+
+def merge_pushes(batch: list[tuple[Any, dict]]) -> list[tuple[Any, dict]]:
+    """Consecutive pushes to one sink as one: a request's pieces that follow each other join
+    (positions contiguous, the earlier not its end); any other piece starts another push."""
+    merged: dict[Any, list[dict]] = {}
+    for sink, pieces in batch:
+        parts = merged.setdefault(sink, [{}])
+        last = parts[-1]
+        if not all(_follows(last.get(rid), piece) for rid, piece in pieces.items()):
+            last = {}
+            parts.append(last)
+        for rid, (start, tokens, reason) in pieces.items():
+            prev = last.get(rid)
+            last[rid] = (start, list(tokens), reason) if prev is None else (prev[0], prev[1] + list(tokens), reason)
+    return [(sink, part) for sink, parts in merged.items() for part in parts if part]
+
+
+def _follows(prev: tuple | None, piece: tuple) -> bool:
+    return prev is None or (prev[2] is None and prev[0] + len(prev[1]) == piece[0])

@@ -125,6 +125,7 @@ def test_a_worker_sends_one_push_per_sink_per_step_with_positions(threaded: bool
     sinks.note_plan(StepPlan(prefill=(PrefillItem("x", (1, 2, 7, 8), 2, {}, a), PrefillItem("y", (1,), 1, {}, a.copy())),
                              sinks=(("z", b, 5),)))
     assert sinks.send({"x": [9], "y": [3], "z": [4], "w": [0]}, {}) == 2
+    sinks.flush()  # (else the sender thread may merge the two steps: the test below)
     assert sinks.send({"x": [10], "z": [5]}, {"z": "length"}) == 2
     sinks.flush()
     assert a.pushes == [{"x": (2, [9], None), "y": (0, [3], None)}, {"x": (3, [10], None)}]
@@ -349,3 +350,41 @@ def test_a_client_reads_all_its_streams_in_one_call_per_step() -> None:
     assert own["reads"] < streams * max_new / 3, own
     assert own["pushes"] < 2 * max_new, own  # one per step for all 8 (each brought its own handle copy)
     assert theirs["reads"] >= 3 * own["reads"], (own, theirs)  # negative control
+
+
+def test_steps_queued_behind_a_slow_push_go_out_as_one_push() -> None:
+    """The sender thread merges what queued up while a push was going out (steps shorter than a
+    push): one push per sink, each request's pieces joined in order, its end kept; a piece that
+    does not follow on (a gap) starts another push. Control: sent at once (no sender thread),
+    each step is a push of its own."""
+    from actors.sinks import merge_pushes
+
+    gate, entered = threading.Event(), threading.Event()
+
+    class SlowSink(FakeSink):
+        def remote(self, pieces: dict) -> None:
+            entered.set()
+            gate.wait(10)
+            super().remote(pieces)
+
+    for threaded in (True, False):
+        gate.clear()
+        sink = SlowSink()
+        sinks = Sinks(threaded=threaded)
+        sinks.note_plan(StepPlan(prefill=(PrefillItem("x", (1, 2), 2, {}, sink), PrefillItem("y", (1,), 1, {}, sink))))
+        if not threaded:
+            gate.set()
+        for step in range(4):  # the first push blocks (threaded): the next three queue behind it
+            sinks.send({"x": [10 + step], "y": [20 + step]}, {"y": "length"} if step == 3 else {})
+            if step == 0:
+                assert entered.wait(10)
+        gate.set()
+        sinks.flush()
+        if threaded:
+            assert sink.pushes == [{"x": (0, [10], None), "y": (0, [20], None)},
+                                   {"x": (1, [11, 12, 13], None), "y": (1, [21, 22, 23], "length")}]
+        else:  # control
+            assert len(sink.pushes) == 4
+    a = FakeSink()
+    assert merge_pushes([(a, {"x": (0, [1], None)}), (a, {"x": (3, [4], None)})]) == \
+        [(a, {"x": (0, [1], None)}), (a, {"x": (3, [4], None)})]  # a gap: two pushes
