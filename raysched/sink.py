@@ -365,7 +365,7 @@ class AsyncSinkReader:
         deadline = loop.time() + wait_s
         if self.mirror.open(rid):
             self.sink.poke.remote()
-        if self._task is None:
+        if self._task is None or (self._task.done() and self._error is None):  # (ended by a bug: again)
             self._task = loop.create_task(self._run())
         self._waiting += 1
         self._wanted.set()
