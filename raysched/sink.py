@@ -26,8 +26,8 @@ from its worker as an abort does.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import threading
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -235,7 +235,7 @@ class TokenSink:
 class _Mirror:
     """What a reader process holds of the streams it reads from its sink: each stream's tokens,
     end and error as the sink had them at its last answer, and that answer's version. The
-    bookkeeping of both readers (no Ray, no waiting)."""
+    bookkeeping of `AsyncSinkReader` (no Ray, no waiting)."""
 
     def __init__(self) -> None:
         self.streams: dict[str, list] = {}  # id -> [tokens, done, error]
@@ -270,85 +270,12 @@ class _Mirror:
         return tokens[cursor:], done, error
 
 
-class SinkReader:
-    """Every stream a process reads from its sink, in one long-poll (`TokenSink.next_many`) made
-    by one thread, instead of a call per stream per step: with 16 streams a step costs the sink
-    and the reader one round trip, not 16. `next` has `TokenSink.next`'s answer; a stream is read
-    from its first `next` until `forget`. A failed call (the sink died) is raised to every
-    reader. `AsyncSinkReader` is the same for an asyncio process."""
-
-    def __init__(self, sink: Any) -> None:
-        self.sink = sink
-        self.mirror = _Mirror()
-        self._cond = threading.Condition()
-        self._waiting = 0
-        self._error: BaseException | None = None
-        self._thread: threading.Thread | None = None
-        self._closed = False
-
-    def next(self, rid: str, cursor: int, wait_s: float) -> tuple[list[int], bool, str | None]:
-        """(tokens after `cursor`, done, error), waiting up to `wait_s` for one."""
-        deadline = time.monotonic() + wait_s
-        with self._cond:
-            if self.mirror.open(rid):
-                self.sink.poke.remote()
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="raysched-sink-reader", daemon=True)
-                self._thread.start()
-            self._waiting += 1
-            self._cond.notify_all()
-            try:
-                while not self.mirror.has_news(rid, cursor) and self._error is None:
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        break
-                    self._cond.wait(left)
-            finally:
-                self._waiting -= 1
-            if self._error is not None:
-                raise self._error
-            return self.mirror.answer(rid, cursor)
-
-    def forget(self, rid: str) -> None:
-        """Done with `rid` (the sink forgets it too)."""
-        self.drop(rid)
-        self.sink.forget.remote(rid)
-
-    def drop(self, rid: str) -> None:
-        """Forget what is held of `rid` here (an id submitted again is read afresh)."""
-        with self._cond:
-            self.mirror.streams.pop(rid, None)
-
-    def close(self) -> None:
-        with self._cond:
-            self._closed = True
-            self._cond.notify_all()
-
-    def _run(self) -> None:
-        import ray
-
-        while True:
-            with self._cond:
-                while not self._waiting and not self._closed:
-                    self._cond.wait()
-                if self._closed:
-                    return
-                cursors, seen = self.mirror.ask()
-            try:
-                news, version = ray.get(self.sink.next_many.remote(cursors, seen, POLL_WAIT_S))
-            except BaseException as err:  # the sink is gone: every reader hears it
-                with self._cond:
-                    self._error = err
-                    self._cond.notify_all()
-                return
-            with self._cond:
-                self.mirror.take(cursors, news, version)
-                self._cond.notify_all()
-
-
 class AsyncSinkReader:
-    """`SinkReader` in an asyncio process (the HTTP server's replica): one task polls the sink
-    for every stream its handlers read."""
+    """Every stream a process reads from its sink, in one long-poll (`TokenSink.next_many`) made
+    by one task, instead of a call per stream per step: with 16 streams a step costs the sink and
+    the reader one round trip, not 16. Used as it is by an asyncio reader (the HTTP server's
+    replica), through `SinkReader` by a threaded one (a `Client`). A failed call (the sink died)
+    is raised to every reader."""
 
     def __init__(self, sink: Any) -> None:
         self.sink = sink
@@ -388,6 +315,17 @@ class AsyncSinkReader:
         self.mirror.streams.pop(rid, None)
         self.sink.forget.remote(rid)
 
+    async def close(self) -> None:
+        """End the poll task; readers still waiting raise."""
+        self._error = self._error or RuntimeError("the reader's client was shut down")
+        self._answered.set()
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+            try:
+                await self._task
+            except (asyncio.CancelledError, Exception):  # noqa: BLE001 - it is over either way
+                pass
+
     async def _run(self) -> None:
         while True:
             while not self._waiting:
@@ -403,6 +341,45 @@ class AsyncSinkReader:
             self.mirror.take(cursors, news, version)
             answered, self._answered = self._answered, asyncio.Event()
             answered.set()
+
+
+class SinkReader:
+    """`AsyncSinkReader` for a threaded reader (a `Client`, whose streams are read from any
+    thread): its poll task runs on an event loop of its own, in one daemon thread. `next` has
+    `TokenSink.next`'s answer; a stream is read from its first `next` until `forget`."""
+
+    def __init__(self, sink: Any) -> None:
+        self.reader = AsyncSinkReader(sink)
+        self._loop = asyncio.new_event_loop()
+        threading.Thread(target=self._loop.run_forever, name="raysched-sink-reader", daemon=True).start()
+        atexit.register(_close, self._loop, self.reader)  # (a client dropped without shutdown: its
+        #   loop runs on, and its pending task would be reported at exit)
+
+    def next(self, rid: str, cursor: int, wait_s: float) -> tuple[list[int], bool, str | None]:
+        """(tokens after `cursor`, done, error), waiting up to `wait_s` for one."""
+        return asyncio.run_coroutine_threadsafe(self.reader.next(rid, cursor, wait_s), self._loop).result()
+
+    def forget(self, rid: str) -> None:
+        """Done with `rid` (the sink forgets it too)."""
+        self._loop.call_soon_threadsafe(self.reader.forget, rid)
+
+    def drop(self, rid: str) -> None:
+        """Forget what is held of `rid` here (an id submitted again is read afresh)."""
+        self._loop.call_soon_threadsafe(self.reader.mirror.streams.pop, rid, None)
+
+    def close(self) -> None:
+        """Readers still waiting raise; then the loop ends."""
+        _close(self._loop, self.reader)
+
+
+def _close(loop: asyncio.AbstractEventLoop, reader: AsyncSinkReader, timeout_s: float = 2.0) -> None:
+    if not loop.is_running():
+        return
+    try:
+        asyncio.run_coroutine_threadsafe(reader.close(), loop).result(timeout_s)
+    except Exception:  # noqa: BLE001 - closing regardless
+        pass
+    loop.call_soon_threadsafe(loop.stop)
 
 
 def new_sink(wait: bool = True) -> Any:
