@@ -8,7 +8,8 @@ the scheduler, from a sender thread of its own (so the Ray call costs the step n
 0.948-0.975 of the bare engine's tokens/s with streamed reads, `bench overhead`); steps queued
 while a push was going out go out as one push; a call's reply waits until its pushes went out.
 A plan's items each bring their own copy of a sink's handle: pushes are grouped by the actor
-the handles name (Ray's handles of one actor are equal). Both workers (`actors.worker`, `actors.sim`) use this table.
+the handles name (Ray's handles of one actor are equal). Both workers (`actors.worker`,
+`actors.sim`) use this table.
 
     sinks = Sinks()
     sinks.note_plan(plan)                                 # at the start of a step call
