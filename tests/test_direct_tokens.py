@@ -349,7 +349,7 @@ def test_a_client_reads_all_its_streams_in_one_call_per_step() -> None:
           f"a call per stream {theirs['reads']}")
     assert own["reads"] < streams * max_new / 3, own
     assert own["pushes"] < 2 * max_new, own  # one per step for all 8 (each brought its own handle copy)
-    assert theirs["reads"] >= 3 * own["reads"], (own, theirs)  # negative control
+    assert theirs["reads"] >= 2 * own["reads"], (own, theirs)  # negative control (8x here)
 
 
 def test_steps_queued_behind_a_slow_push_go_out_as_one_push() -> None:
