@@ -114,6 +114,8 @@ class Sinks:
 def merge_pushes(batch: list[tuple[Any, dict]]) -> list[tuple[Any, dict]]:
     """Consecutive pushes to one sink as one: a request's pieces that follow each other join
     (positions contiguous, the earlier not its end); any other piece starts another push."""
+    if len(batch) == 1:  # (the usual case: the sender kept up)
+        return batch
     merged: dict[Any, list[dict]] = {}
     for sink, pieces in batch:
         parts = merged.setdefault(sink, [{}])

@@ -108,12 +108,11 @@ class TokenSink:
 
     def __init__(self) -> None:
         self.received: dict[str, Received] = {}
-        self.events: dict[str, asyncio.Event] = {}
         self.forgotten: dict[str, None] = {}  # read to their end (the last FORGOTTEN_KEPT): late
         #   pieces for them are dropped
         self.pushes = 0
         self.reads = 0  # `next` and `next_many` calls
-        self.version = 0  # counts pushes, ends, opens and pokes: `next_many` returns when it moves
+        self.version = 0  # counts pushes, ends, opens and pokes: waiting reads wake when it moves
         self.changed = asyncio.Event()
 
     def _moved(self) -> None:
@@ -124,7 +123,6 @@ class TokenSink:
         got = self.received.get(rid)
         if got is None:
             got = self.received[rid] = Received()
-            self.events[rid] = asyncio.Event()
         return got
 
     def push(self, pieces: dict[str, Piece]) -> None:
@@ -135,8 +133,7 @@ class TokenSink:
                 continue
             got = self._get(rid)
             stopped = got.stopped
-            if got.add(start, tokens, reason):
-                self.events[rid].set()
+            got.add(start, tokens, reason)
             if got.stopped and not stopped:
                 self._tell_stop(rid, got)
         self._moved()
@@ -161,7 +158,6 @@ class TokenSink:
         got.watch(require_tokenizer(model).text_stream(list(stop), min_tokens))
         if got.stopped:
             self._tell_stop(rid, got)
-            self.events[rid].set()
             self._moved()
 
     def _tell_stop(self, rid: str, got: Received) -> None:
@@ -173,20 +169,17 @@ class TokenSink:
         if rid in self.forgotten:
             return
         self._get(rid).end(count, reason, error)
-        self.events[rid].set()
         self._moved()
 
     async def next(self, rid: str, cursor: int, wait_s: float) -> tuple[list[int], bool, str | None]:
         """(tokens after `cursor`, done, error), waiting up to `wait_s` for one (nothing new and
         not done after it: ([], False, None), so the reader can look for the scheduler)."""
         self.reads += 1
-        got, event = self._get(rid), self.events.get(rid)
-        if len(got.tokens) <= cursor and not got.done:
-            event.clear()
-            try:
-                await asyncio.wait_for(event.wait(), wait_s)
-            except asyncio.TimeoutError:
-                pass
+        got = self._get(rid)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait_s
+        while len(got.tokens) <= cursor and not got.done and deadline > loop.time():
+            await self._moves_within(deadline - loop.time())
         return got.tokens[cursor:], got.done, got.error
 
     async def next_many(self, cursors: dict[str, int], seen: int, wait_s: float) -> tuple[dict, int]:
@@ -196,13 +189,17 @@ class TokenSink:
         self.reads += 1
         news = self._news(cursors)
         if not news and self.version == seen:
-            self.changed.clear()
-            try:
-                await asyncio.wait_for(self.changed.wait(), wait_s)
-            except asyncio.TimeoutError:
-                pass
+            await self._moves_within(wait_s)
             news = self._news(cursors)
         return news, self.version
+
+    async def _moves_within(self, wait_s: float) -> None:
+        """Return when the version next moves, or after `wait_s`."""
+        self.changed.clear()
+        try:
+            await asyncio.wait_for(self.changed.wait(), wait_s)
+        except asyncio.TimeoutError:
+            pass
 
     def _news(self, cursors: dict[str, int]) -> dict[str, tuple[list[int], bool, str | None]]:
         news = {}
@@ -222,7 +219,6 @@ class TokenSink:
     def forget(self, rid: str) -> None:
         """The reader is done with `rid`."""
         self.received.pop(rid, None)
-        self.events.pop(rid, None)
         self.forgotten[rid] = None
         while len(self.forgotten) > FORGOTTEN_KEPT:
             del self.forgotten[next(iter(self.forgotten))]
@@ -312,8 +308,13 @@ class AsyncSinkReader:
         return self.mirror.answer(rid, cursor)
 
     def forget(self, rid: str) -> None:
-        self.mirror.streams.pop(rid, None)
+        """Done with `rid` (the sink forgets it too)."""
+        self.drop(rid)
         self.sink.forget.remote(rid)
+
+    def drop(self, rid: str) -> None:
+        """Forget what is held of `rid` here (an id submitted again is read afresh)."""
+        self.mirror.streams.pop(rid, None)
 
     async def close(self) -> None:
         """End the poll task; readers still waiting raise."""
@@ -365,7 +366,7 @@ class SinkReader:
 
     def drop(self, rid: str) -> None:
         """Forget what is held of `rid` here (an id submitted again is read afresh)."""
-        self._loop.call_soon_threadsafe(self.reader.mirror.streams.pop, rid, None)
+        self._loop.call_soon_threadsafe(self.reader.drop, rid)
 
     def close(self) -> None:
         """Readers still waiting raise; then the loop ends."""
