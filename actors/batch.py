@@ -104,12 +104,16 @@ class Segment:
     Its `rows` (L of them) are the sequence's next L tokens, after `start` earlier ones whose
     state is in the pool (conv/SSM state at `mamba_slot`; K/V at the first `start` entries of
     `context_slots`, (start + L,), the new tokens' slots last; None for a fresh sequence).
+    With a `trail` list, every scan over its rows (conv, SSD, delta rule) appends its `Marks`
+    there (the states at its chunk starts, which it computes anyway), layer by layer in model
+    order, each layer's in its kind's state order (`actors.layers.KindSpec.state`).
     """
 
     rows: slice
     mamba_slot: int
     start: int = 0
     context_slots: torch.Tensor | None = None
+    trail: list | None = None
 
 
 @dataclass
@@ -122,6 +126,8 @@ class ForwardBatch:
     mamba_slots: torch.Tensor  # (B,) int64: Mamba pool slot of each sequence
     kv_slots: list[torch.Tensor] | None = None  # (S_i + L_i,) int64 token slots per sequence
     table: KVTable | None = None  # decode: kv_slots in chunks (built from kv_slots when None)
+    trails: list[list | None] | None = None  # prefill: per sequence, a list its scans' `Marks`
+    #   go to (`Segment.trail`), or None: keep nothing
 
     @property
     def batch_size(self) -> int:
@@ -136,9 +142,10 @@ class ForwardBatch:
         """A prefill batch's sequences (built once per batch, shared by every layer)."""
         mamba = self.mamba_slots.tolist()
         context = self.kv_slots or [None] * self.batch_size
+        trails = self.trails or [None] * self.batch_size
         out, at = [], 0
-        for n, slot, ctx in zip(self.seq_lens, mamba, context):
-            out.append(Segment(slice(at, at + n), slot, 0 if ctx is None else ctx.shape[0] - n, ctx))
+        for n, slot, ctx, trail in zip(self.seq_lens, mamba, context, trails):
+            out.append(Segment(slice(at, at + n), slot, 0 if ctx is None else ctx.shape[0] - n, ctx, trail))
             at += n
         return out
 

@@ -25,6 +25,7 @@ Request states:
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -131,6 +132,10 @@ class Engine:
         #   for a request not running here yet, and (start, end, history hash) per block received
         self.record_logits = record_logits
         self.logits: dict[str, list[torch.Tensor]] = {}  # filled only when record_logits
+        self.trail_calls = 0  # > 0: keep the scan states of the last this many prefill calls
+        self.trail_min_tokens = 0  # (of exact sequences with prompts this long) for `state_at`
+        self._trails: deque[dict[str, Trail]] = deque()
+        self._trail_parts = _trail_parts(config)
 
     # ------------------------------------------------------------------ capacity
     def usage(self) -> Usage:
@@ -185,8 +190,11 @@ class Engine:
             counts.append(n)
             spent += n
         fed = [i for i, n in enumerate(counts) if n]
-        logits = self._forward(self._prefill_batch([active[i] for i in fed], [counts[i] for i in fed])) \
+        seqs_fed = [active[i] for i in fed]
+        trails = self._trail_lists(seqs_fed)
+        logits = self._forward(self._prefill_batch(seqs_fed, [counts[i] for i in fed], trails)) \
             if fed else None  # (len(fed), vocab)
+        self._keep_trails(seqs_fed, trails)
         for s, n in zip(active, counts):
             s.num_computed += n
         self._finish_prefills(active, fed, logits, out)
@@ -251,7 +259,8 @@ class Engine:
         self.prefilling[s.request_id] = s
         return True
 
-    def _prefill_batch(self, seqs: list[Sequence], counts: list[int]) -> ForwardBatch:
+    def _prefill_batch(self, seqs: list[Sequence], counts: list[int],
+                       trails: list[list | None] | None = None) -> ForwardBatch:
         """The next counts[i] tokens of each sequence, after its num_computed ones."""
         spans = [(s.num_computed, s.num_computed + n) for s, n in zip(seqs, counts)]
         ids = torch.tensor([t for s, (a, b) in zip(seqs, spans) for t in s.token_ids[a:b]],
@@ -261,7 +270,68 @@ class Engine:
         out_slots = torch.cat([sl[a:b] for sl, (a, b) in zip(slots, spans)])
         context = [sl[:b] for sl, (_, b) in zip(slots, spans)]
         mamba = torch.tensor([self.pool.mamba.slot(s.request_id) for s in seqs], dtype=torch.int64)
-        return self._to_device(ForwardBatch(True, ids, positions, counts, out_slots, mamba, context))
+        return self._to_device(ForwardBatch(True, ids, positions, counts, out_slots, mamba, context,
+                                            trails=trails))
+
+    # ------------------------------------------------------------------ kept scan states
+    def _trail_lists(self, seqs: list[Sequence]) -> list[list | None] | None:
+        """`ForwardBatch.trails` of a prefill call: a list for each exact sequence whose prompt
+        has `trail_min_tokens` (its scans' `Marks` go there), None for the others."""
+        if not (self.trail_calls and self._trail_parts and seqs):
+            return None
+        lists = [[] if s.exact and s.prompt_len >= self.trail_min_tokens else None for s in seqs]
+        return lists if any(m is not None for m in lists) else None
+
+    def _keep_trails(self, seqs: list[Sequence], trails: list[list | None] | None) -> None:
+        """Keep this call's trails (before `num_computed` moves), dropping calls beyond
+        `trail_calls`."""
+        if trails is None:
+            if not self.trail_calls:
+                self._trails.clear()
+            return
+        self._trails.append({s.request_id: Trail(s, s.num_computed, m)
+                             for s, m in zip(seqs, trails) if m is not None})
+        while len(self._trails) > self.trail_calls:
+            self._trails.popleft()
+
+    def state_at(self, request_id: str, at: int) -> dict[str, torch.Tensor] | None:
+        """The request's recurrent state after its first `at` tokens, {state tensor name:
+        (layers, *shape)}, from the scans of one of its last `trail_calls` prefill calls that
+        passed `at` on their grid; None when none did (or the request is gone). With the K/V
+        of its first `at` tokens (still in its slots) it is the point a prefill paused at `at`
+        would have parked."""
+        t = self._trail_at(request_id, at)
+        return self._stack_states([m.at(at - t.start) for m in t.marks]) if t is not None else None
+
+    def keeps_state(self, request_id: str, at: int) -> bool:
+        """Does `state_at(request_id, at)` have a state?"""
+        return self._trail_at(request_id, at) is not None
+
+    def _trail_at(self, request_id: str, at: int) -> Trail | None:
+        seq = self.sequence(request_id)
+        for calls in reversed(self._trails):
+            t = calls.get(request_id)
+            if t is not None and t.seq is seq and len(t.marks) == len(self._trail_parts) \
+                    and all(m.has(at - t.start) for m in t.marks):
+                return t
+        return None
+
+    def _stack_states(self, states: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        by_name: dict[str, list[torch.Tensor]] = {name: [] for name in self.pool.mamba.tensors}
+        for name, state in zip(self._trail_parts, states):
+            by_name[name].append(state)
+        return {name: torch.stack(parts) if parts else self.pool.mamba.tensors[name][:, 0]
+                for name, parts in by_name.items()}  # (layers, *shape); zero layers: (0, *shape)
+
+    def copy_state_at(self, request_id: str, at: int, kv_from: int = 0) -> Snapshot | None:
+        """An exact point of the request after its first `at` tokens, which a recent prefill
+        call passed (`state_at`), with the K/V of its tokens from `kv_from` on; None: no call
+        kept that state."""
+        states = self.state_at(request_id, at)
+        seq = self.sequence(request_id)
+        if states is None or seq is None or not seq.exact:
+            return None
+        return self._copy(seq, at, kv_from, True, states)
 
     # ------------------------------------------------------------------ decode
     def decode(self, num_steps: int = 1) -> StepOutput:
@@ -327,7 +397,7 @@ class Engine:
         kv = [t.to(dev, non_blocking=True) for t in b.kv_slots] if b.kv_slots is not None else None
         table = b.table.to(dev) if b.table is not None else None
         return ForwardBatch(b.is_prefill, b.input_ids.to(dev), b.positions.to(dev), b.seq_lens,
-                            b.out_slots.to(dev), b.mamba_slots.to(dev), kv, table)
+                            b.out_slots.to(dev), b.mamba_slots.to(dev), kv, table, b.trails)
 
     @torch.inference_mode()
     def _forward(self, batch: ForwardBatch) -> torch.Tensor:
@@ -359,6 +429,8 @@ class Engine:
         if seq is None:
             raise KeyError(f"request {request_id!r} is not running on this engine")
         self.pool.release(request_id)
+        for calls in self._trails:  # its K/V slots are free now
+            calls.pop(request_id, None)
         return seq
 
     def snapshot(self, request_id: str) -> Snapshot:
@@ -408,13 +480,15 @@ class Engine:
         return gather_block(self.pool, request_id, start, tuple(ids[start:end]), tuple(ids[:end]),
                             self.config, self.fingerprint)
 
-    def _copy(self, seq: Sequence, computed: int | None, kv_from: int = 0, exact: bool | None = None) -> Snapshot:
+    def _copy(self, seq: Sequence, computed: int | None, kv_from: int = 0, exact: bool | None = None,
+              states: dict[str, torch.Tensor] | None = None) -> Snapshot:
         """Gather `seq`'s state: `computed` tokens of a prefilling request, or (None) all but
         the last of a decoding one; K/V from token `kv_from` on. `exact` (None: a mid-prefill
-        state of an exact sequence, which is at a chunk boundary) travels with it."""
+        state of an exact sequence, which is at a chunk boundary) travels with it. `states`:
+        the recurrent state to take instead of the pool's (`state_at`)."""
         num_cached = seq.num_cached if computed is None else computed
         specs = part_specs(self.config, self.dtype, num_cached - kv_from)
-        payload = gather_state(self.pool, seq.request_id, num_cached, specs, kv_from).numpy()
+        payload = gather_state(self.pool, seq.request_id, num_cached, specs, kv_from, states).numpy()
         exact = seq.exact and computed is not None if exact is None else exact
         return Snapshot(seq.request_id, self.fingerprint, tuple(seq.token_ids), seq.prompt_len,
                         seq.sampling.to_dict(), specs, checksum(payload), payload, computed=computed,
@@ -593,6 +667,23 @@ class Engine:
             free_slots -= 1
             chosen.append(pending.pop(0))
         return chosen
+
+
+@dataclass
+class Trail:
+    """A sequence's part of a prefill call whose scan states were kept (`Engine.state_at`)."""
+
+    seq: Sequence
+    start: int  # tokens it had computed before the call
+    marks: list  # `actors.mamba.Marks`, one per `_trail_parts` entry, in that order
+
+
+def _trail_parts(config: ModelConfig) -> list[str]:
+    """The state tensor each of a prefill's scans fills, in the order they run (and append
+    their `Marks` to `Segment.trail`): layer by layer, each recurrent layer's tensors in the
+    order its kind lists them (conv first)."""
+    tensors = config.state_tensors
+    return [t.name for kind in config.layer_types for t in tensors if t.kind == kind]
 
 
 def _until_stop(s: Sequence, n: int) -> int:

@@ -27,7 +27,7 @@ from torch import Tensor, nn
 from actors import triton_route
 from actors.config import ModelConfig
 from actors.batch import Segment
-from actors.mamba import (Kernels, Pointwise, SlotRun, causal_conv_step, conv_segments, decay_exp_,
+from actors.mamba import (Kernels, Marks, Pointwise, SlotRun, causal_conv_step, conv_segments, decay_exp_,
                           scan_chunk, scan_segments, whole)
 from actors.norms import rms_normalize
 
@@ -78,7 +78,7 @@ def _start(k: Tensor, v: Tensor, initial_state: Tensor | None) -> Tensor:
 
 
 def gdn_chunked(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, chunk_size: int,
-                initial_state: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                initial_state: Tensor | None = None, marks: list | None = None) -> tuple[Tensor, Tensor]:
     """Chunked delta rule for one sequence of any length (zero-padded to whole chunks).
 
     Same arguments and results as `gdn_sequential_ref`. Within a chunk, with cumulative log-decay
@@ -86,7 +86,8 @@ def gdn_chunked(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, chunk_
     system (I + A) u = beta v - beta k exp(c) S0 with A_ij = beta_i (k_i . k_j) Gamma_ij (i > j);
     then o_i = exp(c_i) q_i S0 + sum_{j<=i} (q_i . k_j) Gamma_ij u_j and the state carried to the
     next chunk is exp(c_C) S0 + sum_j exp(c_C - c_j) k_j u_j^T. Padded steps (g = beta = 0) leave
-    the state unchanged.
+    the state unchanged. With `marks`, appends the states entering each chunk (`Marks`, every
+    `chunk_size`).
     """
     L, H, dk = k.shape
     qc, kc, vc, gc, bc = _chunks(q, k, v, g, beta, chunk_size)  # (H,n,C,dk)x2 (H,n,C,dv) (H,n,C)x2
@@ -102,12 +103,15 @@ def gdn_chunked(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, chunk_
     scores = (qc @ kc.transpose(-1, -2)) * decay  # (H, n, C, C), causal incl. the diagonal
     q_decayed = qc * cum.exp()[..., None]  # (H, n, C, dk)
     k_to_end = kc * (cum[..., -1:] - cum).exp()[..., None]  # (H, n, C, dk)
-    state, ys = _start(k, v, initial_state), []
+    state, ys, starts = _start(k, v, initial_state), [], []
     for i in range(qc.shape[1]):
+        starts.append(state)  # (a new tensor each chunk: kept by reference)
         u = u0[:, i] - w[:, i] @ state  # (H, C, dv)
         ys.append(q_decayed[:, i] @ state + scores[:, i] @ u)  # (H, C, dv)
         state = state * cum[:, i, -1].exp()[:, None, None] + k_to_end[:, i].transpose(-1, -2) @ u
     y = torch.stack(ys, dim=1).reshape(H, -1, v.shape[-1])[:, :L]  # (H, L, dv)
+    if marks is not None:
+        marks.append(Marks(chunk_size, L, lambda r: starts[r // chunk_size]))  # (H, dk, dv)
     return y.transpose(0, 1).contiguous(), state  # (L, H, dv), (H, dk, dv)
 
 
@@ -183,8 +187,8 @@ class GatedDeltaNet(nn.Module):
         q, k, v = self._split(qkv)
         g, beta = self._gates(a, b, kernels.pointwise)  # (T, Hv) each
         chunk = scan_chunk(self.config.linear_chunk_size, h.device)
-        y = scan_segments(segments, state, lambda rows, s0: gdn_chunked(
-            q[rows], k[rows], v[rows], g[rows], beta[rows], chunk, s0))  # (T, Hv, dv)
+        y = scan_segments(segments, state, lambda rows, s0, marks: gdn_chunked(
+            q[rows], k[rows], v[rows], g[rows], beta[rows], chunk, s0, marks))  # (T, Hv, dv)
         return self._output(y, z, kernels)
 
     def decode(self, h: Tensor, conv_state: Tensor, state: Tensor, slots: Tensor,

@@ -93,6 +93,22 @@ class Kernels:
     pointwise: Pointwise = whole
 
 
+@dataclass(frozen=True)
+class Marks:
+    """One scan's states inside the rows it ran over (`Segment.trail`): `at(r)` is the state
+    (its pool layout, for one sequence) after the first r rows, for 0 < r < rows with r a
+    multiple of `every` (the scan's chunk: the states it carries between chunks anyway, kept
+    by reference, so keeping them costs memory, not arithmetic). They are the bits a prefill
+    that paused after r rows would have left in the pool (`tests/test_prefix_branch.py`)."""
+
+    every: int
+    rows: int
+    at: Callable[[int], Tensor]
+
+    def has(self, r: int) -> bool:
+        return 0 < r < self.rows and r % self.every == 0
+
+
 # ---------------------------------------------------------------------------- SSD (the scan)
 def expand_groups(BC: Tensor, n_heads: int) -> Tensor:
     """Give every head its group's B (or C): (..., G, N) -> (..., n_heads, N)."""
@@ -172,12 +188,13 @@ def segment_sum(a: Tensor) -> Tensor:
 
 
 def ssd_chunked(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, chunk_size: int,
-                initial_state: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                initial_state: Tensor | None = None, marks: list | None = None) -> tuple[Tensor, Tensor]:
     """Chunked SSD for one sequence of any length (the last chunk is zero-padded internally).
 
     x (L, H, P), dt (L, H), A (H,), B and C (L, G, N). Within a chunk the output is a masked
     "attention" C_l B_s^T decay(s->l) dt_s x_s; across chunks the state is carried by a short
     recurrence over chunk boundaries. Returns y (L, H, P) and the final state (H, P, N), fp32.
+    With `marks`, appends the states entering each chunk (`Marks`, every `chunk_size`).
 
     B and C stay per group (G of them, each shared by K = H/G heads): C_l B_s^T is computed once
     per group, and heads are viewed as (G, K) wherever they meet B or C, never expanded.
@@ -191,6 +208,8 @@ def ssd_chunked(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, chunk_si
     y_diag = _intra_chunk(xg, a_cum, Bc, Cc)  # (c, l, G, K, P)
     local = _chunk_states(xg, a_cum, Bc)  # (c, G, N, K, P)
     starts, final = _carry_states(local, a_cum[..., -1], _start_state(x, B, initial_state))
+    if marks is not None:  # (G, N, K, P) -> (H, P, N), as `final`
+        marks.append(Marks(chunk_size, L, lambda r: starts[r // chunk_size].permute(0, 2, 3, 1).reshape(H, P, -1)))
     y_off = torch.bmm(Cc.transpose(1, 2).reshape(c * G, l, -1),  # C (l, N) @ start (N, K*P)
                       starts.view(c * G, -1, (H // G) * P)).view(c, G, l, H // G, P).transpose(1, 2)
     y_off.mul_(decay_exp_(a_cum.clone()).permute(0, 2, 1).reshape(c, l, G, H // G, 1))  # decayed from the chunk start
@@ -302,13 +321,14 @@ def ssd_step(ssm_state: Tensor, slots: Tensor, x: Tensor, dt: Tensor, A: Tensor,
 # ---------------------------------------------------------------------------- causal conv
 def causal_conv_prefill(xBC: Tensor, weight: Tensor, bias: Tensor | None,
                         initial: Tensor | None = None,
-                        pointwise: Pointwise = whole) -> tuple[Tensor, Tensor]:
+                        pointwise: Pointwise = whole, marks: list | None = None) -> tuple[Tensor, Tensor]:
     """Causal depthwise conv + SiLU over one sequence (or one chunk of it), and the state it leaves.
 
     xBC (L, D) pre-activation conv inputs, weight (D, 1, K), bias (D,), initial (D, K-1) the
     conv state before the first token (the previous K-1 inputs, oldest first; None = zeros, a
     sequence's start). Returns the activated output (L, D) and the state (D, K-1): the last K-1
-    inputs of [initial | xBC], oldest first.
+    inputs of [initial | xBC], oldest first. With `marks`, appends the state after each row
+    (`Marks`, every 1).
     """
     L, D, K = xBC.shape[0], xBC.shape[1], weight.shape[-1]
     left = initial.t().to(xBC.dtype) if initial is not None else xBC.new_zeros(K - 1, D)  # (K-1, D)
@@ -319,6 +339,8 @@ def causal_conv_prefill(xBC: Tensor, weight: Tensor, bias: Tensor | None,
         out.addcmul_(window[k:k + L], taps[k])
     if bias is not None:
         out += bias
+    if marks is not None:
+        marks.append(Marks(1, L, lambda r: window[r:r + K - 1].t()))  # (D, K-1)
     return pointwise(F.silu, out), window[L:].t().contiguous()  # (L, D), (D, K-1)
 
 
@@ -355,18 +377,19 @@ def conv_segments(xBC: Tensor, segments: list[Segment], conv_state: Tensor, weig
                   bias: Tensor | None, pointwise: Pointwise = whole) -> Tensor:
     """`causal_conv_prefill` of each sequence's rows of xBC (T, D), from the conv state at its
     slot (zeros for a fresh sequence); writes each one's final conv state back. -> (T, D)."""
-    return scan_segments(segments, conv_state, lambda rows, initial: causal_conv_prefill(
-        xBC[rows], weight, bias, initial, pointwise))
+    return scan_segments(segments, conv_state, lambda rows, initial, marks: causal_conv_prefill(
+        xBC[rows], weight, bias, initial, pointwise, marks))
 
 
 def scan_segments(segments: list[Segment], state: Tensor,
-                  scan: Callable[[slice, Tensor | None], tuple[Tensor, Tensor]]) -> Tensor:
-    """Run `scan(rows, initial state or None)` -> (y (L, ...), final state) for each sequence,
-    from the recurrent state at its slot (None for a fresh sequence); writes each one's final
-    state back. Returns the y's concatenated (T, ...)."""
+                  scan: Callable[[slice, Tensor | None, list | None], tuple[Tensor, Tensor]]) -> Tensor:
+    """Run `scan(rows, initial state or None, marks)` -> (y (L, ...), final state) for each
+    sequence, from the recurrent state at its slot (None for a fresh sequence); writes each
+    one's final state back (`marks`: its `Segment.trail`, where the scan appends its `Marks`).
+    Returns the y's concatenated (T, ...)."""
     ys = []
     for seg in segments:
-        y, final = scan(seg.rows, state[seg.mamba_slot] if seg.start else None)
+        y, final = scan(seg.rows, state[seg.mamba_slot] if seg.start else None, seg.trail)
         state[seg.mamba_slot] = final
         ys.append(y)
     return cat_rows(ys)
@@ -437,8 +460,8 @@ class MambaMixer(nn.Module):
         dt = discretize_dt(dt, self.dt_bias, c.time_step_limit, kernels.pointwise)  # (T, H) fp32
         A = self._A()
         chunk = scan_chunk(c.mamba_chunk_size, h.device)
-        y = scan_segments(segments, ssm_state, lambda rows, s0: ssd_chunked(
-            x[rows], dt[rows], A, B[rows], C[rows], chunk, s0))  # (T, H, P)
+        y = scan_segments(segments, ssm_state, lambda rows, s0, marks: ssd_chunked(
+            x[rows], dt[rows], A, B[rows], C[rows], chunk, s0, marks))  # (T, H, P)
         return self._output(y, x, z, kernels)
 
     def decode(self, h: Tensor, conv_state: Tensor, ssm_state: Tensor, slots: Tensor,

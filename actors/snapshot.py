@@ -201,21 +201,25 @@ def _views(buf: torch.Tensor, specs: tuple[PartSpec, ...]) -> dict[str, torch.Te
 
 
 def gather_state(pool: HybridPool, request_id: str, num_cached: int,
-                 specs: tuple[PartSpec, ...], kv_from: int = 0) -> torch.Tensor:
+                 specs: tuple[PartSpec, ...], kv_from: int = 0,
+                 states: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
     """Copy the request's state (K/V of tokens [kv_from, num_cached), every state tensor) out of
-    the pool into a fresh host buffer (uint8, payload layout)."""
+    the pool into a fresh host buffer (uint8, payload layout). `states` ({name: (layers,
+    *shape)}): the recurrent state to copy instead of the one at the request's slot (a state
+    an earlier prefill call kept, `Engine.state_at`)."""
     device = pool.k.device
     buf = _alloc_payload(payload_nbytes(specs), device)
     views = _views(buf, specs)
     slots = pool.kv.token_slots(request_id)[kv_from:num_cached]  # CPU
     slot = pool.mamba.slot(request_id)
+    sources = states if states is not None else {name: t[:, slot] for name, t in pool.mamba.tensors.items()}
     if device.type == "cuda":
-        _gather_cuda(pool, slots, slot, views)
+        _gather_cuda(pool, slots, sources, views)
     else:
         _gather_tokens(pool.k, slots, views["kv"][0])
         _gather_tokens(pool.v, slots, views["kv"][1])
-        for name, tensor in pool.mamba.tensors.items():
-            views[name].copy_(tensor[:, slot])
+        for name, tensor in sources.items():
+            views[name].copy_(tensor)
     return buf
 
 
@@ -298,15 +302,16 @@ def _scatter_tokens(dst: torch.Tensor, slots: torch.Tensor, values: torch.Tensor
         dst.index_copy_(1, slots.to(dst.device), values)
 
 
-def _gather_cuda(pool: HybridPool, slots: torch.Tensor, slot: int, views: dict) -> None:
+def _gather_cuda(pool: HybridPool, slots: torch.Tensor, sources: dict[str, torch.Tensor],
+                 views: dict) -> None:
     """Gather on a side stream into pinned memory; wait on that stream's event only."""
     side = torch.cuda.Stream(device=pool.k.device)
     side.wait_stream(torch.cuda.current_stream(pool.k.device))
     with torch.cuda.stream(side):
         for src, dst in ((pool.k, views["kv"][0]), (pool.v, views["kv"][1])):
             _gather_tokens(src, slots, dst, non_blocking=True)
-        for name, tensor in pool.mamba.tensors.items():
-            views[name].copy_(tensor[:, slot], non_blocking=True)
+        for name, tensor in sources.items():
+            views[name].copy_(tensor, non_blocking=True)
         done = torch.cuda.Event()
         done.record(side)
     done.synchronize()

@@ -117,6 +117,8 @@ class Worker:
                 self.engine.unreserve(rid)  # (its source died): this plan starts the request anew
         out = StepOutput()
         self.engine.hold_finished = plan.park_min_tokens > 0
+        self.engine.trail_calls, self.engine.trail_min_tokens = plan.trail_calls, plan.park_min_tokens
+        self._park_passed(plan, result)
         n = len(plan.resume)
         self._resume(plan, snapshots[:n], result, out)
         prefilled = self._prefill(plan, snapshots[n:], result)
@@ -284,6 +286,21 @@ class Worker:
                 self._park(rid, "chunk", seq.num_computed // b if b else 0, b, True, result)
         return paused
 
+    def _park_passed(self, plan: StepPlan, result: StepResult) -> None:
+        """Branch points asked for after the request's prefill reached them (`StepPlan.park_at`
+        at or below its computed tokens: the second prompt came while the first one's call
+        ran): parked from the pool when its prefill stands there, else from the states one of
+        its recent calls kept (`Engine.copy_state_at`). One no call kept is not parked (the
+        scheduler stops waiting for it when this call returns)."""
+        b = plan.prefill_chunk_tokens
+        for rid, at in plan.park_at:
+            seq = self.engine.sequence(rid)
+            if seq is None or at > seq.num_computed or not seq.exact:
+                continue
+            standing = rid in self.engine.prefilling and at == seq.num_computed
+            if standing or self.engine.keeps_state(rid, at):
+                self._park(rid, "chunk", at // b if b else 0, b, True, result, None if standing else at)
+
     def _restore_prefix(self, snap: Snapshot | list, seq: Sequence, result: StepResult) -> bool:
         try:
             *blocks, point = _fetch_all(snap)
@@ -318,12 +335,14 @@ class Worker:
             self.engine.release(rid)
 
     def _park(self, rid: str, kind: str, num_blocks: int, block_tokens: int, exact: bool,
-              result: StepResult) -> None:
-        """Copy a point: the request's state now, with the K/V of its tokens after its first
-        `num_blocks` blocks; and those blocks it has not offered yet, one copy each."""
+              result: StepResult, at: int | None = None) -> None:
+        """Copy a point: the request's state now (`at`: after its first `at` tokens, a state a
+        recent prefill call kept), with the K/V of its tokens after its first `num_blocks`
+        blocks; and those blocks it has not offered yet, one copy each."""
         seq = self.engine.sequence(rid)
         kv_from = num_blocks * block_tokens
-        snap = self.engine.copy_state(rid, kv_from, exact)  # right after prefill it covers the prompt
+        snap = (self.engine.copy_state(rid, kv_from, exact) if at is None  # right after prefill it covers the prompt
+                else self.engine.copy_state_at(rid, at, kv_from))
         first = min(seq.parked_blocks, num_blocks)
         blocks = self.engine.copy_blocks(rid, first, num_blocks, block_tokens) if block_tokens else []
         seq.parked_blocks = max(seq.parked_blocks, num_blocks)

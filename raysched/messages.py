@@ -49,7 +49,10 @@ class StepPlan:
     #   tokens at the end of their prompt and when they finish (see `Worker.take_parked`)
     park_at: tuple[tuple[str, int], ...] = ()  # (request id, tokens): that request's prefill
     #   pauses after this many prompt tokens (a branch point: a multiple of the scan grid that
-    #   another prompt shares) and parks an exact point there, then goes on in the same call
+    #   another prompt shares) and parks an exact point there, then goes on in the same call; a
+    #   point its prefill already passed is parked from the states kept by `trail_calls`
+    trail_calls: int = 0  # > 0: keep the scan-grid states of this many recent prefill calls
+    #   (`Engine.state_at`) for such late branch points
     fault: FaultPoint | None = None  # fault injection only: die inside this call
     prefill_chunk_tokens: int = 0  # each prefilling request (new or continued) advances by at
     #   most this many tokens in this call; 0 = to the end of its prompt

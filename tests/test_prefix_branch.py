@@ -173,3 +173,92 @@ def test_a_pause_at_a_branch_point_parks_the_other_prompts_boundaries_once() -> 
     alone = parked_keys([("b", b)], (("b", 96),))
     assert sorted(both) == [("a", "chunk", 512), ("b", "chunk", 96), ("b", "prompt", 300)], both
     assert sorted(alone) == [("b", "chunk", 96), ("b", "prompt", 300)]
+
+
+# ---------------------------------------------------------------------------- late branch points
+def late_points(w, rid: str, tokens: list[int], points: tuple[int, ...], trail_calls: int = 2,
+                calls_between: int = 0) -> dict:
+    """`tokens` prefilled in one call (the worker keeping `trail_calls` calls' scan states),
+    `calls_between` other prompts' prefill calls, then a plan asking for `points`, which that
+    first call passed (a second prompt sharing them came while it ran): {at: parked object}."""
+    from raysched.messages import PrefillItem, StepPlan
+    from tests.test_prefix_reuse import GREEDY
+
+    common = dict(park_min_tokens=GRID, prefill_chunk_tokens=CHUNK, trail_calls=trail_calls)
+    started = [PrefillItem(rid, tuple(tokens), len(tokens), GREEDY.to_dict())]
+    started += [PrefillItem(f"{rid}-other{i}", tuple(prompt(64, seed=70 + i)), 64, GREEDY.to_dict())
+                for i in range(calls_between)]
+    keys = []
+    for item in started:
+        keys += [p.key for p in w.step(StepPlan(prefill=(item,), **common)).parked]
+    late = w.step(StepPlan(park_at=tuple((rid, at) for at in points), decode_steps=1, **common)).parked
+    w.discard_parked(keys)
+    got = {p.num_tokens: p for p in late}
+    objects = w.take_parked([p.key for p in late]) if late else ()
+    objects = (objects,) if len(late) == 1 else objects
+    w.step(StepPlan(drop=tuple(item.request_id for item in started)))
+    assert w.is_idle() and not w._parked
+    return {at: (got[at], obj) for at, obj in zip(got, objects)}
+
+
+def test_a_point_the_prefill_already_passed_is_parked_from_the_states_its_call_kept(tiled) -> None:
+    """The second prompt sharing a branch point came while the first one's one-call prefill ran
+    (`bench prefix` system300: the second request of a group): the next plan asks the first
+    request for a point it passed. The worker kept that call's scan states at its chunk starts
+    (`state_cache.late_branch_calls`, `Engine.state_at`) and parks the point from them: every
+    byte equal to the point a prefill paused there parks, and a follower restored from it gives
+    the uncached run's logits (`torch.equal`)."""
+    runs, w = tiled
+    p = runs["prompt"]
+    late = late_points(w, "late", p, POINTS)
+    assert sorted(late) == list(POINTS)
+    for at, (point, snap) in late.items():
+        paused = runs["objects"][("p", "chunk", at)]
+        assert (point.kind, point.kv_from, point.exact) == ("chunk", 0, True)
+        assert snap.parts == paused.parts and (snap.payload == paused.payload).all(), at
+    k, at = 8, POINTS[8]  # 288: a 300-token system prompt's point
+    q = p[:at] + prompt(20 + 7 * k, seed=10 + k)  # the follower `reuse_runs` ran uncached
+    got, _, _, cached = drive(w, "q-late", q, prefix=[late[at][1]])
+    assert cached == at and same(got, runs["runs"][at][1])
+
+
+def test_negative_controls_no_late_point_without_kept_states_or_after_they_aged_out(tiled) -> None:
+    """Controls: with `trail_calls` 0 nothing is kept and a late ask parks nothing; with 2,
+    two later prefill calls drop the first one's states (the memory they cost is bounded), and
+    the ask parks nothing. And the kept state is not the request's state now: the pool's
+    recurrent state (what a plain copy would take) differs from the late point's."""
+    runs, w = tiled
+    p = runs["prompt"]
+    assert late_points(w, "off", p, (288,), trail_calls=0) == {}
+    assert late_points(w, "aged", p, (288,), trail_calls=2, calls_between=2) == {}
+    assert sorted(late_points(w, "kept", p, (288,), trail_calls=2, calls_between=1)) == [288]
+    from raysched.messages import PrefillItem, StepPlan
+    from tests.test_prefix_reuse import GREEDY
+
+    w.step(StepPlan(prefill=(PrefillItem("now", tuple(p), len(p), GREEDY.to_dict()),), park_min_tokens=GRID,
+                    prefill_chunk_tokens=CHUNK, trail_calls=1))
+    now = w.engine.copy_state("now")
+    w.step(StepPlan(drop=("now",)))
+    late = runs["objects"][("p", "chunk", 288)]
+    assert not torch.equal(now.part("ssm"), late.part("ssm"))
+
+
+def test_late_points_of_a_gated_delta_net_equal_its_paused_points() -> None:
+    """The delta rule's scan (`actors.gdn.gdn_chunked`, Qwen3.5's linear attention) keeps its
+    chunk-start states the same way: each late point of `tiny-qwen35` is byte-equal to the
+    point a prefill paused there parks. Control: the late point at 96 is not the one at 64."""
+    from actors.worker import Worker
+    from raysched.config import PoolConfig, ServeConfig
+
+    w = Worker(ServeConfig(model="tiny-qwen35", device="cpu", pool=PoolConfig(kv_tokens=4096, state_slots=4)), 0)
+    w.engine.record_logits = True
+    assert w.engine.prefix_grid == GRID
+    p = prompt(300, seed=8)
+    points = (64, 96, 288)
+    _, _, paused, _ = drive(w, "paused", p, park_at=points)
+    late = late_points(w, "late", p, points)
+    assert sorted(late) == list(points)
+    for at in points:
+        want = paused[("paused", "chunk", at)]
+        assert (late[at][1].payload == want.payload).all(), at
+    assert not torch.equal(late[96][1].part("gdn_state"), paused[("paused", "chunk", 64)].part("gdn_state"))

@@ -378,6 +378,68 @@ def test_the_first_of_a_group_parks_the_branch_point_for_a_second_still_waiting(
     assert glue.park_at(0) == ()
 
 
+@pytest.mark.parametrize("late_calls", [2, 0], ids=["late-ask", "control-late-asks-off"])
+def test_a_second_prompt_that_came_after_the_first_ones_prefill_asks_its_worker_late(late_calls: int) -> None:
+    """Two prompts share a 100-token system text; the second comes after the first's one-call
+    prefill ran on worker 0 (`bench prefix` system300: a group's second request). With late
+    asks (`state_cache.late_branch_calls`), the second is admitted by worker 1's plan, but the
+    branch point (96) is asked of the first request on worker 0 (its worker kept that call's
+    scan states), and the second waits for worker 0's reply to that plan: worker 1's own replies
+    do not end the wait. Then it restores the point; a point worker 0 could not park ends the
+    wait too, and is not asked late again (the next such request parks it itself).
+    Control: with late asks off the second request parks the point itself at once."""
+    from raysched.config import ServeConfig
+    from raysched.messages import StepResult
+    from raysched.request import State
+    from raysched.scheduler.planner import Decision
+    from raysched.scheduler.prefix_cache import PrefixCache
+    from tests.test_scheduler_parts import LIMITS, FakeWorker, parts
+
+    p = parts(ServeConfig(), [FakeWorker(0, kv=1024), FakeWorker(1, kv=1024)])
+    index = StateCache(budget_bytes=1 << 20, min_tokens=16, block_tokens=512)
+    glue = PrefixCache(index, p["table"], p["counters"], branch_points=True, late_calls=late_calls)
+    w0, w1 = p["fleet"].slots[0], p["fleet"].slots[1]
+    system = [t % 60 + 1 for t in range(100)]
+    a = p["table"].submit(system + [70] * 20, {"max_new_tokens": 8}, LIMITS)
+    assert glue.admit([a], 0) == ([], []) and glue.park_at(0) == ()
+    p["table"].waiting.remove(a)
+    p["dispatch"].mark_running(w0, [a])
+    a.add_tokens([5], 0.0)  # its prefill ran: it has its first token
+    b = p["table"].submit(system + [71] * 20, {"max_new_tokens": 8}, LIMITS)
+    hits, back = glue.admit([b], 1)
+    if not late_calls:
+        assert (hits, back, glue.park_at(0), glue.park_at(1)) == ([], [], (), ((b.request_id, 96),))
+        return
+    assert (hits, back, glue.park_at(1), glue.park_at(0)) == ([], [b], (), ((a.request_id, 96),))
+    glue.on_result(w1, Decision(), StepResult())  # another worker's reply: still waiting
+    assert b.request_id in glue.survey(p["table"].waiting, {0: 1.0, 1: 1.0})[0]
+    index.park(tuple(system[:96]), "pt96", 10, "chunk", exact=True)  # what `take` keeps
+    glue.on_result(w0, Decision(), StepResult())
+    assert not glue.survey(p["table"].waiting, {0: 1.0, 1: 1.0})[0]  # the wait is over
+    hits, back = glue.admit([b], 1)
+    assert [(r, m.num_tokens) for r, m in hits] == [(b, 96)] and back == []
+    other = [61 + t % 30 for t in range(64)]
+    c = p["table"].submit(other + [92] * 50, {"max_new_tokens": 8}, LIMITS)  # leaves at 64
+    d = p["table"].submit(other + [93] * 50, {"max_new_tokens": 8}, LIMITS)
+    glue.admit([c], 0)
+    p["table"].waiting.remove(c)
+    p["dispatch"].mark_running(w0, [c])
+    c.add_tokens([5], 0.0)
+    assert glue.admit([d], 1)[1] == [d] and glue.park_at(0) == ((c.request_id, 64),)
+    glue.on_result(w0, Decision(), StepResult())  # replied without the point: wait over
+    assert glue.admit([d], 1) == ([], []) and glue.park_at(1) == ((d.request_id, 64),)  # not late again
+    third = [31 + t % 29 for t in range(64)]
+    e, f = (p["table"].submit(third + [94 + i] * 40, {"max_new_tokens": 8}, LIMITS) for i in range(2))
+    glue.admit([e], 0)
+    p["table"].waiting.remove(e)
+    p["dispatch"].mark_running(w0, [e])
+    e.add_tokens([5], 0.0)
+    assert glue.admit([f], 1)[1] == [f] and glue.park_at(0) == ((e.request_id, 64),)
+    e.state, e.worker = State.WAITING, None  # its worker was lost before replying: queued again
+    glue.on_result(w1, Decision(), StepResult())
+    assert not glue.survey(p["table"].waiting, {0: 1.0, 1: 1.0})[0]  # nobody waits on it
+
+
 def _shared_then_burst(protected_fraction: float) -> tuple[StateCache, tuple[int, ...]]:
     """A system prompt's point that a request matched, then 20 prompts nobody shares, each
     parking a point, through a budget of 10 points."""

@@ -19,8 +19,12 @@ recent prompts on the workers' scan grid (32 tokens on the CPU) (`state_cache.Br
 earlier one (rounded down to the grid, short of its last token) is a point two prompts pass.
 When the index has no state there, the plan asks for one (`park_at(worker)`, sent as
 `StepPlan.park_at`): the earlier request parks it if it starts in the same plan (the new one
-waits for it, held back like a block's producer), else the new request parks it itself (the
-next prompt sharing it restores it). A repeated prompt's point is its last grid point.
+waits for it, held back like a block's producer). When the earlier one's prefill already ran
+(the new prompt came while its call did) and its worker keeps its recent calls' scan states
+(`late_calls`, `StepPlan.trail_calls`), its worker is asked for the point from those (a *late*
+ask: the new one waits for that worker's next reply, parked or not). Otherwise the new request
+parks it itself (the next prompt sharing it restores it). A repeated prompt's point is its last
+grid point.
 
 No Ray import: worker handles are opaque.
 """
@@ -43,6 +47,7 @@ from raysched.stats import Counters
 log = logging.getLogger("raysched.scheduler")
 
 LOOKAHEAD = 64  # waiting requests looked at per plan for placement and holding back
+LATE_TRIED = 4096  # branch points asked late, remembered so that none is asked late twice
 SOURCES = ("same_worker", "same_node", "other_node")
 
 
@@ -70,12 +75,16 @@ class PrefixCache:
     placement."""
 
     def __init__(self, index: StateCache | None, table: RequestTable, counters: Counters,
-                 slack: float = 0.25, branch_points: bool = False) -> None:
+                 slack: float = 0.25, branch_points: bool = False, late_calls: int = 0) -> None:
         self.index = index
         self.branches = BranchPoints(GRID_TOKENS) if index is not None and branch_points else None
+        self.late_calls = late_calls if self.branches is not None else 0
         self._park_at: dict[int, list[tuple[str, int]]] = {}  # worker -> `StepPlan.park_at` of its next plan
         self._branching: dict[int, tuple[str, int]] = {}  # hash of a branch prefix -> (request
         #   asked to park it, its length), until that request's prefill is over
+        self._late: dict[int, tuple[int, bool]] = {}  # key of a late ask -> (its worker, sent),
+        #   until that worker's reply to the plan that carried it
+        self._late_tried: dict[int, None] = {}  # keys asked late once (not again), recent first
         self.table = table
         self.counters = counters
         self.slack = slack
@@ -88,9 +97,22 @@ class PrefixCache:
         """What a step plan asks the worker to park (0: nothing)."""
         return self.index.min_tokens if self.index is not None else 0
 
+    def trail_calls(self) -> int:
+        """`StepPlan.trail_calls`: the prefill calls whose scan states a worker keeps."""
+        return self.late_calls
+
+    def late_unsent(self) -> set[int]:
+        """Workers with a late ask waiting for their next plan: a long call there is ended
+        (`Fleet.interrupt`), since the states it asks for age out and its request may finish."""
+        return {worker for worker, sent in self._late.values() if not sent}
+
     def park_at(self, worker: int) -> tuple[tuple[str, int], ...]:
         """`StepPlan.park_at` of the plan about to go to `worker`: the branch points its
-        requests were asked to park by this plan's admissions (each asked once)."""
+        requests were asked to park by this plan's admissions (each asked once), and the late
+        asks for it (sent now: resolved by its reply)."""
+        for key, (target, _) in self._late.items():
+            if target == worker:
+                self._late[key] = (worker, True)
         return tuple(self._park_at.pop(worker, ()))
 
     # ------------------------------------------------------------------ admission
@@ -154,12 +176,29 @@ class PrefixCache:
         asked = self._branching.get(key)
         if asked is not None and asked[0] != r.request_id:
             return True
-        parker = asked[0] if asked else owner if owner in here else r.request_id
+        late = None if asked or owner in here else self._late_parker(r, point, key)
+        parker = asked[0] if asked else owner if owner in here else late[0] if late else r.request_id
         if parker == r.request_id and not exact:
             return False
-        self._park_at.setdefault(worker, []).append((parker, point))
+        self._park_at.setdefault(late[1] if late else worker, []).append((parker, point))
         self._branching[key] = (parker, point)
+        if late is not None:
+            self._late[key] = (late[1], False)
+            self._late_tried[key] = None
+            while len(self._late_tried) > LATE_TRIED:
+                del self._late_tried[next(iter(self._late_tried))]
         return parker != r.request_id
+
+    def _late_parker(self, r: Request, point: int, key: int) -> tuple[str, int] | None:
+        """(the request, its worker) to ask for `r`'s branch point that the first prompt
+        passing it has prefilled past already (from the scan states its worker keeps), or None:
+        late asks off, asked late before, or that request is not running on a worker."""
+        if not self.late_calls or key in self._late_tried:
+            return None
+        first = self.table.requests.get(self.branches.first(r.prompt_ids, point) or "")
+        if first is None or first is r or first.state is not State.RUNNING or first.worker is None:
+            return None
+        return first.request_id, first.worker
 
     def _branch_producer(self, r: Request, match: Match | None) -> int | None:
         """The worker parking the state at `r`'s branch point for another request, if any."""
@@ -174,12 +213,22 @@ class PrefixCache:
         parker = self.table.requests.get(asked[0])
         return parker.worker if parker is not None and parker.worker is not None else None
 
-    def _sweep_branching(self) -> None:
-        """Forget branch points whose parker's prefill is over (parked, or it never will be)."""
+    def _sweep_branching(self, replied: int | None = None) -> None:
+        """Forget branch points whose parker's prefill is over (parked, or it never will be);
+        a late ask once the worker `replied` to the plan that carried it, or its parker no
+        longer runs there (ended, retracted, moved, its worker lost)."""
         for key, (rid, _) in list(self._branching.items()):
             r = self.table.requests.get(rid)
-            if r is None or r.state.is_done or r.state is State.RETRACTED or r.num_generated:
+            late = self._late.get(key)
+            if r is None or r.state.is_done or r.state is State.RETRACTED:
+                over = True
+            elif late is None:
+                over = bool(r.num_generated)
+            else:
+                over = r.state is not State.RUNNING or r.worker != late[0] or late == (replied, True)
+            if over:
                 del self._branching[key]
+                self._late.pop(key, None)
 
     # ------------------------------------------------------------------ producers
     def _block_keys(self, prompt: tuple[int, ...]) -> list[int]:
@@ -257,7 +306,7 @@ class PrefixCache:
         if result.parked:
             self.take(w, result.parked)
         self._sweep_producers()
-        self._sweep_branching()
+        self._sweep_branching(replied=w.index)
 
     def forget_lookups(self, admitted: list[Request]) -> None:
         """The call failed: these are looked up again when admitted again."""
@@ -269,6 +318,7 @@ class PrefixCache:
         for key, (rid, _) in list(self._branching.items()):
             if rid in ids:
                 del self._branching[key]
+                self._late.pop(key, None)
 
     def take(self, w: WorkerSlot, parked: list[ParkedPoint]) -> None:
         """Keep the points the index wants (with the blocks it lacks): `Worker.take_parked` hands
@@ -330,6 +380,8 @@ class PrefixCache:
         self._inflight.clear()
         self._park_at.clear()
         self._branching.clear()
+        self._late.clear()
+        self._late_tried.clear()
         if self.branches is not None:
             self.branches = BranchPoints(self.branches.grid, self.branches.capacity)
 

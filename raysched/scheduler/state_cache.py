@@ -395,6 +395,7 @@ class BranchPoints:
             raise ValueError(f"BranchPoints needs grid >= 1 and capacity >= 1, got {grid} and {capacity}")
         self.grid, self.capacity = grid, capacity
         self._owner: dict[int, tuple[str, int]] = {}  # block-prefix key -> (latest request, prompts)
+        self._first: dict[int, str] = {}  # block-prefix key -> the first request remembered with it
         self._recent: deque[tuple[str, list[int]]] = deque()  # (request, its keys), oldest first
         self._ids: set[str] = set()
 
@@ -427,6 +428,12 @@ class BranchPoints:
         count), remembering nothing."""
         return self._deepest(self.keys(prompt), request_id)
 
+    def first(self, prompt: tuple[int, ...], point: int) -> str | None:
+        """The first request remembered whose prompt passes `prompt`'s first `point` tokens (a
+        grid multiple): the likeliest to have prefilled past it already."""
+        keys = self.keys(prompt[:point + 1])
+        return self._first.get(keys[point // self.grid - 1]) if 0 < point <= len(keys) * self.grid else None
+
     def _deepest(self, keys: list[int], request_id: str | None) -> tuple[int, str | None]:
         def shared(key: int) -> bool:  # by another prompt than `request_id`'s own
             entry = self._owner.get(key)
@@ -438,6 +445,7 @@ class BranchPoints:
     def _remember(self, request_id: str, keys: list[int]) -> None:
         for k in keys:
             self._owner[k] = (request_id, self._owner.get(k, ("", 0))[1] + 1)
+            self._first.setdefault(k, request_id)
         self._recent.append((request_id, keys))
         self._ids.add(request_id)
         while len(self._recent) > self.capacity:
@@ -446,6 +454,8 @@ class BranchPoints:
     def _forget(self, request_id: str, keys: list[int]) -> None:
         self._ids.discard(request_id)
         for k in keys:
+            if self._first.get(k) == request_id:
+                del self._first[k]
             owner, count = self._owner[k]
             if count == 1:
                 del self._owner[k]
