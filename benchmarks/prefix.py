@@ -35,6 +35,8 @@ from benchmarks.common import (Column, load_average, local_ray, machine, measure
 from raysched.config import PoolConfig, SchedulerConfig, ServeConfig, StateCacheConfig
 from raysched.scheduler.state_cache import GRID_TOKENS
 
+PARKED_PARTS = ("state_cache_bytes_blocks", "state_cache_bytes_chunk", "state_cache_bytes_prompt",
+                "state_cache_bytes_finished")  # K/V blocks, then the points' own objects by kind
 MODES = ("reuse_on", "reuse_off")
 PASSES = 2  # on, off, on, off
 GRID = GRID_TOKENS  # the branch-point grid (the CPU workers' `WorkerInfo.prefix_grid`)
@@ -124,7 +126,7 @@ def run_workload(client, costs, requests: list[dict], mode: str, name: str) -> d
     stats = {k: after[k] - before[k] for k in after if k.startswith("state_cache_hits") or k in (
         "state_cache_misses", "state_cache_tokens_reused", "state_cache_fallbacks")}
     stats.update({k: after[k] for k in ("state_cache_bytes", "state_cache_points", "state_cache_chunks",
-                                        "state_cache_evictions")})
+                                        "state_cache_evictions", *PARKED_PARTS)})
     rows = [{**{k: r[k] for k in ("group", "index", "shared")}, "prompt_len": len(r["prompt"]),
              "cached_tokens": rec["cached_tokens"], "cache_kind": rec["cache_kind"],
              "cache_source": rec["cache_source"], "ttft_s": rec["ttft_s"], "token_ids": rec["token_ids"]}
@@ -196,7 +198,33 @@ def _least(values: list) -> float | None:
     return None if not values or None in values else min(values)
 
 
-def _targets(rows: dict, mismatches: dict) -> dict:
+def ideal_parked_bytes(setup: Setup, row: dict) -> int:
+    """What sharing needs parked: the K/V of each group's aligned shared tokens, once, and one
+    recurrent state per group (its branch point)."""
+    from actors.presets import PRESETS
+
+    config = PRESETS[setup.model]
+    groups = row["reuse"].values()
+    return sum(g["aligned_shared"] for g in groups) * config.kv_bytes_per_token(4) + \
+        len(groups) * config.state_bytes_per_slot(4)
+
+
+def _parked_targets(setup: Setup, rows: dict) -> dict:
+    """`shared`: parked bytes over what sharing needs (`ideal_parked_bytes`), all of them and
+    the sharing structure alone (K/V blocks and chunk/branch points, without the prompt-end and
+    finished-turn points kept for chats' next turns)."""
+    on = [r for (n, m, _), r in rows.items() if n == "shared" and m == "reuse_on"]
+    if not on:
+        return {}
+    all_of = max(r["state_cache_bytes"] / ideal_parked_bytes(setup, r) for r in on)
+    shared = max((r["state_cache_bytes_blocks"] + r["state_cache_bytes_chunk"]) / ideal_parked_bytes(setup, r)
+                 for r in on)
+    return {"shared_parked_over_needed": {"value": all_of, "target": "<= 1.5", "met": all_of <= 1.5},
+            "shared_parked_over_needed_without_turn_points": {"value": shared, "target": "blocks + chunk points",
+                                                              "met": None}}
+
+
+def _targets(setup: Setup, rows: dict, mismatches: dict) -> dict:
     pairs = _pair_ratios(rows, "shared")
     ttft, tput = _least([t for t, _ in pairs]), _least([x for _, x in pairs])
     shared = _least([_fraction(r["reuse"].values()) for (n, m, _), r in rows.items() if n == "shared" and m == "reuse_on"])
@@ -212,6 +240,7 @@ def _targets(rows: dict, mismatches: dict) -> dict:
         out[f"trap_{group}_aligned_prefix_reused"] = {"value": g["fraction"], "target": ">= 0.90",
                                                       "met": bool(g["fraction"] and g["fraction"] >= 0.9)}
     out.update(_grid_targets(rows))
+    out.update(_parked_targets(setup, rows))
     n = sum(len(v) for v in mismatches.values())
     out["same_tokens"] = {"value": n, "target": "0 mismatched requests", "met": n == 0}
     return out
@@ -244,7 +273,7 @@ def _result(setup: Setup, runs: dict) -> dict:
     mismatches = {name: _mismatches(runs, name) for name in setup.workloads}
     return {"model": setup.model, "workers": 2, "chunk_tokens": setup.chunk,
             "workloads": {n: [g.__dict__ | {"unique": list(g.unique)} for g in gs] for n, gs in setup.workloads.items()},
-            "machine": machine(), "modes": list(rows.values()), "targets": _targets(rows, mismatches),
+            "machine": machine(), "modes": list(rows.values()), "targets": _targets(setup, rows, mismatches),
             "mismatched_requests": mismatches,
             "per_request": {f"{n}/{m}/{k}": [{x: v for x, v in r.items() if x != "token_ids"} for r in run["requests"]]
                             for (n, m, k), run in runs.items()}}
@@ -260,13 +289,15 @@ def _print(result: dict) -> None:
             Column("hits", "state_cache_hits", "d"), Column("chunk/prompt/fin", "split"),
             Column("same wkr/node/other", "where"), Column("reused", "reused"),
             Column("points", "state_cache_points", "d"), Column("blocks", "state_cache_chunks", "d"),
-            Column("parked MB", "parked_mb", ".1f"), Column("load", "load_avg_1m", ".1f")]
+            Column("parked MB", "parked_mb", ".1f"), Column("of it turn pts MB", "turn_mb", ".1f"),
+            Column("load", "load_avg_1m", ".1f")]
     rows = [{**r, "split": f"{r['state_cache_hits_chunk']}/{r['state_cache_hits_prompt']}/"
                            f"{r['state_cache_hits_finished']}",
              "where": f"{r['state_cache_hits_same_worker']}/{r['state_cache_hits_same_node']}/"
                       f"{r['state_cache_hits_other_node']}",
              "reused": " ".join(f"{g['fraction']:.0%}" if g["fraction"] is not None else "-" for g in r["reuse"].values()),
-             "parked_mb": r["state_cache_bytes"] / 1e6}
+             "parked_mb": r["state_cache_bytes"] / 1e6,
+             "turn_mb": (r["state_cache_bytes_prompt"] + r["state_cache_bytes_finished"]) / 1e6}
             for r in sorted(result["modes"], key=lambda r: (r["workload"], r["pair"], r["mode"]))]
     print_table("", cols, rows)
     print_targets(result["targets"])

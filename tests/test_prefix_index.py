@@ -88,6 +88,7 @@ def test_eviction_is_lru_over_points_and_a_block_goes_with_its_last_user() -> No
     assert dropped == ["pt3"] and cache.num_blocks == 3 and cache.bytes == 330
     assert cache.lookup(a + (1,)).point.ref == "pt1" and cache.lookup(a[:4] + (9,) * 6).point.ref == "x"
     assert cache.lookup((5,) * 9).point.ref == "y"
+    assert cache.kind_bytes == {"chunk": 20, "prompt": 10, "finished": 0}  # pt1, y; x (blocks: the other 300)
 
 
 def test_a_point_whose_blocks_are_missing_is_not_parked() -> None:
@@ -438,6 +439,32 @@ def test_a_second_prompt_that_came_after_the_first_ones_prefill_asks_its_worker_
     e.state, e.worker = State.WAITING, None  # its worker was lost before replying: queued again
     glue.on_result(w1, Decision(), StepResult())
     assert not glue.survey(p["table"].waiting, {0: 1.0, 1: 1.0})[0]  # nobody waits on it
+
+
+def test_a_late_ask_goes_out_when_the_second_prompt_is_first_seen_waiting() -> None:
+    """The second prompt waits behind full slots: the late ask goes to the first request's
+    worker as soon as the scheduler sees it in its queue (`survey`), not when it is admitted
+    (by then that worker's kept states may have aged out), and it is held back meanwhile.
+    Control: a prompt that shares nothing with a running one asks nothing and is not held."""
+    from raysched.config import ServeConfig
+    from raysched.scheduler.prefix_cache import PrefixCache
+    from tests.test_scheduler_parts import LIMITS, FakeWorker, parts
+
+    p = parts(ServeConfig(), [FakeWorker(0, kv=1024), FakeWorker(1, kv=1024)])
+    glue = PrefixCache(StateCache(budget_bytes=1 << 20, min_tokens=16, block_tokens=512), p["table"],
+                       p["counters"], branch_points=True, late_calls=2)
+    system = [t % 60 + 1 for t in range(100)]
+    a = p["table"].submit(system + [70] * 20, {"max_new_tokens": 8}, LIMITS)
+    glue.admit([a], 0)
+    p["table"].waiting.remove(a)
+    p["dispatch"].mark_running(p["fleet"].slots[0], [a])
+    a.add_tokens([5], 0.0)
+    b = p["table"].submit(system + [71] * 20, {"max_new_tokens": 8}, LIMITS)
+    alone = p["table"].submit([61 + t % 30 for t in range(120)], {"max_new_tokens": 8}, LIMITS)
+    held, placement = glue.survey(p["table"].waiting, {0: 1.0, 1: 1.0})
+    assert held == {b.request_id} and placement.home == {b.request_id: 0}
+    assert glue.late_unsent() == {0} and glue.park_at(0) == ((a.request_id, 96),) and glue.park_at(1) == ()
+    assert alone.request_id not in held
 
 
 def _shared_then_burst(protected_fraction: float) -> tuple[StateCache, tuple[int, ...]]:

@@ -105,6 +105,7 @@ class Dispatcher:
         if waiting and not w.draining and self.cache.index is not None:
             rooms = {o.index: o.view.room() for o in (w, *self.fleet.others(w))}
             held, placement = self.cache.survey(waiting, rooms)
+            self.interrupt_for_late_asks(w)
             if held:
                 waiting = deque(r for r in waiting if r.request_id not in held)
         best_elsewhere = self.fleet.best_room_except(w) if waiting else -1.0
@@ -203,9 +204,15 @@ class Dispatcher:
         for r in reversed(back):
             decision.admit.remove(r)
             enqueue(self.table.waiting, r, front=True)
+        self.interrupt_for_late_asks(w)
+        return hits
+
+    def interrupt_for_late_asks(self, w: WorkerSlot) -> None:
+        """End the long calls of other workers asked for a branch point their prefill passed
+        (`PrefixCache.late_unsent`): the states they keep for it age out, and its request may
+        finish meanwhile."""
         for index in self.cache.late_unsent() - {w.index}:
             self.fleet.interrupt(self.fleet.slots[index])
-        return hits
 
     def step_plan(self, w: WorkerSlot, decision: Decision, drop: list[str], resume_snap: list[Request],
                   prefixed: list[Request], cross_node: bool | None, folded: int = 0) -> StepPlan:

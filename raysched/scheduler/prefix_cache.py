@@ -125,9 +125,9 @@ class PrefixCache:
         if self.index is None:
             return held, None
         for r in _head(waiting):
-            if self.branches is not None and not r.num_generated and not self.branches.knows(r.request_id):
-                self.branches.add(r.request_id, r.prompt_ids)  # a prompt admitted before it sees it
             match = self.index.lookup(r.prompt_ids, touch=False) if not r.num_generated else None
+            if self.branches is not None and not r.num_generated and not self.branches.knows(r.request_id):
+                self._arrived(r, match)
             producer = None if r.num_generated else self._producer_of(r, match.num_tokens if match else 0)
             producer = self._branch_producer(r, match) if producer is None else producer
             if producer is not None:
@@ -177,17 +177,38 @@ class PrefixCache:
         if asked is not None and asked[0] != r.request_id:
             return True
         late = None if asked or owner in here else self._late_parker(r, point, key)
-        parker = asked[0] if asked else owner if owner in here else late[0] if late else r.request_id
+        if late is not None:
+            self._ask_late(key, point, *late)
+            return True
+        parker = asked[0] if asked else owner if owner in here else r.request_id
         if parker == r.request_id and not exact:
             return False
-        self._park_at.setdefault(late[1] if late else worker, []).append((parker, point))
+        self._park_at.setdefault(worker, []).append((parker, point))
         self._branching[key] = (parker, point)
-        if late is not None:
-            self._late[key] = (late[1], False)
-            self._late_tried[key] = None
-            while len(self._late_tried) > LATE_TRIED:
-                del self._late_tried[next(iter(self._late_tried))]
         return parker != r.request_id
+
+    def _arrived(self, r: Request, match: Match | None) -> None:
+        """A prompt first seen waiting joins the branch tree (so the first of two prompts is
+        asked for their point when it starts); if an earlier prompt's prefill already passed
+        their branch point and the index has no state there, that request's worker is asked
+        for it now (late), not when `r` is admitted: by then the states it keeps may be gone."""
+        point, _ = self.branches.add(r.request_id, r.prompt_ids)
+        if point < self.index.min_tokens or (match is not None and match.num_tokens >= point):
+            return
+        key = hash(r.prompt_ids[:point])
+        late = None if key in self._branching else self._late_parker(r, point, key)
+        if late is not None:
+            self._ask_late(key, point, *late)
+
+    def _ask_late(self, key: int, point: int, parker: str, worker: int) -> None:
+        """Ask `parker` (on `worker`) for the point its prefill passed, in that worker's next
+        plan; whoever needs it waits for that worker's reply (`_sweep_branching`)."""
+        self._park_at.setdefault(worker, []).append((parker, point))
+        self._branching[key] = (parker, point)
+        self._late[key] = (worker, False)
+        self._late_tried[key] = None
+        while len(self._late_tried) > LATE_TRIED:
+            del self._late_tried[next(iter(self._late_tried))]
 
     def _late_parker(self, r: Request, point: int, key: int) -> tuple[str, int] | None:
         """(the request, its worker) to ask for `r`'s branch point that the first prompt
@@ -360,7 +381,9 @@ class PrefixCache:
     # ------------------------------------------------------------------ stats
     def stats(self) -> dict:
         i = self.index or StateCache(0, 1)  # off: every count 0
-        return {"state_cache_bytes": i.bytes, "state_cache_entries": i.num_points,
+        by_kind = {f"state_cache_bytes_{kind}": n for kind, n in i.kind_bytes.items()}
+        return {"state_cache_bytes": i.bytes, **by_kind,
+                "state_cache_bytes_blocks": i.bytes - sum(i.kind_bytes.values()), "state_cache_entries": i.num_points,
                 "state_cache_points": i.num_points, "state_cache_chunks": i.num_blocks,
                 "state_cache_evictions": i.evictions, "state_cache_budget_bytes": i.budget_bytes,
                 "state_cache_inline_bytes": i.inline_bytes}

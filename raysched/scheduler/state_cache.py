@@ -147,6 +147,7 @@ class StateCache:
         self.protected_bytes = 0  # bytes of the points with hits
         self._keys = itertools.count()
         self.bytes = self.inline_bytes = 0
+        self.kind_bytes = dict.fromkeys(KINDS, 0)  # the points' own objects by kind (blocks: the rest)
         self.num_blocks = 0
         self.evictions = 0
 
@@ -275,6 +276,7 @@ class StateCache:
         else:
             self._unhit[p.key] = p
         self._count(p.nbytes, +1)
+        self.kind_bytes[p.kind] += p.nbytes
 
     def _hit(self, p: Point) -> None:
         if not p.hits:
@@ -295,6 +297,7 @@ class StateCache:
         if not lengths[len(p.tail)]:
             del lengths[len(p.tail)]
         self._count(p.nbytes, -1)
+        self.kind_bytes[p.kind] -= p.nbytes
         for n in reversed(p.node.chain()):
             n.users -= 1
             if not n.users:
@@ -369,6 +372,7 @@ class StateCache:
         self._points.clear()
         self._unhit.clear()
         self.bytes = self.inline_bytes = self.num_blocks = self.protected_bytes = 0
+        self.kind_bytes = dict.fromkeys(KINDS, 0)
 
 
 class BranchPoints:
