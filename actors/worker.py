@@ -116,7 +116,7 @@ class Worker:
             if rid in self.engine.reserved:  # the room of a live migration that was abandoned
                 self.engine.unreserve(rid)  # (its source died): this plan starts the request anew
         out = StepOutput()
-        self.engine.hold_finished = plan.park_min_tokens > 0
+        self.engine.hold_finished = plan.park_min_tokens > 0 and plan.park_turns
         self.engine.trail_calls, self.engine.trail_min_tokens = plan.trail_calls, plan.park_min_tokens
         self._park_passed(plan, result)
         n = len(plan.resume)
@@ -320,6 +320,8 @@ class Worker:
         whichever call its last chunk ran), unless it was a recompute (history with outputs).
         It is exact when the prompt ends on a chunk boundary of an exact prefill."""
         min_tokens, b = plan.park_min_tokens, plan.prefill_chunk_tokens
+        if not plan.park_turns:
+            return
         for rid in prefilled.new_tokens:
             seq = self.engine.running.get(rid) or self.engine.held.get(rid)
             if min_tokens and seq is not None and seq.num_generated == 1 and seq.prompt_len >= min_tokens:
@@ -330,7 +332,7 @@ class Worker:
         """Copy the final state of each finished request (all tokens but the last), then free it."""
         b = plan.prefill_chunk_tokens
         for rid, seq in list(self.engine.held.items()):
-            if seq.num_cached >= plan.park_min_tokens:
+            if plan.park_turns and seq.num_cached >= plan.park_min_tokens:
                 self._park(rid, "finished", _exact_blocks(seq, b), b, False, result)
             self.engine.release(rid)
 

@@ -510,6 +510,8 @@ class StateCacheConfig(Section):
     #   which live in the scheduler's own memory, not the object store
     placement_slack: float = 0.25  # a request goes to the worker holding its matched state when
     #   that worker's free fraction is within this of the roomiest worker's
+    turn_points: bool = True  # park each prompt's end and each finished turn too (a chat's next
+    #   turn resends the history); false for single-turn traffic: only what prompts share is parked
     late_branch_calls: int = 2  # a worker's last prefill calls whose scan-grid states it keeps, so
     #   a branch point found after an earlier prompt's prefill passed it is still parked from
     #   them (0: off; costs memory, about the call's tokens / grid x one recurrent state)
@@ -521,6 +523,7 @@ class StateCacheConfig(Section):
         "min_tokens": check_positive_int,
         "inline_budget_bytes": check_non_negative_int,
         "placement_slack": check_fraction,
+        "turn_points": check_bool,
         "late_branch_calls": check_non_negative_int,
     }
 

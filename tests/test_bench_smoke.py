@@ -124,12 +124,15 @@ def _sessions_correct(result: dict) -> None:
 
 
 def _prefix_correct(result: dict) -> None:
-    """Same tokens with reuse on and off; with it on, every request after a group's first
-    reused the whole chunk-aligned shared prefix; with it off, nothing."""
+    """Same tokens with reuse on and off; with it on (with or without turn points), every
+    request after a group's first reused the whole chunk-aligned shared prefix; with it off,
+    nothing. Without turn points, none is parked."""
     assert result["mismatched_requests"] == {"shared": [], "trap": []}
     for row in result["modes"]:
         fractions = [g["fraction"] for g in row["reuse"].values()]
-        assert fractions == ([1.0] * len(fractions) if row["mode"] == "reuse_on" else [0.0] * len(fractions)), row
+        assert fractions == ([0.0 if row["mode"] == "reuse_off" else 1.0] * len(fractions)), row
+        if row["mode"] == "reuse_on_no_turn_points":
+            assert row["state_cache_bytes_prompt"] == row["state_cache_bytes_finished"] == 0, row
 
 
 def _priority_correct(result: dict) -> None:

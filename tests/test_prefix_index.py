@@ -45,11 +45,32 @@ def test_the_longest_point_wins_at_a_block_boundary_or_at_any_length() -> None:
     hit = cache.lookup(shared + (50, 51, 52, 53))
     assert hit.point.ref == "fin" and hit.num_tokens == 15 and len(hit.blocks) == 3
     assert hit.refs == ["blk0", "blk1", "blk2", "fin"]
-    assert cache.lookup(shared + (50, 51, 9)).point.ref == "pt3"  # the tail does not match: boundary 12
+    assert cache.lookup(shared + (50, 51, 9), touch=False).point.ref == "pt3"  # the tail does not match: boundary 12
     assert cache.lookup(shared[:10] + (0, 0)).point.ref == "pt2"  # diverges inside block 2
     assert cache.lookup(shared).point.ref == "pt2"  # pt3 covers all of it: a token must be left
     assert cache.lookup(shared[:3] + (9,) * 9) is None
     assert cache.lookup((99,) + shared) is None
+
+
+def test_a_first_hit_on_a_chunk_point_drops_the_unmatched_chunk_points_before_it() -> None:
+    """Requests share a 12-token prefix; a chunked prefill parked points at 4, 8 and 12. The
+    first match of the point at 12 drops those at 4 and 8 (nothing matched them, and only a
+    prompt leaving the prefix before 12 could), so a shared prefix keeps one state where its
+    prompts go on, not one per chunk. Its blocks stay. Controls: a point matched before stays;
+    a point off the path stays; a matched finished turn (inexact) drops nothing."""
+    cache = StateCache(budget_bytes=10_000, min_tokens=2, block_tokens=B)
+    shared = tuple(range(12))
+    park_boundaries(cache, shared)  # pt1 (4), pt2 (8), pt3 (12)
+    other = shared[:8] + (70, 71, 72, 73)
+    cache.park(other, "off", 10, "chunk", kv_from=12, exact=True, blocks={2: BlockRef("oblk2", 100)})
+    assert cache.lookup(shared[:4] + (99,) * 5).point.ref == "pt1"  # pt1 matched once: it stays
+    assert cache.lookup(shared + (1,)).point.ref == "pt3" and cache.superseded == 1
+    assert sorted(p.ref for p in cache._points.values()) == ["off", "pt1", "pt3"]
+    assert cache.num_blocks == 4 and cache.lookup(shared[:8] + (5,), touch=False).point.ref == "pt1"
+    fin = StateCache(budget_bytes=10_000, min_tokens=2, block_tokens=B)
+    park_boundaries(fin, shared)
+    fin.park(shared + (50, 51), "fin", 30, "finished", kv_from=12)
+    assert fin.lookup(shared + (50, 51, 52)).point.ref == "fin" and fin.num_points == 4
 
 
 def test_kv_blocks_are_stored_once_for_every_point_that_shares_them() -> None:
@@ -103,7 +124,7 @@ def test_a_lost_match_is_discarded_with_every_point_sharing_its_blocks() -> None
     cache = StateCache(budget_bytes=10_000, min_tokens=1, block_tokens=B)
     park_boundaries(cache, tuple(range(12)))
     cache.park((7,) * 5, "other", 10, "prompt")
-    assert cache.discard(cache.lookup(tuple(range(13)))) == 3
+    assert cache.discard(cache.lookup(tuple(range(13)), touch=False)) == 3
     assert cache.num_points == 1 and cache.num_blocks == 0 and cache.bytes == 10
 
 

@@ -64,6 +64,28 @@ def drive(w, rid: str, tokens: list[int], chunk: int = C, park: int = 0, prefix:
     return new, w.engine.logits.pop(rid), parked, dict(zip(keys, objects)), cached
 
 
+@pytest.mark.parametrize("turns", [False, True], ids=["no-turn-points", "control-turn-points"])
+def test_without_turn_points_a_prompt_parks_only_what_another_prompt_can_share(turns: bool) -> None:
+    """`state_cache.turn_points: false` (`StepPlan.park_turns`), for single-turn traffic: an
+    80-token prompt parks its chunk boundaries (16 .. 64), not its prompt end or its finished
+    turn, and the worker holds nothing after the request ends. Control: with turn points it
+    parks those two as well."""
+    w = make_worker()
+    item = PrefillItem("t", tuple(prompt(80, seed=1)), 80, GREEDY.to_dict())
+    common = dict(decode_steps=1, park_min_tokens=16, prefill_chunk_tokens=C, park_turns=turns)
+    plan, parked = StepPlan(prefill=(item,), **common), []
+    while True:
+        result = w.step(plan)
+        parked += [(p.kind, p.num_tokens) for p in result.parked]
+        if "t" in result.finished:
+            break
+        plan = StepPlan(**common)
+    w.discard_parked([("t", kind, n) for kind, n in parked] + [("t", "block", i) for i in range(5)])
+    chunks = [("chunk", n) for n in (16, 32, 48, 64)]
+    assert parked == chunks + ([("prompt", 80), ("finished", 85)] if turns else [])
+    assert w.is_idle() and not w._parked and not w.engine.held
+
+
 def refs_for(objects: dict, rid: str, kind: str, num_tokens: int, num_blocks: int) -> list:
     return [objects[(rid, "block", i)] for i in range(num_blocks)] + [objects[(rid, kind, num_tokens)]]
 

@@ -68,7 +68,8 @@ class Scheduler:
         self.ledger = RetractionLedger(config.scheduler, self.table, self.fleet, self.counters, self.faults)
         self.prefix_cache = PrefixCache(_state_cache(config), self.table, self.counters,
                                         config.state_cache.placement_slack, branch_points=True,
-                                        late_calls=config.state_cache.late_branch_calls)
+                                        late_calls=config.state_cache.late_branch_calls,
+                                        turn_points=config.state_cache.turn_points)
         self.recovery = Recovery(config, self.table, self.fleet, self.counters, on_added=self._start_loop,
                                  on_stopped=self._stopped)
         self.dispatch = Dispatcher(config, self.table, self.fleet, self.counters, self.ledger, self.prefix_cache,

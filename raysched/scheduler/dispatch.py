@@ -225,7 +225,7 @@ class Dispatcher:
                         sinks=self.sinks_to_send(w, resume_snap) if self.table.sinks else (),
                         decode_steps=decision.decode_steps, prefix=tuple(r.request_id for r in prefixed),
                         park_min_tokens=self.cache.park_min_tokens(), park_at=self.cache.park_at(w.index),
-                        trail_calls=self.cache.trail_calls(),
+                        trail_calls=self.cache.trail_calls(), park_turns=self.cache.park_turns(),
                         fault=self.faults.step_point(w, w.view.calls, decision.decode_steps, cross_node,
                                                      folded=folded > 0),
                         prefill_chunk_tokens=cfg.prefill_chunk_tokens, prefill_budget_tokens=cfg.prefill_budget_tokens,
@@ -243,7 +243,7 @@ class Dispatcher:
         """The pipelined call: decode on, nothing else."""
         cfg = self.config.scheduler
         return StepPlan(decode_steps=decode_steps, park_min_tokens=self.cache.park_min_tokens(),
-                        trail_calls=self.cache.trail_calls(),
+                        trail_calls=self.cache.trail_calls(), park_turns=self.cache.park_turns(),
                         fault=self.faults.step_point(w, w.view.calls + 1, decode_steps, None, pipelined=True),
                         prefill_chunk_tokens=cfg.prefill_chunk_tokens, prefill_budget_tokens=cfg.prefill_budget_tokens)
 

@@ -75,8 +75,10 @@ class PrefixCache:
     placement."""
 
     def __init__(self, index: StateCache | None, table: RequestTable, counters: Counters,
-                 slack: float = 0.25, branch_points: bool = False, late_calls: int = 0) -> None:
+                 slack: float = 0.25, branch_points: bool = False, late_calls: int = 0,
+                 turn_points: bool = True) -> None:
         self.index = index
+        self.turn_points = turn_points
         self.branches = BranchPoints(GRID_TOKENS) if index is not None and branch_points else None
         self.late_calls = late_calls if self.branches is not None else 0
         self._park_at: dict[int, list[tuple[str, int]]] = {}  # worker -> `StepPlan.park_at` of its next plan
@@ -96,6 +98,10 @@ class PrefixCache:
     def park_min_tokens(self) -> int:
         """What a step plan asks the worker to park (0: nothing)."""
         return self.index.min_tokens if self.index is not None else 0
+
+    def park_turns(self) -> bool:
+        """`StepPlan.park_turns`: park prompt ends and finished turns too."""
+        return self.turn_points
 
     def trail_calls(self) -> int:
         """`StepPlan.trail_calls`: the prefill calls whose scan states a worker keeps."""

@@ -150,6 +150,7 @@ class StateCache:
         self.kind_bytes = dict.fromkeys(KINDS, 0)  # the points' own objects by kind (blocks: the rest)
         self.num_blocks = 0
         self.evictions = 0
+        self.superseded = 0  # unmatched chunk points dropped for a deeper one on their path
 
     # ------------------------------------------------------------------ queries
     def __len__(self) -> int:
@@ -178,7 +179,23 @@ class StateCache:
         if touch:
             self._points.move_to_end(best.key)
             self._hit(best)
+            if best.hits == 1 and best.kind == "chunk" and best.exact:
+                self._supersede(best)
         return Match(best, tuple(n.block for n in best.node.chain()))
+
+    def _supersede(self, p: Point) -> None:
+        """`p`, an exact chunk point, was matched for the first time: traffic passes through it,
+        so the shallower chunk points on its path that nothing matched yet go (only a prompt
+        leaving `p`'s prefix before `p` could use them; a branch point is parked for such a
+        prompt when it comes). Its blocks stay: `p` uses them."""
+        chain, b = p.node.chain(), self.block_tokens
+        tokens = tuple(t for n in chain for t in n.key) + p.tail
+        for n in [self.root, *chain]:
+            start = n.depth * b
+            for q in [q for q in n.points.values() if q is not p and not q.hits and q.kind == "chunk"
+                      and q.num_tokens < p.num_tokens and tokens[start:start + len(q.tail)] == q.tail]:
+                self._remove_point(q)
+                self.superseded += 1
 
     def parked_blocks(self, prompt: tuple[int, ...]) -> int:
         """How many leading whole blocks of `prompt` are parked already."""
