@@ -225,3 +225,29 @@ def test_negative_control_a_state_dropped_on_the_way_changes_the_logits(device):
         _move_all(src, dst, drop_state=True)
         dst.decode(1)
     assert not torch.equal(dst.logits["r0"][0], ref.logits["r0"][6])
+
+
+@pytest.mark.parametrize("device", ["cpu", "fake"])
+@pytest.mark.parametrize("model", ["tiny", "tiny-qwen35"])
+def test_a_late_point_is_built_on_the_device_from_the_kept_scan_states(model, device):
+    """A branch point a prefill passed (`Engine.copy_state_at`, from the scan states its call
+    kept: SSD or delta-rule carries and conv windows, on the pool's device) holds the bytes of
+    the point a prefill paused there parks (`Sequence.stops`), with the pools on the device (off
+    the CPU the scans keep the model's chunk, so the grid may be coarser: `prefix_grid`).
+    Control: the point one grid step earlier is another state."""
+    place, dev = _place(device)
+    with place:
+        late, paused = (build_engine(model, device=dev, kv_tokens=256, state_slots=4) for _ in range(2))
+        late.trail_calls, late.trail_min_tokens = 2, 16
+        g = late.prefix_grid
+        prompt = _prompt(2 * g + 6, seed=3, vocab=late.config.vocab_size)
+        late.prefill([Sequence("a", list(prompt), len(prompt), GREEDY)])
+        got = {at: late.copy_state_at("a", at) for at in (g, 2 * g)}
+        seq = Sequence("a", list(prompt), len(prompt), GREEDY, stops=(2 * g,))
+        paused.prefill([seq])
+        assert seq.num_computed == 2 * g
+        want = paused.copy_state("a")
+    assert got[2 * g].num_cached_tokens == want.num_cached_tokens == 2 * g
+    assert (got[2 * g].payload == want.payload).all()
+    state = "ssm" if model == "tiny" else "gdn_state"
+    assert not torch.equal(got[g].part(state), want.part(state))  # control: one grid step earlier
