@@ -465,9 +465,12 @@ def test_a_second_prompt_that_came_after_the_first_ones_prefill_asks_its_worker_
 def test_a_late_ask_goes_out_when_the_second_prompt_is_first_seen_waiting() -> None:
     """The second prompt waits behind full slots: the late ask goes to the first request's
     worker as soon as the scheduler sees it in its queue (`survey`), not when it is admitted
-    (by then that worker's kept states may have aged out), and it is held back meanwhile.
-    Control: a prompt that shares nothing with a running one asks nothing and is not held."""
+    (by then that worker's kept states may have aged out), and it is held back meanwhile; if
+    the first request ends before that worker's next plan, the next look at the queue ends the
+    wait (no reply will). Control: a prompt that shares nothing with a running one asks nothing
+    and is not held."""
     from raysched.config import ServeConfig
+    from raysched.request import State
     from raysched.scheduler.prefix_cache import PrefixCache
     from tests.test_scheduler_parts import LIMITS, FakeWorker, parts
 
@@ -486,6 +489,9 @@ def test_a_late_ask_goes_out_when_the_second_prompt_is_first_seen_waiting() -> N
     assert held == {b.request_id} and placement.home == {b.request_id: 0}
     assert glue.late_unsent() == {0} and glue.park_at(0) == ((a.request_id, 96),) and glue.park_at(1) == ()
     assert alone.request_id not in held
+    a.state = State.FINISHED  # it ended before its worker's next plan: nobody will park it
+    held, _ = glue.survey(p["table"].waiting, {0: 1.0, 1: 1.0})
+    assert not held and glue.late_unsent() == set()  # the wait ends without any reply
 
 
 def _shared_then_burst(protected_fraction: float) -> tuple[StateCache, tuple[int, ...]]:

@@ -130,6 +130,7 @@ class PrefixCache:
         held, home = set(), {}
         if self.index is None:
             return held, None
+        self._sweep_branching()  # (a late ask's parker may have ended since a reply last swept)
         for r in _head(waiting):
             match = self.index.lookup(r.prompt_ids, touch=False) if not r.num_generated else None
             if self.branches is not None and not r.num_generated and not self.branches.knows(r.request_id):
