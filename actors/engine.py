@@ -303,10 +303,6 @@ class Engine:
         t = self._trail_at(request_id, at)
         return self._stack_states([m.at(at - t.start) for m in t.marks]) if t is not None else None
 
-    def keeps_state(self, request_id: str, at: int) -> bool:
-        """Does `state_at(request_id, at)` have a state?"""
-        return self._trail_at(request_id, at) is not None
-
     def _trail_at(self, request_id: str, at: int) -> Trail | None:
         seq = self.sequence(request_id)
         for calls in reversed(self._trails):
@@ -327,11 +323,8 @@ class Engine:
         """An exact point of the request after its first `at` tokens, which a recent prefill
         call passed (`state_at`), with the K/V of its tokens from `kv_from` on; None: no call
         kept that state."""
-        states = self.state_at(request_id, at)
-        seq = self.sequence(request_id)
-        if states is None or seq is None or not seq.exact:
-            return None
-        return self._copy(seq, at, kv_from, True, states)
+        states = self.state_at(request_id, at)  # (kept for exact prefills only)
+        return None if states is None else self._copy(self.sequence(request_id), at, kv_from, True, states)
 
     # ------------------------------------------------------------------ decode
     def decode(self, num_steps: int = 1) -> StepOutput:

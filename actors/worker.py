@@ -298,8 +298,7 @@ class Worker:
             if seq is None or at > seq.num_computed or not seq.exact:
                 continue
             standing = rid in self.engine.prefilling and at == seq.num_computed
-            if standing or self.engine.keeps_state(rid, at):
-                self._park(rid, "chunk", at // b if b else 0, b, True, result, None if standing else at)
+            self._park(rid, "chunk", at // b if b else 0, b, True, result, None if standing else at)
 
     def _restore_prefix(self, snap: Snapshot | list, seq: Sequence, result: StepResult) -> bool:
         try:
@@ -332,7 +331,7 @@ class Worker:
         """Copy the final state of each finished request (all tokens but the last), then free it."""
         b = plan.prefill_chunk_tokens
         for rid, seq in list(self.engine.held.items()):
-            if plan.park_turns and seq.num_cached >= plan.park_min_tokens:
+            if seq.num_cached >= plan.park_min_tokens:  # (held only with `plan.park_turns`)
                 self._park(rid, "finished", _exact_blocks(seq, b), b, False, result)
             self.engine.release(rid)
 
@@ -340,11 +339,14 @@ class Worker:
               result: StepResult, at: int | None = None) -> None:
         """Copy a point: the request's state now (`at`: after its first `at` tokens, a state a
         recent prefill call kept), with the K/V of its tokens after its first `num_blocks`
-        blocks; and those blocks it has not offered yet, one copy each."""
+        blocks; and those blocks it has not offered yet, one copy each. Nothing when no call kept
+        the state at `at`."""
         seq = self.engine.sequence(rid)
         kv_from = num_blocks * block_tokens
         snap = (self.engine.copy_state(rid, kv_from, exact) if at is None  # right after prefill it covers the prompt
                 else self.engine.copy_state_at(rid, at, kv_from))
+        if snap is None:
+            return
         first = min(seq.parked_blocks, num_blocks)
         blocks = self.engine.copy_blocks(rid, first, num_blocks, block_tokens) if block_tokens else []
         seq.parked_blocks = max(seq.parked_blocks, num_blocks)

@@ -179,12 +179,10 @@ class StateCache:
         if touch:
             self._points.move_to_end(best.key)
             self._hit(best)
-            if best.hits == 1 and best.kind == "chunk" and best.exact:
-                self._supersede(best)
         return Match(best, tuple(n.block for n in best.node.chain()))
 
     def _supersede(self, p: Point) -> None:
-        """`p`, an exact chunk point, was matched for the first time: traffic passes through it,
+        """`p`, an exact chunk point, is matched for the first time: traffic passes through it,
         so the shallower chunk points on its path that nothing matched yet go (only a prompt
         leaving `p`'s prefix before `p` could use them; a branch point is parked for such a
         prompt when it comes). Its blocks stay: `p` uses them."""
@@ -299,6 +297,8 @@ class StateCache:
         if not p.hits:
             del self._unhit[p.key]
             self.protected_bytes += p.nbytes
+            if p.kind == "chunk" and p.exact:
+                self._supersede(p)
         p.hits += 1
 
     def _remove_point(self, p: Point) -> Any:
