@@ -303,6 +303,19 @@ class Engine:
         t = self._trail_at(request_id, at)
         return self._stack_states([m.at(at - t.start) for m in t.marks]) if t is not None else None
 
+    def last_state_before(self, request_id: str, end: int) -> int | None:
+        """The largest `at` < `end` on `prefix_grid` whose state the request's latest kept
+        prefill call holds (`state_at`); None when it holds none there, or no call of it was
+        kept. (Its earlier calls end where that call started: a chunk boundary, or the point it
+        was restored from.)"""
+        seq = self.sequence(request_id)
+        t = next((calls[request_id] for calls in reversed(self._trails) if request_id in calls), None)
+        if t is None or t.seq is not seq or len(t.marks) != len(self._trail_parts):
+            return None
+        step = math.lcm(self.prefix_grid, *(m.every for m in t.marks))
+        r = min(end - 1 - t.start, min(m.rows for m in t.marks) - 1) // step * step
+        return t.start + r if r > 0 and all(m.has(r) for m in t.marks) else None
+
     def _trail_at(self, request_id: str, at: int) -> Trail | None:
         seq = self.sequence(request_id)
         for calls in reversed(self._trails):

@@ -315,15 +315,23 @@ class Worker:
         return ok  # no room: the plain prefill reports it not admitted
 
     def _park_prompts(self, prefilled: StepOutput, plan: StepPlan, result: StepResult) -> None:
-        """Copy the state at the end of each prompt whose prefill completed in this call (in
-        whichever call its last chunk ran), unless it was a recompute (history with outputs).
-        It is exact when the prompt ends on a chunk boundary of an exact prefill."""
+        """Park each prompt whose prefill completed in this call (in whichever call its last
+        chunk ran), unless it was a recompute (history with outputs): at the last grid point
+        before its end that the prefill's kept scan states hold (exact: a repeat of the prompt
+        restores all but its last grid block; none when a chunk point is there), else, with no
+        kept states, the state at its end (exact only on a chunk boundary of an exact prefill)."""
         min_tokens, b = plan.park_min_tokens, plan.prefill_chunk_tokens
         if not plan.park_turns:
             return
         for rid in prefilled.new_tokens:
             seq = self.engine.running.get(rid) or self.engine.held.get(rid)
-            if min_tokens and seq is not None and seq.num_generated == 1 and seq.prompt_len >= min_tokens:
+            if not min_tokens or seq is None or seq.num_generated != 1 or seq.prompt_len < min_tokens:
+                continue
+            at = self.engine.last_state_before(rid, seq.prompt_len)
+            if at is not None:
+                if not b or at % b:
+                    self._park(rid, "prompt", at // b if b else 0, b, True, result, at)
+            elif not self.engine.trail_calls or not seq.exact:
                 exact = seq.exact and bool(b) and seq.prompt_len % b == 0
                 self._park(rid, "prompt", _exact_blocks(seq, b), b, exact, result)
 

@@ -34,10 +34,11 @@ def make_worker():
     return reuse_worker(kv_tokens=4096)
 
 
-def drive(w, rid: str, tokens: list[int], park_at: tuple[int, ...] = (), prefix: list | None = None):
+def drive(w, rid: str, tokens: list[int], park_at: tuple[int, ...] = (), prefix: list | None = None,
+          trail_calls: int = 0):
     """Run one request to the end, a 512-token chunk per call, parking at `park_at`; (logits,
     parked points, their objects by key, tokens restored)."""
-    _, logits, parked, objects, cached = reuse_drive(w, rid, tokens, CHUNK, GRID, prefix, park_at)
+    _, logits, parked, objects, cached = reuse_drive(w, rid, tokens, CHUNK, GRID, prefix, park_at, trail_calls)
     return logits, parked, objects, cached
 
 
@@ -173,6 +174,27 @@ def test_a_pause_at_a_branch_point_parks_the_other_prompts_boundaries_once() -> 
     alone = parked_keys([("b", b)], (("b", 96),))
     assert sorted(both) == [("a", "chunk", 512), ("b", "chunk", 96), ("b", "prompt", 300)], both
     assert sorted(alone) == [("b", "chunk", 96), ("b", "prompt", 300)]
+
+
+def test_a_prompt_parks_its_last_grid_point_so_that_sending_it_again_restores_all_but_that_block(tiled) -> None:
+    """One after the other, the same prompt twice (a user retrying, `n` samples sent one by
+    one): the first parks its *prompt point* at its last grid point before its end (448 of
+    480), from the scan states its prefill call kept (`Engine.last_state_before`), every byte
+    equal to the point a prefill paused at 448 parks; the repeat restores it and its logits are
+    the uncached run's (`torch.equal`). Control: without kept states (`trail_calls` 0) the
+    prompt point is the state at the prompt's end (480, not exact off a chunk boundary), which
+    a repeat cannot use (it must feed at least its last token)."""
+    runs, w = tiled
+    p, last = runs["prompt"], (PRODUCER_LEN - 1) // GRID * GRID
+    _, parked, objects, _ = drive(w, "kept", p, trail_calls=2)
+    point = next(x for x in parked if x.kind == "prompt")
+    assert (point.num_tokens, point.kv_from, point.exact) == (last, 0, True)
+    paused = runs["objects"][("p", "chunk", last)]
+    assert (objects[point.key].payload == paused.payload).all()
+    again, _, _, cached = drive(w, "again-kept", p, prefix=[objects[point.key]], trail_calls=2)
+    assert cached == last and same(again, runs["runs"]["repeated"][1])  # the uncached run's logits
+    _, parked, _, _ = drive(w, "no-trails", p)
+    assert [(x.num_tokens, x.exact) for x in parked if x.kind == "prompt"] == [(PRODUCER_LEN, False)]
 
 
 # ---------------------------------------------------------------------------- late branch points

@@ -41,11 +41,12 @@ def prompt(n: int, seed: int) -> list[int]:
 
 
 def drive(w, rid: str, tokens: list[int], chunk: int = C, park: int = 0, prefix: list | None = None,
-          park_at: tuple[int, ...] = ()):
-    """Run one request to the end, one chunk per call (pausing to park at `park_at`); (tokens,
-    logits, parked points, their objects by key, tokens restored)."""
+          park_at: tuple[int, ...] = (), trail_calls: int = 0):
+    """Run one request to the end, one chunk per call (pausing to park at `park_at`; keeping
+    `trail_calls` calls' scan states); (tokens, logits, parked points, their objects by key,
+    tokens restored)."""
     item = PrefillItem(rid, tuple(tokens), len(tokens), GREEDY.to_dict())
-    common = dict(decode_steps=1, park_min_tokens=park, prefill_chunk_tokens=chunk)
+    common = dict(decode_steps=1, park_min_tokens=park, prefill_chunk_tokens=chunk, trail_calls=trail_calls)
     plan = StepPlan(prefill=(item,), prefix=(rid,) if prefix else (),
                     park_at=tuple((rid, p) for p in park_at), **common)
     new, parked, cached = [], [], None

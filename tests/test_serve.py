@@ -177,7 +177,8 @@ def test_chat_streams_with_role_first_and_matches_the_template(running: Running,
 
 def test_second_chat_turn_restores_the_first_turns_state(running: Running) -> None:
     """The turn cache through the OpenAI endpoint: turn 2 resends turn 1's history, re-rendered by
-    the chat template; its usage reports the prompt tokens restored instead of prefilled. The same
+    the chat template; its usage reports the prompt tokens restored instead of prefilled (at
+    least turn 1's prompt point: its last 32-token grid point before its end). The same
     first turn with another system prompt (nothing parked for it) reports none: the control."""
     api = running.openai()
     system = "You answer in one short line, and never more than that. " * 6  # > min_tokens (64)
@@ -190,7 +191,8 @@ def test_second_chat_turn_restores_the_first_turns_state(running: Running) -> No
     assert load_tokenizer("tiny").chat_prompt(messages).startswith(prompt_1)
     second = api.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0)
     cached = second.usage.prompt_tokens_details.cached_tokens
-    assert first.usage.prompt_tokens - 1 <= cached < second.usage.prompt_tokens, second.usage
+    grid = (first.usage.prompt_tokens - 1) // 32 * 32  # its prompt point, if the answer re-encodes otherwise
+    assert grid <= cached < second.usage.prompt_tokens, second.usage
     other = [{"role": "system", "content": system.upper()}, messages[1]]
     fresh = api.chat.completions.create(model="tiny", messages=other, max_tokens=8, temperature=0)
     assert fresh.usage.prompt_tokens_details.cached_tokens == 0, fresh.usage
@@ -210,6 +212,24 @@ def test_chats_sharing_a_long_system_prompt_report_its_whole_chunks_as_cached(ru
     b = api.chat.completions.create(model="tiny", messages=second, max_tokens=4, temperature=0)
     assert a.usage.prompt_tokens_details.cached_tokens == 0, a.usage
     assert shared >= 512 and b.usage.prompt_tokens_details.cached_tokens == shared // 512 * 512, (shared, b.usage)
+
+
+def test_the_same_prompt_sent_again_reports_all_but_its_last_grid_block_cached(running: Running) -> None:
+    """The same 300-token prompt twice, one after the other (nothing shares it while it runs):
+    the first parks its prompt point at its last 32-token grid point (288), so the second
+    restores 288 tokens and answers with the same tokens. Control: the prompt with another
+    first token shares nothing parked and reports none."""
+    api = running.openai()
+    rng = random.Random(7)
+    ids = [rng.randrange(1, 500) for _ in range(300)]
+    ask = lambda p: api.completions.create(model="tiny", prompt=p, max_tokens=6, temperature=0,  # noqa: E731
+                                           extra_body={"return_token_ids": True})
+    first, second = ask(ids), ask(ids)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0, first.usage
+    assert second.usage.prompt_tokens_details.cached_tokens == 288, second.usage
+    assert second.choices[0].token_ids == first.choices[0].token_ids  # type: ignore[attr-defined]
+    other = ask([ids[0] + 1] + ids[1:])
+    assert other.usage.prompt_tokens_details.cached_tokens == 0, other.usage
 
 
 def test_stop_string_cuts_text_and_ends_early(running: Running) -> None:
