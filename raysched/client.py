@@ -190,13 +190,17 @@ class Client:
         self._scheduler = handle
 
     def submit(self, prompt: str | Sequence[int], sampling: SamplingParams | Mapping[str, Any] | None = None,
-               request_id: str | None = None, priority: int = 0, stream: bool = False) -> "RequestHandle":
+               request_id: str | None = None, priority: int = 0, stream: bool = False,
+               shared_prefix: int = 0) -> "RequestHandle":
         """Queue a request: a text prompt (encoded with the model's tokenizer; it also stops at the
         eos token) or token ids. Invalid input raises `RequestError` here, before anything is allocated.
         `priority`: lower is more urgent (default 0); a more urgent request that finds no room
         preempts the least urgent running ones (see `scheduler.preemption`). `stream`: you will
         read it with `handle.stream()`, so each decode step's tokens come as the step completes
         from its first worker call on (without it, from the first `stream()` read on).
+        `shared_prefix`: how many prompt tokens other prompts share (a system prompt): with
+        prefix reuse this request parks a state there, so the next one sharing it hits even when
+        it comes after this one ended (the HTTP chat endpoint sets it to the system message).
 
         >>> h = client.submit([1, 2, 3], {"max_new_tokens": 4, "temperature": 0.7, "seed": 1})
         >>> h = client.submit("Once upon a time", {"max_new_tokens": 16, "stop": ["\n"]})
@@ -209,7 +213,7 @@ class Client:
         sink = self.sink if stream and self.direct_tokens else None
         if sink is not None and self._reader is not None and request_id is not None:
             self._reader.drop(request_id)  # an id used again is read afresh
-        rid = self._call("submit", prompt_ids, params, request_id, priority, stream, sink)
+        rid = self._call("submit", prompt_ids, params, request_id, priority, stream, sink, shared_prefix)
         return RequestHandle(self, rid, prompt_ids, params, priority=priority, sink=sink)
 
     @property

@@ -46,9 +46,9 @@ class StepPlan:
     prefix: tuple[str, ...] = ()  # prefill items that start from a parked state (turn cache),
     #   passed after the resume snapshots, same order; the worker prefills only the rest
     park_min_tokens: int = 0  # > 0: copy the state of requests covering at least this many
-    #   tokens at their prefill chunk boundaries and branch points, and (`park_turns`) at the end
-    #   of their prompt and when they finish (see `Worker.take_parked`)
-    park_turns: bool = True  # with park_min_tokens: the prompt-end and finished-turn points too
+    #   tokens at their prefill chunk boundaries and branch points, and (`park_turns`) at their
+    #   prompt point (the last grid point before its end) and when they finish (`Worker.take_parked`)
+    park_turns: bool = True  # with park_min_tokens: the prompt and finished-turn points too
     park_at: tuple[tuple[str, int], ...] = ()  # (request id, tokens): that request's prefill
     #   pauses after this many prompt tokens (a branch point: a multiple of the scan grid that
     #   another prompt shares) and parks an exact point there, then goes on in the same call; a

@@ -15,6 +15,7 @@ import secrets
 import time
 import uuid
 from collections.abc import Mapping
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,6 +71,7 @@ class ParsedRequest:
     return_token_ids: bool
     continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage so far on every chunk
     max_tokens_field: str = "max_tokens"  # the HTTP field that set max_new_tokens (in error messages)
+    shared_prefix: int = 0  # chat: the system message's tokens (`Client.submit`'s shared_prefix)
 
 
 def parse_completion(body: Any, tok: TextTokenizer | None, model_name: str) -> ParsedRequest:
@@ -100,11 +102,28 @@ def parse_chat(body: Any, tok: TextTokenizer | None, model_name: str) -> ParsedR
     max_field = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
     if max_field in body:
         body["max_tokens"] = body.pop(max_field)
+    extra = body.get("chat_template_kwargs") or {}
     try:
-        text = tok.chat_prompt(body.get("messages"), extra=body.get("chat_template_kwargs") or {})
+        text = tok.chat_prompt(body.get("messages"), extra=extra)
     except RequestError as err:
         raise APIError(400, str(err), "messages") from None
-    return _parsed("chat", body, tok.encode(text), tok, max_field)
+    prompt_ids = tok.encode(text)
+    parsed = _parsed("chat", body, prompt_ids, tok, max_field)
+    return dataclasses.replace(parsed, shared_prefix=_system_tokens(tok, body["messages"], extra, text, prompt_ids))
+
+
+def _system_tokens(tok: TextTokenizer, messages: list, extra: dict, text: str, prompt_ids: list[int]) -> int:
+    """The tokens of a leading system message that other messages follow, as the whole prompt
+    starts with them (0: none, or the template renders it otherwise alone): the part of a chat
+    prompt that other chats share, `ParsedRequest.shared_prefix`."""
+    if len(messages) < 2 or messages[0].get("role") != "system":
+        return 0
+    try:
+        alone = tok.chat_prompt(messages[:1], add_generation_prompt=False, extra=extra)
+    except RequestError:
+        return 0
+    ids = tok.encode(alone) if alone and text.startswith(alone) else []
+    return len(ids) if prompt_ids[:len(ids)] == ids else 0
 
 
 def _check_body(body: Any, known: tuple[str, ...], model_name: str) -> dict:

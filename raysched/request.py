@@ -61,6 +61,8 @@ class Request:
     cache_kind: str | None = None  # which point it restored: "chunk" | "prompt" | "finished"
     cache_source: str | None = None  # where that point lay: "same_worker" | "same_node" | "other_node"
     text_stream: Any = None  # raysched.tokenizer.TextStream when the request has stop strings
+    shared_prefix: int = 0  # prompt tokens its client says other prompts share (a chat's system
+    #   message): prefix reuse parks a point there (`PrefixCache._declared`)
 
     @property
     def token_ids(self) -> tuple[int, ...]:

@@ -184,7 +184,7 @@ class OpenAIServer:
             try:
                 sink = self.sink if req.stream else None
                 await self._call(self.scheduler.submit.remote(req.prompt_ids, req.sampling, rid, stream=req.stream,
-                                                              sink=sink), req=req)
+                                                              sink=sink, shared_prefix=req.shared_prefix), req=req)
             except APIError:
                 owned = False  # refused: nothing to abort
                 raise

@@ -20,6 +20,7 @@ import time
 
 import pytest
 
+from raysched.sampling import RequestError
 from raysched.scheduler.state_cache import BlockRef, Place, StateCache
 
 B = 4  # block tokens
@@ -349,6 +350,42 @@ def test_admission_asks_for_a_state_at_the_branch_point_from_the_request_that_pa
     p, _, _, a, b = setup(False)
     glue = p["dispatch"].cache
     assert glue.admit([a, b], 0) == ([], []) and glue.park_at(0) == ()
+
+
+@pytest.mark.parametrize("declared", [100, 0], ids=["shared-prefix", "control-none-declared"])
+def test_a_declared_shared_prefix_is_parked_by_the_first_request_alone(declared: int) -> None:
+    """A chat whose client declares its 100-token system message shared (`shared_prefix`,
+    set by the HTTP chat endpoint) is asked to park the grid point 96 although no other prompt
+    shares it yet, so the next chat with that system message hits even after this one ended;
+    a second one admitted while the first prefills waits for that point; once it is parked
+    nobody is asked again. Control: without the declaration nothing is asked (a prompt seen
+    once has no branch point)."""
+    from raysched.config import ServeConfig
+    from raysched.scheduler.prefix_cache import PrefixCache
+    from tests.test_scheduler_parts import LIMITS, FakeWorker, parts
+
+    p = parts(ServeConfig(), [FakeWorker(0, kv=1024)])
+    index = StateCache(budget_bytes=1 << 20, min_tokens=16, block_tokens=512)
+    glue, w = PrefixCache(index, p["table"], p["counters"], branch_points=True), p["fleet"].slots[0]
+    p["dispatch"].cache = glue
+    system = [t % 60 + 1 for t in range(100)]
+    a, b, c = (p["table"].submit(system + [70 + i] * 20, {"max_new_tokens": 2}, LIMITS, shared_prefix=declared)
+               for i in range(3))
+    for bad in (4, -1, True, 2.0):
+        with pytest.raises(RequestError, match=r"shared_prefix must be an integer in \[0, 3\]"):
+            p["table"].submit([1, 2, 3], {"max_new_tokens": 2}, LIMITS, shared_prefix=bad)
+    assert glue.admit([a], w.index) == ([], [])
+    if not declared:
+        assert glue.park_at(w.index) == ()
+        return
+    assert glue.park_at(w.index) == ((a.request_id, 96),)
+    p["table"].waiting.remove(a)
+    p["dispatch"].mark_running(w, [a])
+    held, _ = glue.survey(p["table"].waiting, {0: 1.0})
+    assert {b.request_id, c.request_id} <= held  # they wait for a's point
+    index.park(tuple(system[:96]), "pt96", 10, "chunk", exact=True)
+    hits, back = glue.admit([b], w.index)
+    assert [(r, m.num_tokens) for r, m in hits] == [(b, 96)] and back == [] and glue.park_at(w.index) == ()
 
 
 @pytest.mark.parametrize("grids, point", [([64], 192), ([64, 128], 128), ([128, 256], 0)],

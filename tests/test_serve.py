@@ -214,6 +214,31 @@ def test_chats_sharing_a_long_system_prompt_report_its_whole_chunks_as_cached(ru
     assert shared >= 512 and b.usage.prompt_tokens_details.cached_tokens == shared // 512 * 512, (shared, b.usage)
 
 
+def test_chats_sharing_a_system_message_one_after_the_other_reuse_it_from_the_second_on(running: Running) -> None:
+    """Three chats with one system message (~140 tokens) and different questions, each sent
+    after the previous answer: the chat endpoint declares the system message shared
+    (`shared_prefix`), so the first chat parks a point at its last grid point and the second
+    and third restore it, answering with the uncached run's tokens. Control: the same kind of
+    prompts sent as plain completions (nothing declared) give the second one nothing: nobody
+    knew where it would leave the first."""
+    api, tok = running.openai(), load_tokenizer("tiny")
+    system = "You are terse. You answer in one short line, never more than that. " * 4
+    asks = tuple(f"{what}? Tell me one thing about them, and keep it short and plain, please. " * 2
+                 for what in ("Colours", "Fruit", "Trees"))  # > 32 tokens each: prompt points lie past the system
+    chats = [[{"role": "system", "content": system}, {"role": "user", "content": q}] for q in asks]
+    alone = len(tok.encode(tok.chat_prompt(chats[0][:1], add_generation_prompt=False)))
+    got = [api.chat.completions.create(model="tiny", messages=m, max_tokens=5, temperature=0,
+                                       extra_body={"return_token_ids": True}) for m in chats]
+    assert [g.usage.prompt_tokens_details.cached_tokens for g in got] == [0, alone // 32 * 32, alone // 32 * 32]
+    ids = [tok.encode(tok.chat_prompt(m)) for m in chats]
+    want = reference_tokens("tiny", ids, [SamplingParams(max_new_tokens=5)] * 3)
+    assert [g.choices[0].token_ids for g in got] == want  # type: ignore[attr-defined]
+    plain = [tok.chat_prompt([{"role": "system", "content": system.upper()}, {"role": "user", "content": q}])
+             for q in asks[:2]]
+    done = [api.completions.create(model="tiny", prompt=p, max_tokens=5, temperature=0) for p in plain]
+    assert [d.usage.prompt_tokens_details.cached_tokens for d in done] == [0, 0]
+
+
 def test_the_same_prompt_sent_again_reports_all_but_its_last_grid_block_cached(running: Running) -> None:
     """The same 300-token prompt twice, one after the other (nothing shares it while it runs):
     the first parks its prompt point at its last 32-token grid point (288), so the second

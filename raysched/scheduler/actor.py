@@ -167,17 +167,18 @@ class Scheduler:
     # ================================================================== client API
     async def submit(self, prompt_ids: list[int], sampling: dict | None = None,
                      request_id: str | None = None, priority: int = 0, stream: bool = False,
-                     sink: Any = None) -> str:
+                     sink: Any = None, shared_prefix: int = 0) -> str:
         """Validate and queue a request; returns its id. Bad input raises RequestError at once.
         `priority`: lower is more urgent; the waiting queue is kept in priority order. `sink`:
         the reader's `raysched.sink.TokenSink`: its workers send it each step's tokens directly
         (the scheduler sees them once per call, in the reply). `stream` without a sink: its
         tokens will be read here as they come (`next_tokens`), so its first call streams too
-        (`scheduler.stream_each_step`; a first `next_tokens` marks it as well)."""
+        (`scheduler.stream_each_step`; a first `next_tokens` marks it as well). `shared_prefix`:
+        prompt tokens other prompts share (a chat's system message; see `Client.submit`)."""
         self.table.raise_if_fatal()
         if self.restarted:
             await self.start()
-        req = self.table.submit(prompt_ids, sampling, self._limits(), request_id, priority)
+        req = self.table.submit(prompt_ids, sampling, self._limits(), request_id, priority, shared_prefix)
         req.streaming = bool(stream) and sink is None
         if sink is not None:
             self._attach(req, sink, late=False)

@@ -24,7 +24,8 @@ waits for it, held back like a block's producer). When the earlier one's prefill
 (`late_calls`, `StepPlan.trail_calls`), its worker is asked for the point from those (a *late*
 ask: the new one waits for that worker's next reply, parked or not). Otherwise the new request
 parks it itself (the next prompt sharing it restores it). A repeated prompt's point is its last
-grid point.
+grid point. A request whose client declares a shared prefix (`Request.shared_prefix`: a chat's
+system message) parks a point there itself, shared or not yet (`_declared`).
 
 No Ray import: worker handles are opaque.
 """
@@ -157,9 +158,11 @@ class PrefixCache:
             if not r.num_generated and not r.retractions and self._producer_of(r, restored) is not None:
                 back.append(r)
                 continue
-            if self._branch(r, restored, match is None or match.point.exact, here, worker):
+            exact = match is None or match.point.exact
+            if self._branch(r, restored, exact, here, worker):
                 back.append(r)
                 continue
+            self._declared(r, restored, exact, worker)
             here.add(r.request_id)
             if match is not None:
                 hits.append((r, match))
@@ -193,6 +196,20 @@ class PrefixCache:
         self._park_at.setdefault(worker, []).append((parker, point))
         self._branching[key] = (parker, point)
         return parker != r.request_id
+
+    def _declared(self, r: Request, restored: int, exact: bool, worker: int) -> None:
+        """`r`'s client said its first `shared_prefix` tokens are shared (a chat's system
+        message): unless the index has a state there or past it on `r`'s path, or one is asked
+        for, `r` parks one there (rounded down to the grid) in this plan, so that the next
+        prompt sharing it hits even when it comes after `r` ended."""
+        if self.branches is None or r.num_generated or not exact or not r.shared_prefix:
+            return
+        point = min(r.shared_prefix, len(r.prompt_ids) - 1) // self.branches.grid * self.branches.grid
+        key = hash(r.prompt_ids[:point])
+        if point < self.index.min_tokens or restored >= point or key in self._branching:
+            return
+        self._park_at.setdefault(worker, []).append((r.request_id, point))
+        self._branching[key] = (r.request_id, point)
 
     def _arrived(self, r: Request, match: Match | None) -> None:
         """A prompt first seen waiting joins the branch tree (so the first of two prompts is

@@ -59,17 +59,20 @@ class RequestTable:
 
     # ------------------------------------------------------------------ submit
     def submit(self, prompt_ids: list[int], sampling: dict | None, limits: Limits,
-               request_id: str | None = None, priority: int = 0) -> Request:
+               request_id: str | None = None, priority: int = 0, shared_prefix: int = 0) -> Request:
         """Validate and queue a request. Bad input raises RequestError naming what is wrong."""
         self.raise_if_fatal()
         priority = check_priority(priority)
         params = SamplingParams.from_dict(sampling or {})
         prompt = validate_request(prompt_ids, params, limits)
+        if isinstance(shared_prefix, bool) or not isinstance(shared_prefix, int) or not 0 <= shared_prefix <= len(prompt):
+            raise RequestError(f"shared_prefix must be an integer in [0, {len(prompt)}] (the prompt's length), "
+                               f"got {shared_prefix!r}")
         rid = request_id or f"{self._id_prefix}{self._next_id}"
         self._next_id += 1
         if rid in self.requests:
             raise RequestError(f"request id {rid!r} is already in use")
-        req = Request(rid, prompt, params, priority)
+        req = Request(rid, prompt, params, priority, shared_prefix=shared_prefix)
         self.requests[rid] = req
         self._progress[rid] = asyncio.Event()
         enqueue(self.waiting, req)
