@@ -499,8 +499,9 @@ class SchedulerConfig:
 @dataclass(frozen=True)
 class StateCacheConfig(Section):
     """Prefix reuse (`raysched.state_cache`, `raysched.prefix_cache`): states at every prefill
-    chunk boundary, prompt point (the last grid point before its end) and finished turn parked in the object store (K/V in blocks, once),
-    restored by a later request whose prompt starts with their tokens."""
+    chunk boundary, branch point, prompt point (the last grid point before the prompt's end) and
+    finished turn parked in the object store (K/V in blocks, once), restored by a later request
+    whose prompt starts with their tokens."""
 
     enabled: bool = True
     budget_bytes: int | None = None  # parked bytes kept; None = a quarter of the scheduler

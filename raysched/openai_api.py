@@ -9,13 +9,13 @@ per-choice `token_ids`).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import secrets
 import time
 import uuid
 from collections.abc import Mapping
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
