@@ -308,22 +308,23 @@ class Engine:
         prefill call holds (`state_at`); None when it holds none there, or no call of it was
         kept. (Its earlier calls end where that call started: a chunk boundary, or the point it
         was restored from.)"""
-        seq = self.sequence(request_id)
-        t = next((calls[request_id] for calls in reversed(self._trails) if request_id in calls), None)
-        if t is None or t.seq is not seq or len(t.marks) != len(self._trail_parts):
+        t = next(self._kept_trails(request_id), None)
+        if t is None:
             return None
         step = math.lcm(self.prefix_grid, *(m.every for m in t.marks))
         r = min(end - 1 - t.start, min(m.rows for m in t.marks) - 1) // step * step
         return t.start + r if r > 0 and all(m.has(r) for m in t.marks) else None
 
     def _trail_at(self, request_id: str, at: int) -> Trail | None:
+        return next((t for t in self._kept_trails(request_id) if all(m.has(at - t.start) for m in t.marks)), None)
+
+    def _kept_trails(self, request_id: str) -> Iterator[Trail]:
+        """The request's kept prefill calls (of the sequence it is now), latest first."""
         seq = self.sequence(request_id)
         for calls in reversed(self._trails):
             t = calls.get(request_id)
-            if t is not None and t.seq is seq and len(t.marks) == len(self._trail_parts) \
-                    and all(m.has(at - t.start) for m in t.marks):
-                return t
-        return None
+            if t is not None and t.seq is seq and len(t.marks) == len(self._trail_parts):
+                yield t
 
     def _stack_states(self, states: list[torch.Tensor]) -> dict[str, torch.Tensor]:
         by_name: dict[str, list[torch.Tensor]] = {name: [] for name in self.pool.mamba.tensors}

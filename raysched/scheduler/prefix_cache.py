@@ -193,8 +193,7 @@ class PrefixCache:
         parker = asked[0] if asked else owner if owner in here else r.request_id
         if parker == r.request_id and not exact:
             return False
-        self._park_at.setdefault(worker, []).append((parker, point))
-        self._branching[key] = (parker, point)
+        self._ask(key, point, parker, worker)
         return parker != r.request_id
 
     def _declared(self, r: Request, restored: int, exact: bool, worker: int) -> None:
@@ -208,8 +207,7 @@ class PrefixCache:
         key = hash(r.prompt_ids[:point])
         if point < self.index.min_tokens or restored >= point or key in self._branching:
             return
-        self._park_at.setdefault(worker, []).append((r.request_id, point))
-        self._branching[key] = (r.request_id, point)
+        self._ask(key, point, r.request_id, worker)
 
     def _arrived(self, r: Request, match: Match | None) -> None:
         """A prompt first seen waiting joins the branch tree (so the first of two prompts is
@@ -227,12 +225,17 @@ class PrefixCache:
     def _ask_late(self, key: int, point: int, parker: str, worker: int) -> None:
         """Ask `parker` (on `worker`) for the point its prefill passed, in that worker's next
         plan; whoever needs it waits for that worker's reply (`_sweep_branching`)."""
-        self._park_at.setdefault(worker, []).append((parker, point))
-        self._branching[key] = (parker, point)
+        self._ask(key, point, parker, worker)
         self._late[key] = (worker, False)
         self._late_tried[key] = None
         while len(self._late_tried) > LATE_TRIED:
             del self._late_tried[next(iter(self._late_tried))]
+
+    def _ask(self, key: int, point: int, parker: str, worker: int) -> None:
+        """Have `parker` park its state after `point` tokens (the prefix keyed `key`) in
+        `worker`'s next plan (`StepPlan.park_at`); other requests sharing it wait for it."""
+        self._park_at.setdefault(worker, []).append((parker, point))
+        self._branching[key] = (parker, point)
 
     def _late_parker(self, r: Request, point: int, key: int) -> tuple[str, int] | None:
         """(the request, its worker) to ask for `r`'s branch point that the first prompt
