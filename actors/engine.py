@@ -460,7 +460,7 @@ class Engine:
         """A snapshot of a request's state (decoding, held finished, or prefilling: its
         `num_computed` tokens) with the K/V of its tokens from `kv_from` on (the earlier ones are
         parked in blocks); the request keeps its slots and goes on. Prefix reuse parks such
-        copies as points (chunk boundary, prompt end, finished turn); `exact` marks the state of
+        copies as points (chunk boundary, branch point, prompt point, finished turn); `exact` marks the state of
         an uncached chunked prefill at a chunk boundary."""
         seq = self.running.get(request_id) or self.held.get(request_id)
         if seq is not None:

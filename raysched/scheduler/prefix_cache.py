@@ -101,7 +101,7 @@ class PrefixCache:
         return self.index.min_tokens if self.index is not None else 0
 
     def park_turns(self) -> bool:
-        """`StepPlan.park_turns`: park prompt ends and finished turns too."""
+        """`StepPlan.park_turns`: park prompt points and finished turns too."""
         return self.turn_points
 
     def trail_calls(self) -> int:
