@@ -233,7 +233,8 @@ def test_a_late_point_is_built_on_the_device_from_the_kept_scan_states(model, de
     """A branch point a prefill passed (`Engine.copy_state_at`, from the scan states its call
     kept: SSD or delta-rule carries and conv windows, on the pool's device) holds the bytes of
     the point a prefill paused there parks (`Sequence.stops`), with the pools on the device (off
-    the CPU the scans keep the model's chunk, so the grid may be coarser: `prefix_grid`).
+    the CPU the scans keep the model's chunk, so the grid may be coarser: `prefix_grid`); the
+    prompt point (`Engine.last_state_before`) is that point, the last grid point before the end.
     Control: the point one grid step earlier is another state."""
     place, dev = _place(device)
     with place:
@@ -243,11 +244,12 @@ def test_a_late_point_is_built_on_the_device_from_the_kept_scan_states(model, de
         prompt = _prompt(2 * g + 6, seed=3, vocab=late.config.vocab_size)
         late.prefill([Sequence("a", list(prompt), len(prompt), GREEDY)])
         got = {at: late.copy_state_at("a", at) for at in (g, 2 * g)}
+        prompt_point = late.last_state_before("a", len(prompt))  # where its prompt point goes
         seq = Sequence("a", list(prompt), len(prompt), GREEDY, stops=(2 * g,))
         paused.prefill([seq])
         assert seq.num_computed == 2 * g
         want = paused.copy_state("a")
-    assert got[2 * g].num_cached_tokens == want.num_cached_tokens == 2 * g
+    assert got[2 * g].num_cached_tokens == want.num_cached_tokens == 2 * g == prompt_point
     assert (got[2 * g].payload == want.payload).all()
     state = "ssm" if model == "tiny" else "gdn_state"
     assert not torch.equal(got[g].part(state), want.part(state))  # control: one grid step earlier
