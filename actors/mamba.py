@@ -43,6 +43,7 @@ from actors.norms import inv_rms
 SlotRun = "tuple[int, int] | None"  # slots as one ascending run (start, count) (`ForwardBatch.mamba_run`)
 LinearFn = Callable[[Tensor, Tensor, "Tensor | None"], Tensor]
 Pointwise = Callable[[Callable[[Tensor], Tensor], Tensor], Tensor]
+StateUpdate = Callable[..., Tensor]  # a fused decode update of a pool state: `actors.rowdot.ssd_update`, `conv_update`
 
 
 def whole(fn: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
@@ -91,6 +92,10 @@ class Kernels:
 
     linear: LinearFn = F.linear
     pointwise: Pointwise = whole
+    ssd_update: StateUpdate | None = None  # decode's SSD recurrence in one pass over each state
+    #   (`actors.rowdot.ssd_update`, CPU); None: the torch calls of `ssd_step`
+    conv_update: StateUpdate | None = None  # decode's conv and its state's shift in one pass
+    #   (`actors.rowdot.conv_update`, CPU, fp32: the torch path's bits); None: `causal_conv_step`'s calls
 
 
 @dataclass(frozen=True)
@@ -282,7 +287,8 @@ def _carry_states(local: Tensor, chunk_log_decay: Tensor, state: Tensor) -> tupl
 
 
 def ssd_step(ssm_state: Tensor, slots: Tensor, x: Tensor, dt: Tensor, A: Tensor, B: Tensor,
-             C: Tensor, pointwise: Pointwise = whole, run: SlotRun = None) -> Tensor:
+             C: Tensor, pointwise: Pointwise = whole, run: SlotRun = None,
+             fused: StateUpdate | None = None) -> Tensor:
     """One decode token per request: update `ssm_state[slots]` in place and return y.
 
     ssm_state (S, H, P, N) fp32 (one Mamba layer of the pool), slots (R,), x (R, H, P),
@@ -297,13 +303,18 @@ def ssd_step(ssm_state: Tensor, slots: Tensor, x: Tensor, dt: Tensor, A: Tensor,
     the state transposed, batched products of one fixed shape per (request, group) (the
     transposed readout reads the state about 2.5x faster than a matrix-vector product per
     head). Like the elementwise decay, a request's result does not depend on the others
-    (with `pointwise=rowwise` for exp).
+    (with `pointwise=rowwise` for exp). With `fused` (`Kernels.ssd_update`) the update and the
+    readout run in one pass over each request's state instead (other roundings: a different
+    kernel, as a different matmul build is).
     """
     R, H, P = x.shape
     G, N = B.shape[-2], B.shape[-1]
     dt = dt.float()  # (R, H)
-    xdt = (x.float() * dt[..., None]).view(R * G, 1, -1)  # (R*G, 1, K*P)
+    xdt = x.float() * dt[..., None]  # (R, H, P)
     decay = pointwise(torch.exp, dt * A.float())  # (R, H)
+    if fused is not None:
+        return fused(ssm_state, slots, decay, xdt, B.float(), C.float())
+    xdt = xdt.view(R * G, 1, -1)  # (R*G, 1, K*P)
     state = ssm_state.narrow(0, run[0], R) if run else ssm_state.index_select(0, slots)
     state.mul_(decay[..., None, None])  # (R, H, P, N)
     flat_t = state.view(R * G, -1, N).transpose(1, 2)  # (R*G, N, K*P), a view
@@ -345,7 +356,8 @@ def causal_conv_prefill(xBC: Tensor, weight: Tensor, bias: Tensor | None,
 
 
 def causal_conv_step(conv_state: Tensor, slots: Tensor, xBC: Tensor, weight: Tensor,
-                     bias: Tensor | None, pointwise: Pointwise = whole, run: SlotRun = None) -> Tensor:
+                     bias: Tensor | None, pointwise: Pointwise = whole, run: SlotRun = None,
+                     fused: StateUpdate | None = None) -> Tensor:
     """One decode token per request: conv over [state | new], SiLU; shift the state in place.
 
     conv_state (S, D, K-1) (one Mamba layer of the pool), slots (R,), xBC (R, D),
@@ -353,11 +365,15 @@ def causal_conv_step(conv_state: Tensor, slots: Tensor, xBC: Tensor, weight: Ten
 
     The taps are summed in order with one elementwise multiply and add per tap (no window is
     built, no reduction over the short K axis); when the slots are one ascending run (`run`,
-    `ForwardBatch.mamba_run`) the pool's rows are shifted in place, column by column.
+    `ForwardBatch.mamba_run`) the pool's rows are shifted in place, column by column. With
+    `fused` (`Kernels.conv_update`) and an fp32 state, the same products and adds run in one
+    pass per request (the same bits).
     """
     R, K = xBC.shape[0], weight.shape[-1]
-    old = conv_state.narrow(0, run[0], R) if run else conv_state[slots]  # (R, D, K-1)
     taps = weight[:, 0, :].t().contiguous()  # (K, D)
+    if fused is not None and conv_state.dtype == torch.float32:
+        return pointwise(F.silu, fused(conv_state, slots, xBC, taps, bias))
+    old = conv_state.narrow(0, run[0], R) if run else conv_state[slots]  # (R, D, K-1)
     out = old[..., 0] * taps[0]  # (R, D)
     for k in range(1, K - 1):
         out.add_(old[..., k] * taps[k])
@@ -470,10 +486,11 @@ class MambaMixer(nn.Module):
         same as one ascending run, `ForwardBatch.mamba_run`). h (R, hidden)."""
         pw = kernels.pointwise
         z, xBC, dt = self._project(h, kernels)  # (R, I), (R, conv_dim), (R, H)
-        xBC = causal_conv_step(conv_state, slots, xBC, self.conv1d.weight, self.conv1d.bias, pw, run)
+        xBC = causal_conv_step(conv_state, slots, xBC, self.conv1d.weight, self.conv1d.bias, pw, run,
+                               kernels.conv_update)
         x, B, C = self._split_xBC(xBC)  # (R, H, P), (R, G, N), (R, G, N)
         dt = discretize_dt(dt, self.dt_bias, self.config.time_step_limit, pw)  # (R, H) fp32
-        y = ssd_step(ssm_state, slots, x, dt, self._A(), B, C, pw, run)  # (R, H, P)
+        y = ssd_step(ssm_state, slots, x, dt, self._A(), B, C, pw, run, kernels.ssd_update)  # (R, H, P)
         return self._output(y, x, z, kernels)
 
     def _A(self) -> Tensor:

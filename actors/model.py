@@ -273,8 +273,9 @@ def matrix_kernel(model: "HybridLM") -> str:
     CPU its linear layers' (fp32: the kernel chosen per shape and phase, `kernel_choice.summary`,
     measured here at the first ask on this machine; "mkl" for MKL's probed path or another dtype;
     "plain" without invariance), MKL's GEMM fingerprint (its batched products and attention) and
-    ATen's CPU capability (its elementwise kernels), e.g. "decode rowdot avx2+fma, prefill mkl
-    packed; mkl 930887e8e594; aten AVX2"; elsewhere the device type ("cuda"). Two workers with
+    ATen's CPU capability (its elementwise kernels), and "ssd fused" where decode's SSD update
+    takes `rowdot.ssd_update`, e.g. "decode rowdot avx2+fma, prefill mkl packed; mkl
+    930887e8e594; aten AVX2; ssd fused"; elsewhere the device type ("cuda"). Two workers with
     the same answer give a moved request the same bits."""
     if model.device.type != "cpu":
         return _device_kernel(model)
@@ -288,7 +289,8 @@ def matrix_kernel(model: "HybridLM") -> str:
                   else kernel_choice.summary(shapes + [tuple(model.lm_head_weight.shape)]))
     else:
         linear = "mkl"
-    return f"{linear}; mkl {gemm_fingerprint()}; aten {torch.backends.cpu.get_cpu_capability()}"
+    ssd = "; ssd fused" if model.fused_updates() else ""
+    return f"{linear}; mkl {gemm_fingerprint()}; aten {torch.backends.cpu.get_cpu_capability()}{ssd}"
 
 
 def kernel_paths() -> dict[str, str]:
@@ -534,7 +536,18 @@ class HybridLM(nn.Module):
             return Kernels()
         if triton_route.routes(self.embed_tokens.weight):  # CUDA: the fixed-tile Triton matmul
             return Kernels(linear=triton_route.linear, pointwise=rowwise)
-        return Kernels(linear=self._tiled(self.invariant_tile, True, MAX_CALL_ROWS), pointwise=rowwise)
+        return Kernels(linear=self._tiled(self.invariant_tile, True, MAX_CALL_ROWS), pointwise=rowwise,
+                       **self.fused_updates())
+
+    def fused_updates(self) -> dict:
+        """Decode's Mamba2 state updates in one pass over each state, as `Kernels` fields
+        (`rowdot.ssd_update`: the same bits on every build; `rowdot.conv_update`: the torch
+        path's bits) on the CPU where rowdot loads and `rowdot` is on; {} elsewhere (the torch
+        calls of `actors.mamba.ssd_step` and `causal_conv_step`)."""
+        cpu = self.device.type == "cpu" and self.invariant_tile is not None
+        if not (cpu and self.rowdot and rowdot.available()):
+            return {}
+        return {"ssd_update": rowdot.ssd_update, "conv_update": rowdot.conv_update}
 
     def prefill_kernels(self) -> Kernels:
         """Batch-invariant kernels for prefill, or plain ones when invariant_tile is None.

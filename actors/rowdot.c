@@ -118,3 +118,73 @@ void rowdot_linear(const float *x, const float *w, const float *bias, float *y, 
     run_rows(x + i * K, w, bias, y + i * ldy, rows, N, K, ldy);
   }
 }
+
+/* rowdot_ssd_update: one decode token of the SSD recurrence for R requests, in one pass over each
+ * request's state (the torch path reads it three times: decay, update, readout). For request r
+ * (its state at slots[r]), head h (of group g = h / (H / G)) and row p:
+ *   s[n] = s[n] * decay[r][h] + B[r][g][n] * xdt[r][h][p]    (two products, one add)
+ *   y[r][h][p] = the sum over n of C[r][g][n] * s[n]          (the updated s)
+ * The sum runs in 8 lanes (lane l holds n = l mod 8, in order), the lanes pair as rowdot's vsum
+ * above, then the N % 8 tail in order. Plain C built with -ffp-contract=off: no fused
+ * multiply-add, so every build (AVX-512, AVX2, portable) gives the same bits, and a request's
+ * bits depend on nothing but its own state and inputs.
+ *
+ * Shapes: state (S, H, P, N) contiguous, slots (R) distinct, decay (R, H), xdt (R, H, P),
+ * B and C (R, G, N), y (R, H, P); all fp32 but slots (int64). */
+void rowdot_ssd_update(float *state, const long *slots, long R, long H, long P, long N, long G,
+                       const float *decay, const float *xdt, const float *B, const float *C,
+                       float *y) {
+  long heads_per_group = H / G, N8 = N - N % 8;
+  for (long r = 0; r < R; r++) {
+    float *sr = state + slots[r] * H * P * N;
+    for (long h = 0; h < H; h++) {
+      float d = decay[r * H + h];
+      const float *b = B + (r * G + h / heads_per_group) * N;
+      const float *c = C + (r * G + h / heads_per_group) * N;
+      for (long p = 0; p < P; p++) {
+        float xv = xdt[(r * H + h) * P + p], acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        float *s = sr + (h * P + p) * N;
+        long n = 0;
+        for (; n < N8; n += 8)
+          for (int l = 0; l < 8; l++) {
+            float v = s[n + l] * d + b[n + l] * xv;
+            s[n + l] = v;
+            acc[l] += c[n + l] * v;
+          }
+        float t = ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
+        for (; n < N; n++) {
+          float v = s[n] * d + b[n] * xv;
+          s[n] = v;
+          t += c[n] * v;
+        }
+        y[(r * H + h) * P + p] = t;
+      }
+    }
+  }
+}
+
+/* rowdot_conv_update: one decode token of the causal depthwise conv for R requests, and the
+ * shift of each request's conv state, in one pass. For request r (its state at slots[r], the last
+ * K-1 inputs, oldest first) and channel d:
+ *   out[r][d] = s[0] w[0] + s[1] w[1] + ... + s[K-2] w[K-2] + x[r][d] w[K-1] (+ bias[d])
+ * summed in that order, one product then one add each (the order and roundings of the torch path,
+ * `actors.mamba.causal_conv_step`: the same bits), then s = [s[1], ..., s[K-2], x].
+ *
+ * Shapes: state (S, D, K-1) contiguous, slots (R), x (R, D), taps (K, D) (the weight
+ * transposed), bias (D) or NULL, out (R, D); all fp32 but slots (int64). */
+void rowdot_conv_update(float *state, const long *slots, long R, long D, long K, const float *x,
+                        const float *taps, const float *bias, float *out) {
+  for (long r = 0; r < R; r++) {
+    float *sr = state + slots[r] * D * (K - 1);
+    const float *xr = x + r * D;
+    for (long d = 0; d < D; d++) {
+      float *s = sr + d * (K - 1), o = s[0] * taps[d];
+      for (long k = 1; k < K - 1; k++) o = o + s[k] * taps[k * D + d];
+      o = o + xr[d] * taps[(K - 1) * D + d];
+      if (bias) o = o + bias[d];
+      out[r * D + d] = o;
+      for (long k = 0; k < K - 2; k++) s[k] = s[k + 1];
+      s[K - 2] = xr[d];
+    }
+  }
+}

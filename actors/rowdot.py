@@ -21,6 +21,11 @@ workers whose products take different builds do not agree bit for bit). `compile
 without loading: the AVX-512 source is compile-checked on CPUs that cannot run it. Without a compiler, or with `RAYSCHED_ROWDOT=0`, `available()` is False and the
 products take MKL's probed path (one warning line says why).
 
+`ssd_update` and `conv_update` (the same library) are decode's Mamba2 state updates in one pass
+over each request's state, fused from the torch calls of `actors.mamba.ssd_step` and
+`causal_conv_step`; plain C built without fused multiply-adds, so their bits are the same on
+every build (and the conv's are the torch path's: the same products and adds, in its order).
+
 Threads: a call is one thread; with torch set to more than one thread, a large call's columns
 are split among a pool (ctypes releases the GIL), which changes no bit.
 """
@@ -95,9 +100,7 @@ def library(build: str):
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None, lib=None) -> Tensor:
     """x (M, in) @ weight (out, in)^T + bias (out,) -> (M, out), fp32 on the CPU (`lib`: a build
     from `load`, default this process's)."""
-    lib = lib or _library()
-    if lib is None:
-        raise RuntimeError(f"the rowdot kernel is not available: {unavailable_reason()}")
+    lib = _lib(lib)
     x, weight = x.contiguous(), weight.contiguous()
     bias = bias.contiguous() if bias is not None else None
     M, K = x.shape
@@ -113,6 +116,71 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None, lib=None) -> Tensor:
     bounds = [N * p // parts // 8 * 8 for p in range(parts)] + [N]
     list(_pool(parts).map(lambda p: _call(lib, x, weight, bias, y, bounds[p], bounds[p + 1]), range(parts)))
     return y
+
+
+def ssd_update(state: Tensor, slots: Tensor, decay: Tensor, xdt: Tensor, B: Tensor, C: Tensor,
+               lib=None) -> Tensor:
+    """One decode token of the SSD recurrence, in place in `state` at `slots`, in one pass over
+    each request's state (`rowdot_ssd_update` in rowdot.c: the same bits on every build).
+
+    state (S, H, P, N) fp32 contiguous on the CPU, slots (R,) distinct, decay (R, H), xdt
+    (R, H, P), B and C (R, G, N), all fp32. Returns y (R, H, P) fp32."""
+    lib = _lib(lib)
+    _check_state(state, "ssd_update")
+    R, H, P = xdt.shape
+    G, N = B.shape[-2], B.shape[-1]
+    if state.shape[1:] != (H, P, N) or decay.shape != (R, H) or B.shape != (R, G, N) or C.shape != (R, G, N):
+        raise ValueError(f"ssd_update: shapes {tuple(state.shape)}, {tuple(decay.shape)}, {tuple(xdt.shape)}, "
+                         f"{tuple(B.shape)}, {tuple(C.shape)} do not agree")
+    slots = _slots(slots, R, state.shape[0], "ssd_update")
+    decay, xdt, B, C = (t.float().contiguous() for t in (decay, xdt, B, C))
+    y = torch.empty(R, H, P, dtype=torch.float32)
+    lib.rowdot_ssd_update(state.data_ptr(), slots.data_ptr(), R, H, P, N, G, decay.data_ptr(),
+                          xdt.data_ptr(), B.data_ptr(), C.data_ptr(), y.data_ptr())
+    return y
+
+
+def conv_update(state: Tensor, slots: Tensor, x: Tensor, taps: Tensor, bias: Tensor | None,
+                lib=None) -> Tensor:
+    """One decode token of the causal depthwise conv and the shift of each request's conv
+    state, in place at `slots`, in one pass (`rowdot_conv_update`: the torch path's order and
+    roundings, so its bits).
+
+    state (S, D, K-1) fp32 contiguous on the CPU, slots (R,) distinct, x (R, D), taps (K, D)
+    (the weight transposed), bias (D,) or None, all fp32. Returns the pre-activation (R, D)."""
+    lib = _lib(lib)
+    _check_state(state, "conv_update")
+    (R, D), K = x.shape, taps.shape[0]
+    if state.shape[1:] != (D, K - 1) or taps.shape != (K, D) or (bias is not None and bias.shape != (D,)):
+        raise ValueError(f"conv_update: shapes {tuple(state.shape)}, {tuple(x.shape)}, {tuple(taps.shape)} "
+                         "do not agree")
+    slots = _slots(slots, R, state.shape[0], "conv_update")
+    x, taps = x.float().contiguous(), taps.float().contiguous()
+    bias = None if bias is None else bias.float().contiguous()
+    out = torch.empty(R, D, dtype=torch.float32)
+    lib.rowdot_conv_update(state.data_ptr(), slots.data_ptr(), R, D, K, x.data_ptr(), taps.data_ptr(),
+                           None if bias is None else bias.data_ptr(), out.data_ptr())
+    return out
+
+
+def _lib(lib):
+    lib = lib or _library()
+    if lib is None:
+        raise RuntimeError(f"the rowdot kernel is not available: {unavailable_reason()}")
+    return lib
+
+
+def _check_state(state: Tensor, what: str) -> None:
+    if state.dtype != torch.float32 or not state.is_contiguous() or state.device.type != "cpu":
+        raise ValueError(f"{what}: the state must be a contiguous fp32 CPU tensor")
+
+
+def _slots(slots: Tensor, rows: int, pool: int, what: str) -> Tensor:
+    """`slots` as contiguous int64, after checking each names a slot of the pool."""
+    slots = slots.to(torch.int64).contiguous()
+    if slots.shape != (rows,) or (rows and (int(slots.min()) < 0 or int(slots.max()) >= pool)):
+        raise ValueError(f"{what}: slots outside the pool's {pool}, or not one per request")
+    return slots
 
 
 def _call(lib, x: Tensor, w: Tensor, bias: Tensor | None, y: Tensor, j0: int, j1: int) -> None:
@@ -158,6 +226,10 @@ def load(portable: bool = False, build: str | None = None):
     lib.rowdot_linear.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 4
     lib.rowdot_linear.restype = None
     lib.rowdot_variant.restype = ctypes.c_char_p
+    lib.rowdot_ssd_update.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_long] * 5 + [ctypes.c_void_p] * 5
+    lib.rowdot_ssd_update.restype = None
+    lib.rowdot_conv_update.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_long] * 3 + [ctypes.c_void_p] * 4
+    lib.rowdot_conv_update.restype = None
     return lib, None
 
 
