@@ -27,7 +27,7 @@ over each request's state, fused from the torch calls of `actors.mamba.ssd_step`
 every build (and the conv's are the torch path's: the same products and adds, in its order).
 
 Threads: a call is one thread; with torch set to more than one thread, a large call's columns
-are split among a pool (ctypes releases the GIL), which changes no bit.
+(an SSD update's requests) are split among a pool (ctypes releases the GIL), which changes no bit.
 """
 
 from __future__ import annotations
@@ -54,6 +54,7 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("rowdot.c")
 ENV_SWITCH = "RAYSCHED_ROWDOT"  # "0": never use the kernel
 SPLIT_MACS = 1 << 22  # a call of at least this many multiply-adds is split among threads
+SPLIT_STATE = 1 << 20  # an SSD update over at least this many state elements is split among threads
 BUILDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {  # name -> (CPU flags it needs, cc flags)
     "avx512f": (("avx512f", "avx2", "fma"), ("-mavx512f", "-mavx2", "-mfma")),
     "avx2+fma": (("avx2", "fma"), ("-mavx2", "-mfma")),
@@ -135,8 +136,20 @@ def ssd_update(state: Tensor, slots: Tensor, decay: Tensor, xdt: Tensor, B: Tens
     slots = _slots(slots, R, state.shape[0], "ssd_update")
     decay, xdt, B, C = (t.float().contiguous() for t in (decay, xdt, B, C))
     y = torch.empty(R, H, P, dtype=torch.float32)
-    lib.rowdot_ssd_update(state.data_ptr(), slots.data_ptr(), R, H, P, N, G, decay.data_ptr(),
-                          xdt.data_ptr(), B.data_ptr(), C.data_ptr(), y.data_ptr())
+
+    def rows(r0: int, r1: int) -> None:  # requests [r0, r1): each request's bits are its own
+        lib.rowdot_ssd_update(state.data_ptr(), slots.data_ptr() + 8 * r0, r1 - r0, H, P, N, G,
+                              decay.data_ptr() + 4 * r0 * H, xdt.data_ptr() + 4 * r0 * H * P,
+                              B.data_ptr() + 4 * r0 * G * N, C.data_ptr() + 4 * r0 * G * N,
+                              y.data_ptr() + 4 * r0 * H * P)
+
+    threads = torch.get_num_threads()
+    parts = min(threads, R) if threads > 1 and R * H * P * N >= SPLIT_STATE else 1
+    if parts <= 1:
+        rows(0, R)
+        return y
+    bounds = [R * p // parts for p in range(parts + 1)]
+    list(_pool(parts).map(lambda p: rows(bounds[p], bounds[p + 1]), range(parts)))
     return y
 
 

@@ -69,6 +69,27 @@ def test_a_requests_bits_do_not_depend_on_the_batch_or_its_slot():
         assert torch.equal(alone[0], batch[slot]), r
 
 
+def test_an_update_split_among_threads_gives_the_same_bits():
+    g = torch.Generator().manual_seed(4)
+    R = 20
+    state = torch.randn(24, 16, 64, 64, generator=g)  # 20 requests x 65,536 elements
+    assert R * state[0].numel() >= rowdot.SPLIT_STATE
+    slots = torch.randperm(24, generator=g)[:R]
+    decay, xdt = torch.rand(R, 16, generator=g), torch.randn(R, 16, 64, generator=g)
+    B, C = torch.randn(R, 2, 64, generator=g), torch.randn(R, 2, 64, generator=g)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = state.clone()
+        y_one = rowdot.ssd_update(one, slots, decay, xdt, B, C)
+        torch.set_num_threads(3)
+        split = state.clone()
+        assert torch.equal(rowdot.ssd_update(split, slots, decay, xdt, B, C), y_one)
+        assert torch.equal(split, one)
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("build", rowdot.builds_here())
 def test_every_build_gives_the_same_bits(build):
     lib, why = rowdot.load(build=build)
