@@ -15,6 +15,12 @@
  */
 #include <stddef.h>
 
+/* The 8 lane sums added in one fixed order: (0+4, 2+6), (1+5, 3+7), as the AVX2 build's vsum
+ * pairs them (the portable build's vsum and rowdot_ssd_update's readout call this). */
+static inline float pair8(const float a[8]) {
+  return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
+}
+
 #if defined(__AVX512F__) && !defined(ROWDOT_PORTABLE)
 #include <immintrin.h>
 #define LANES 16
@@ -52,8 +58,9 @@ static inline vec VZERO(void) { vec z = {0}; return z; }
 static inline vec VLOAD(const float *p) { vec v; __builtin_memcpy(&v, p, sizeof v); return v; }
 #define VFMA(a, b, acc) ((acc) + (a) * (b)) /* built with -ffp-contract=off: two roundings */
 static inline float vsum(vec v) { /* the same pairing as the AVX2 build's */
-  float s0 = v[0] + v[4], s1 = v[1] + v[5], s2 = v[2] + v[6], s3 = v[3] + v[7];
-  return (s0 + s2) + (s1 + s3);
+  float a[8];
+  __builtin_memcpy(a, &v, sizeof a);
+  return pair8(a);
 }
 const char *rowdot_variant(void) { return "portable"; }
 #endif
@@ -124,10 +131,10 @@ void rowdot_linear(const float *x, const float *w, const float *bias, float *y, 
  * (its state at slots[r]), head h (of group g = h / (H / G)) and row p:
  *   s[n] = s[n] * decay[r][h] + B[r][g][n] * xdt[r][h][p]    (two products, one add)
  *   y[r][h][p] = the sum over n of C[r][g][n] * s[n]          (the updated s)
- * The sum runs in 8 lanes (lane l holds n = l mod 8, in order), the lanes pair as rowdot's vsum
- * above, then the N % 8 tail in order. Plain C built with -ffp-contract=off: no fused
- * multiply-add, so every build (AVX-512, AVX2, portable) gives the same bits, and a request's
- * bits depend on nothing but its own state and inputs.
+ * The sum runs in 8 lanes (lane l holds n = l mod 8, in order), the lanes added by pair8, then
+ * the N % 8 tail in order. Plain C built with -ffp-contract=off: no fused multiply-add, so
+ * every build (AVX-512, AVX2, portable) gives the same bits, and a request's bits depend on
+ * nothing but its own state and inputs.
  *
  * Shapes: state (S, H, P, N) contiguous, slots (R) distinct, decay (R, H), xdt (R, H, P),
  * B and C (R, G, N), y (R, H, P); all fp32 but slots (int64). */
@@ -151,7 +158,7 @@ void rowdot_ssd_update(float *state, const long *slots, long R, long H, long P, 
             s[n + l] = v;
             acc[l] += c[n + l] * v;
           }
-        float t = ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
+        float t = pair8(acc);
         for (; n < N; n++) {
           float v = s[n] * d + b[n] * xv;
           s[n] = v;

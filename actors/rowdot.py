@@ -109,13 +109,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None, lib=None) -> Tensor:
     if weight.shape[1] != K:
         raise ValueError(f"rowdot: x has {K} columns, the weight {weight.shape[1]}")
     y = torch.empty(M, N, dtype=torch.float32)
-    threads = torch.get_num_threads()
-    parts = min(threads, N // 8) if threads > 1 and M * N * K >= SPLIT_MACS else 1
-    if parts <= 1:
-        _call(lib, x, weight, bias, y, 0, N)
-        return y
-    bounds = [N * p // parts // 8 * 8 for p in range(parts)] + [N]
-    list(_pool(parts).map(lambda p: _call(lib, x, weight, bias, y, bounds[p], bounds[p + 1]), range(parts)))
+    _in_parts(N, M * N * K >= SPLIT_MACS, lambda j0, j1: _call(lib, x, weight, bias, y, j0, j1), align=8)
     return y
 
 
@@ -143,13 +137,7 @@ def ssd_update(state: Tensor, slots: Tensor, decay: Tensor, xdt: Tensor, B: Tens
                               B.data_ptr() + 4 * r0 * G * N, C.data_ptr() + 4 * r0 * G * N,
                               y.data_ptr() + 4 * r0 * H * P)
 
-    threads = torch.get_num_threads()
-    parts = min(threads, R) if threads > 1 and R * H * P * N >= SPLIT_STATE else 1
-    if parts <= 1:
-        rows(0, R)
-        return y
-    bounds = [R * p // parts for p in range(parts + 1)]
-    list(_pool(parts).map(lambda p: rows(bounds[p], bounds[p + 1]), range(parts)))
+    _in_parts(R, R * H * P * N >= SPLIT_STATE, rows)
     return y
 
 
@@ -174,6 +162,19 @@ def conv_update(state: Tensor, slots: Tensor, x: Tensor, taps: Tensor, bias: Ten
     lib.rowdot_conv_update(state.data_ptr(), slots.data_ptr(), R, D, K, x.data_ptr(), taps.data_ptr(),
                            None if bias is None else bias.data_ptr(), out.data_ptr())
     return out
+
+
+def _in_parts(n: int, large: bool, run, align: int = 1) -> None:
+    """`run(i0, i1)` over [0, n): in one call, or, for a `large` call with torch on more than
+    one thread, in ranges (starts multiples of `align`) on the pool's threads. The ranges' results
+    are independent, so the split changes no bit."""
+    threads = torch.get_num_threads()
+    parts = min(threads, n // align) if large and threads > 1 else 1
+    if parts <= 1:
+        run(0, n)
+        return
+    bounds = [n * p // parts // align * align for p in range(parts)] + [n]
+    list(_pool(parts).map(lambda p: run(bounds[p], bounds[p + 1]), range(parts)))
 
 
 def _lib(lib):
