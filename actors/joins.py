@@ -9,11 +9,16 @@ host's event loop), so the box is locked.
     box.put(call_id, items)        # Worker.join
     items = box.take(plan)         # between decode steps of the call `plan` (none if not plan.joins)
     late = box.close(plan)         # its decoding is over: the ids sent and not taken
+
+A long call sent with `StepPlan.notices` goes on past a request's finish; `notify_finished` tells
+the scheduler of it at once (after the reader's push went out), so its room can take a join.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
+from typing import Any
 
 from raysched.messages import PrefillItem, StepPlan
 
@@ -38,6 +43,11 @@ class JoinBox:
         with self._lock:
             return self._items.pop(plan.call_id, [])
 
+    def pending(self, plan: StepPlan) -> bool:
+        """Is something waiting to join the call `plan`?"""
+        with self._lock:
+            return bool(plan.joins and self._items.get(plan.call_id))
+
     def close(self, plan: StepPlan) -> list[str]:
         """The call `plan`'s decoding is over: later joins for it (or an earlier call) are
         dropped; the ids of those sent and not taken, which its reply lists as not admitted."""
@@ -47,3 +57,30 @@ class JoinBox:
             self._closed = max(self._closed, plan.call_id)
             late = [c for c in self._items if c <= self._closed]
             return [item.request_id for c in late for item in self._items.pop(c)]
+
+
+def goes_on_past_finish(plan: StepPlan) -> bool:
+    """Does the call `plan` decode on after a step in which a request finished? (It ends
+    there with `end_at_finish`, unless it tells the scheduler instead: `notices`.)"""
+    return plan.notices is not None or not plan.end_at_finish
+
+
+Notify = Callable[[int, int, dict], None]  # (worker, notice id, {id: (why, tokens)}): another way out
+
+
+def notify_finished(plan: StepPlan, worker: int, finished: dict[str, str],
+                    tokens: dict[str, list[int]], send: Notify | None = None) -> None:
+    """Tell `plan.notices` (the scheduler) that `finished` (id -> why) ended inside the call,
+    with each one's tokens of this call (`tokens`: the call's tokens so far); through `send`
+    where given (a simulated host's batched replies), else by a Ray call. Fire and forget: a
+    scheduler that is gone learns nothing here, and the call's reply still lists them."""
+    if plan.notices is None or not finished:
+        return
+    ended: dict[str, Any] = {rid: (why, list(tokens.get(rid, ()))) for rid, why in finished.items()}
+    if send is not None:
+        send(worker, plan.notice_id, ended)
+        return
+    try:
+        plan.notices.call_finished.remote(worker, plan.notice_id, ended)
+    except Exception:  # (its actor died: the reply, or the recovery of this call, ends them)
+        pass

@@ -41,10 +41,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from actors.accounting import PageLedger, PoolLedger, SlotLedger
-from actors.joins import JoinBox
+from actors.joins import JoinBox, Notify, goes_on_past_finish, notify_finished
 from actors.sinks import Sinks
 from raysched.config import ServeConfig
-from raysched.messages import FaultPoint, PrefillItem, StepPlan, StepResult, StepTokens, Usage, WorkerInfo
+from raysched.messages import NOTICE_SEQ, FaultPoint, PrefillItem, StepPlan, StepResult, StepTokens, Usage, WorkerInfo
 from raysched.sampling import SamplingParams
 
 MASK64 = (1 << 64) - 1
@@ -233,6 +233,9 @@ class SimWorker:
         self._joins = JoinBox()  # requests sent to start inside a long call (`join`)
         self.sinks = Sinks()  # streamed requests' readers (`actors.sinks`): `SimHost` sends each
         #   piece's tokens to them at its modeled time
+        self._call: tuple[StepPlan, StepResult] | None = None  # the step call under way, its result so far
+        self.notify: Notify | None = None  # how finish notices leave: its host's batched replies
+        #   (`SimHost`, with `sim.batch_calls`); None: a Ray call to the plan's `notices`
 
     # ------------------------------------------------------------------ queries
     def info(self) -> WorkerInfo:
@@ -271,9 +274,12 @@ class SimWorker:
             yield piece
 
     def _deliver(self, piece: StepTokens | StepResult) -> None:
-        """A piece has gone out: its tokens go to the readers' sinks too (`actors.sinks`)."""
+        """A piece has gone out: its tokens go to the readers' sinks too (`actors.sinks`), and
+        its finished requests to the scheduler if the call goes on past them (`notices`)."""
         if isinstance(piece, StepTokens):
             self.sinks.send(piece.new_tokens, piece.finished)
+            if piece.finished and self._call is not None:
+                notify_finished(self._call[0], self.index, piece.finished, self._call[1].new_tokens, self.notify)
 
     def interrupt(self, call_id: int) -> None:
         """End step call `call_id`'s decoding after the step under way (`Worker.interrupt`)."""
@@ -305,8 +311,10 @@ class SimWorker:
         step's tokens, the `StepResult`; the times add up to `last_step_ms`. Each step is
         computed when the piece before it has gone, so an interrupt that came meanwhile ends
         the decoding there (the reply covers the steps that ran), as does a finished request
-        with `plan.end_at_finish`."""
+        with `plan.end_at_finish` (unless the call tells the scheduler: `plan.notices`), and
+        a step with nothing left to decode and no join waiting."""
         result = StepResult()
+        self._call = (plan, result)
         fed, rows = self._start(plan, snapshots, result)
         sim, sent_ms, steps = self.config.sim, 0.0, plan.decode_steps
         prefilled = {item.request_id for item in plan.prefill} - set(result.not_admitted)
@@ -317,8 +325,8 @@ class SimWorker:
         one_step = dataclasses.replace(plan, decode_steps=1, fault=None)  # (the fault fires here)
         joined_ms = 0.0  # the modeled time of the prefills of joins
         for k in range(plan.decode_steps):
-            if plan.interrupted_by(self._interrupted):
-                steps = k
+            if plan.interrupted_by(self._interrupted) or not (self.engine.running or self._joins.pending(plan)):
+                steps = k  # (nothing left to decode ends it, as `Engine.decode_steps` does)
                 break
             finished = len(result.finished)
             toks, join_fed = self._decode_step(plan, one_step, k, result)
@@ -328,7 +336,7 @@ class SimWorker:
                 ms = sim.step_ms(join_fed + (0 if sent_ms else fed), 1, rows)
                 sent_ms += ms
                 yield ms, StepTokens(toks, _ended(toks, result))
-            if plan.end_at_finish and len(result.finished) > finished:
+            if not goes_on_past_finish(plan) and len(result.finished) > finished:
                 steps = k + 1
                 break
         result.not_admitted.extend(self._joins.close(plan))
@@ -452,6 +460,8 @@ class SimHost:
         cls = with_faults(SimWorker) if needs_faults(self.config) else SimWorker
         async with self._changed:
             self.workers[index] = cls(self.config, index, self.node_id)
+            if self.config.sim.batch_calls:  # its finish notices go with the replies `collect` brings back
+                self.workers[index].notify = self._notice
             self._turn[index] = 0
             self._changed.notify_all()
 
@@ -485,6 +495,12 @@ class SimHost:
         replies, self._replies = self._replies, []
         self._replied.clear()
         return replies
+
+    def _notice(self, worker: int, notice_id: int, ended: dict) -> None:
+        """A worker's finish notice, sent with the replies (`HostChannel` routes it by its
+        sequence number, `NOTICE_SEQ`), at the modeled time of its piece."""
+        self._replies.append((worker, NOTICE_SEQ, True, (notice_id, ended)))
+        self._replied.set()
 
     async def _reply(self, index: int, seq: int, args: tuple) -> None:
         try:

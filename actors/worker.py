@@ -23,7 +23,7 @@ import ray
 import torch
 
 from actors.engine import Engine, Sequence, StepOutput, build_engine
-from actors.joins import JoinBox
+from actors.joins import JoinBox, goes_on_past_finish, notify_finished
 from actors.sinks import Sinks
 from actors.model import matrix_kernel
 from actors.snapshot import KVBlock, Snapshot, SnapshotError
@@ -125,27 +125,32 @@ class Worker:
         self._park_prompts(prefilled, plan, result)
         out.merge(prefilled)
         if prefilled.new_tokens:
-            yield self._piece(prefilled)
+            yield self._piece(prefilled, plan, out)
         if plan.decode_steps:
             for decoded in self._decode(plan):
                 out.merge(decoded)
                 if decoded.new_tokens:
-                    yield self._piece(decoded)
-                if plan.interrupted_by(self._interrupted) or (plan.end_at_finish and decoded.finished):
+                    yield self._piece(decoded, plan, out)
+                if plan.interrupted_by(self._interrupted) or (decoded.finished and not goes_on_past_finish(plan)):
                     break  # the scheduler needs a decision: the steps that ran are the reply
                 joined = self._take_joins(plan, result)  # they decode from the next step on
                 out.merge(joined)
                 if joined.new_tokens:
-                    yield self._piece(joined)
+                    yield self._piece(joined, plan, out)
         out.not_admitted.extend(self._joins.close(plan))
         self._park_finished(plan, result)
         self.sinks.flush()
         self.sinks.keep_only(self.running_ids())
         yield self._result(result, out, time.perf_counter() - t0)
 
-    def _piece(self, made: StepOutput) -> StepTokens:
-        """One piece of a call's tokens: sent to the readers' sinks now, and to the caller."""
+    def _piece(self, made: StepOutput, plan: StepPlan, out: StepOutput) -> StepTokens:
+        """One piece of a call's tokens: sent to the readers' sinks now, and to the caller; a
+        call that goes on past its finished requests tells the scheduler of them (`notices`:
+        after their readers' pushes went out). `out`: the call's output so far, this piece in it."""
         self.sinks.send(made.new_tokens, made.finished)
+        if made.finished and plan.notices is not None:
+            self.sinks.flush()
+            notify_finished(plan, self.index, made.finished, out.new_tokens)
         return StepTokens(made.new_tokens, made.finished)
 
     def interrupt(self, call_id: int) -> None:

@@ -51,11 +51,12 @@ class Setup:
     decode_steps_per_call: int = 4
     stream_each_step: bool = True  # each decode step's tokens sent as it completes (False: per call)
     fold_successor: bool = True  # a successor needing no decision runs in the same call (False: pipelined)
-    fold_calls: int = 16  # with fold_successor: most calls' steps one call runs (2: one successor)
+    fold_calls: int = 64  # with fold_successor: most calls' steps one call runs (2: one successor; the config's default)
     workers_per_process: int = 64  # simulated workers per host process (fewer processes: less of the
     #   simulation's own cost on a machine of a few cores)
     batch_calls: bool = True  # a host's step calls travel in batches (`sim.batch_calls`)
     join_long_calls: bool = True  # a waiting request starts inside a long call (`scheduler.join_long_calls`)
+    finish_notices: bool = True  # a long call goes on past a finish and tells the scheduler (`scheduler.finish_notices`)
     direct_tokens: bool = True  # the streamed requests' tokens go from the workers to the client's sink
     #   (`raysched.sink`); False: through the scheduler (`next_tokens`, streamed step calls)
 
@@ -86,7 +87,8 @@ def serve_config(workers: int, step_ms: float, setup: Setup):
         "pool": {"kv_tokens": 16384, "state_slots": setup.slots},
         "scheduler": {"decode_steps_per_call": setup.decode_steps_per_call,
                       "stream_each_step": setup.stream_each_step, "fold_successor": setup.fold_successor,
-                      "fold_calls": setup.fold_calls, "join_long_calls": setup.join_long_calls},
+                      "fold_calls": setup.fold_calls, "join_long_calls": setup.join_long_calls,
+                      "finish_notices": setup.finish_notices},
         "state_cache": {"enabled": False},
         "sim": {"decode_ms": step_ms, "workers_per_process": setup.workers_per_process,
                 "batch_calls": setup.batch_calls, "vocab_size": 32000, "max_context": 32768}})

@@ -426,15 +426,21 @@ class SchedulerConfig:
     decode_steps_per_call: int = 4  # decode steps a worker runs per scheduler decision
     fold_successor: bool = True  # a call whose successor needs no decision runs the successor's
     #   steps too (one Ray call instead of two); False: the successor is a second, pipelined call
-    fold_calls: int = 16  # with fold_successor: a call runs up to this many calls' decode steps
+    fold_calls: int = 64  # with fold_successor: a call runs up to this many calls' decode steps
     #   while none of them needs a decision; one that runs more than 2 ends early when the
-    #   scheduler interrupts it (a request waits for room, an abort, a drain, a migration)
+    #   scheduler interrupts it (a request waits for room, an abort, a drain, a migration).
+    #   With finish notices a finish no longer ends it: this bounds how long its call runs
+    #   (and how stale the scheduler's copy of unstreamed tokens gets); 16 before them
     interrupt_after_ms: float = 20.0  # a request that has waited this long for room interrupts
     #   long calls; sooner, a call that ends anyway starts it (with many workers, one soon does)
     join_long_calls: bool = True  # a request that has waited `join_after_ms` starts inside a long
     #   call with room (`Worker.join`: no interrupt, the worker decodes on), on workers that take
     #   joins (`WorkerInfo.joins`) and without prefix reuse
     join_after_ms: float = 2.0  # how long a request waits for a call that ends before it joins one
+    finish_notices: bool = True  # a long call that takes joins (and replies once) goes on past a
+    #   request's finish: its worker tells the scheduler at once, which ends the request there and
+    #   gives its room to joins (False: the call ends after that step, and its next call waits for
+    #   a round trip through the scheduler)
     stream_each_step: bool = True  # a request whose client streams it gets each decode step's
     #   tokens as that step completes (its worker's calls stream); False: once per call
     force_retract_every: int = 0  # testing: 0 = off; else retract one request per worker at the
@@ -467,6 +473,7 @@ class SchedulerConfig:
         "interrupt_after_ms": check_non_negative_number,
         "join_long_calls": check_bool,
         "join_after_ms": check_non_negative_number,
+        "finish_notices": check_bool,
         "stream_each_step": check_bool,
         "force_retract_every": check_non_negative_int,
         "max_retractions": check_non_negative_int,

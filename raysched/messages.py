@@ -67,6 +67,11 @@ class StepPlan:
     joins: bool = False  # a long call that takes `Worker.join(call_id, items)` before each decode
     #   step: new requests start inside it (`StepResult.joined`), where it would otherwise be
     #   interrupted for them; items it did not take by its end come back in `not_admitted`
+    notices: Any = None  # a long call that takes joins and replies once: instead of ending at a
+    #   finish (`end_at_finish`), it goes on and the worker tells this handle at once
+    #   (`Scheduler.call_finished(worker, notice_id, {id: (why, its tokens of this call)})`):
+    #   the finished request's room then takes joins, and the call's other streams see no gap
+    notice_id: int = 0  # names this call in its notices (unique per scheduler: a stale one is dropped)
 
     sinks: tuple[tuple[str, Any, int], ...] = ()  # (request id, its reader's sink, tokens it
     #   has generated so far) for requests not started by a `PrefillItem` that carries its sink:
@@ -109,6 +114,10 @@ class Usage:
     state_free_slots: int
     state_total_slots: int
     page_size: int
+
+
+NOTICE_SEQ = -1  # the sequence number of a simulated host's reply that is a finish notice, not a
+#   step call's (`SimHost.collect` brings both; `raysched.workers.HostChannel` routes it)
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,7 @@ class Counters:
     joins: int = 0  # requests sent to start inside a long call (`scheduler.join_long_calls`)
     joins_refused: int = 0  # of those, the ones the call had no room for (they wait again)
     joins_late: int = 0  # of those, the ones that came after the call's decoding ended (the same)
+    finish_notices: int = 0  # requests that finished inside a long call that went on (`StepPlan.notices`)
     retractions: int = 0
     retractions_snapshot: int = 0
     retractions_recompute: int = 0

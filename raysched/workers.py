@@ -26,13 +26,13 @@ import asyncio
 import importlib
 import itertools
 import logging
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import ray
 
 from raysched.config import ServeConfig
-from raysched.messages import FaultPoint, StepPlan, StepResult, StepTokens, Usage, WorkerInfo
+from raysched.messages import NOTICE_SEQ, FaultPoint, StepPlan, StepResult, StepTokens, Usage, WorkerInfo
 
 log = logging.getLogger("raysched.scheduler")
 
@@ -268,6 +268,8 @@ class HostChannel:
         #   | ("join", index, call_id, items)
         self.waiting: dict[tuple[int, int], asyncio.Future] = {}  # (index, seq) -> its reply
         self.collector: asyncio.Task | None = None
+        self.on_notice: Callable[[int, int, dict], None] | None = None  # where finish notices go
+        #   (`route_notices`): they come back with the replies, `NOTICE_SEQ` for their number
 
     def step(self, index: int, seq: int, args: tuple) -> asyncio.Future:
         loop = asyncio.get_running_loop()
@@ -301,11 +303,23 @@ class HostChannel:
                 except Exception as err:  # the host died
                     replies = [(index, seq, False, err) for index, seq in self.waiting]
                 for index, seq, ok, value in replies:
+                    if seq == NOTICE_SEQ:
+                        if self.on_notice is not None:
+                            self.on_notice(index, *value)
+                        continue
                     reply = self.waiting.pop((index, seq), None)
                     if reply is not None and not reply.done():
                         reply.set_result(value) if ok else reply.set_exception(value)
         finally:
             self.collector = None
+
+
+def route_notices(handle: Any, on_notice: Callable[[int, int, dict], None]) -> None:
+    """Finish notices of a simulated worker whose host batches calls come back through its
+    channel, to `on_notice` (`Dispatcher.on_finish_notice`); other workers send them to the
+    scheduler as Ray calls (`Scheduler.call_finished`)."""
+    if isinstance(handle, SimWorkerHandle) and handle.channel is not None:
+        handle.channel.on_notice = on_notice
 
 
 def _in_event_loop() -> bool:

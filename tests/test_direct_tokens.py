@@ -137,8 +137,8 @@ def test_a_worker_sends_one_push_per_sink_per_step_with_positions(threaded: bool
 # ---------------------------------------------------------------------------- on Ray, simulated workers
 
 def test_a_stream_reaches_its_reader_while_the_scheduler_is_blocked() -> None:
-    """Two streamed requests on simulated workers (20 ms steps, long calls of up to 16 x 16
-    steps: a call needs the scheduler only when it ends); once both are in their long calls the
+    """Two streamed requests on simulated workers (20 ms steps, long calls of up to `fold_calls`
+    x 16 steps: a call needs the scheduler only when it ends); once both are in their long calls the
     scheduler's event loop is blocked (`Scheduler.debug_block`). The one read through the
     client's sink gets 20 more tokens while it stays blocked; the negative control, read through the
     scheduler (`Client.direct_tokens = False`, the old path), gets at most what was in flight.

@@ -34,6 +34,7 @@ from raysched.messages import StepResult, Usage
 from raysched.scheduler.planner import Decision
 from raysched.request import State
 from raysched.runner import run_workload
+from raysched.sampling import SamplingParams
 from raysched.workload import RequestSpec
 from tests.conftest import local_cluster, wait_until
 from tests.exactness import (assert_exactly_once, assert_idle, bare_scheduler, reference, scheduler_log, serving,
@@ -153,7 +154,7 @@ class TestOnCluster:
             if spec.get("pipelined"):
                 assert record["pipelined"] is True, record
             if spec.get("folded"):  # one successor (8 steps), or a long call (more)
-                long = case.scheduler.get("fold_calls", 16) > 2
+                long = case.scheduler.get("fold_calls", 64) > 2
                 assert record["folded"] is True and (record["decode_steps"] > 8 if long else record["decode_steps"] == 8), record
             if spec["kind"] == "kill_in_step":
                 assert record["decode_steps"] >= spec.get("after_decode_steps", 0), record  # died inside it
@@ -164,6 +165,30 @@ class TestOnCluster:
               f"worker failures {summary['worker_failures']}, recovered {summary['recovered']}, retractions "
               f"{summary['retractions']}, migrations {summary['migrations']} ({summary['cross_node_migrations']} "
               f"cross-node), pipelined calls {stats['pipelined_calls']}, folded {stats['folded_calls']}, replaced {stats['workers_replaced']}")
+
+    @pytest.mark.parametrize("notices", [True, False], ids=["notices", "control-calls-end-at-a-finish"])
+    def test_a_worker_killed_in_a_long_call_with_finish_notices_loses_no_token(self, notices):
+        """One worker runs two long and two short requests; its long call (8 x 4 steps, joins on:
+        prefix reuse off) goes on past the short ones' finish, sending finish notices, and dies
+        after 24 decode steps. Every request ends once with the reference's tokens, whether a
+        notice reached the scheduler before the death (the request ended there) or not (it is
+        recovered with the others and ends on the replacement, by a notice too). Control:
+        without notices the call ends at the first finish, none are sent, the same tokens."""
+        specs = [RequestSpec(f"r{i}", tuple(range(3 + i, 11 + i)),
+                             SamplingParams(max_new_tokens=n, temperature=0.8 if i % 2 else 0.0, seed=5))
+                 for i, n in enumerate((60, 64, 8, 10))]
+        faults = [kill(0, 2, "kill_in_step", after_decode_steps=24, folded=True)]
+        scheduler = {"fold_calls": 8, "finish_notices": notices, "rebalance": {"enabled": False}}
+        with serving(config(scheduler, faults, workers=1, pool=ROOMY, state_cache={"enabled": False})) as client:
+            report = run_workload(client, specs, progress=False)
+            assert_exactly_once(report, specs)
+            stats = wait_for_replacements(client, 1)
+            assert_idle(client.check_idle())
+        assert stats["worker_failures"] == 1 and stats["recovered"] >= 2, stats
+        fired = stats["faults_fired"][0]
+        assert fired["folded"] and fired["decode_steps"] >= (24 if notices else 8), fired
+        assert (stats["finish_notices"] >= 1) if notices else (stats["finish_notices"] == 0), stats["finish_notices"]
+        print(f"\nnotices {notices}: recovered {stats['recovered']}, finish notices {stats['finish_notices']}")
 
     def test_without_replacement_the_survivor_finishes_everything(self):
         specs = synthetic(12, requests=16)

@@ -71,6 +71,32 @@ def test_a_request_that_joins_a_long_call_gets_the_logits_of_an_uninterrupted_ru
     assert not all(torch.equal(x, y) for x, y in zip(changed, ref.logits["d"]))
 
 
+def test_a_long_call_with_notices_decodes_on_past_a_finish_with_exact_tokens():
+    """`StepPlan.notices` on the real worker (in process): the long call decodes on after the
+    step in which a request finished, and the scheduler's handle gets one `call_finished`
+    with that request's tokens of the call; every token is the reference's (an uninterrupted
+    run of the two). Control: without `notices` the call ends at that step."""
+    import dataclasses
+
+    from actors.worker import Worker
+    from raysched.config import load_serve_config
+    from raysched.messages import PrefillItem, StepPlan
+    from tests.test_sim import NoticeBox
+
+    specs = [spec("short", [5, 9, 13, 2, 7], 6), spec("long", [3, 1, 4, 1, 5, 9, 2, 6], 30, temperature=0.8)]
+    want = reference(specs)
+    items = tuple(PrefillItem(s.request_id, s.prompt_ids, len(s.prompt_ids), s.sampling.to_dict()) for s in specs)
+    config = load_serve_config({"model": "tiny", "workers": 1, "pool": {"kv_tokens": 1024, "state_slots": 4},
+                                "state_cache": {"enabled": False}})
+    box = NoticeBox()
+    plan = StepPlan(prefill=items, decode_steps=20, call_id=1, joins=True, end_at_finish=True, notices=box, notice_id=4)
+    *_, result = Worker(config, 0).step_stream(plan)
+    assert box.got == [(0, 4, {"short": ("length", want["short"])})]
+    assert result.new_tokens["long"] == want["long"][:21] and result.finished == {"short": "length"}
+    *_, ended = Worker(config, 0).step_stream(dataclasses.replace(plan, notices=None))
+    assert len(ended.new_tokens["long"]) == 6
+
+
 @pytest.fixture(scope="module")
 def local_ray():
     ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=120 << 20)

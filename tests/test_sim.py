@@ -3,6 +3,7 @@ accounting, exact continuation across retraction, migration and faults, no torch
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -134,11 +135,10 @@ def test_sim_fleet_on_ray_loses_no_token_through_retractions_and_faults(tmp_path
     assert idle["workers_idle"] and idle["tables"]["requests"] == 0
 
 
-def test_a_worker_that_dies_in_a_long_call_with_joined_requests_loses_no_token() -> None:
-    """Two requests decode on one simulated worker in a long call (32 steps of 20 ms); two more
-    arrive during it and join it (`join_long_calls`, no interrupt); the worker dies at the call's
-    decode step 28 (`kill_in_step`, folded). All four are recovered from it, on the replacement,
-    and end with the tokens of an uninterrupted run (the reference); the pools end empty."""
+def long_call_then_a_kill(later_tokens: int, finish_notices: bool = True) -> tuple[list, dict, dict]:
+    """One simulated worker (20 ms steps, long calls of 8 x 4 steps, joins at once): two requests
+    of 60 tokens, then, once the first call is back, two of `later_tokens` that join the long
+    call; the worker dies at that call's decode step 28. (records, stats, check_idle)."""
     import time
 
     import raysched
@@ -146,7 +146,7 @@ def test_a_worker_that_dies_in_a_long_call_with_joined_requests_loses_no_token()
     faults = [{"kind": "kill_in_step", "worker": 0, "after_steps": 1, "folded": True, "after_decode_steps": 28}]
     cfg = sim_config(workers=1, faults=faults, state_cache={"enabled": False}, object_store_memory=80 << 20,
                      scheduler={"decode_steps_per_call": 4, "fold_calls": 8, "join_after_ms": 0,
-                                "interrupt_after_ms": 60_000},
+                                "interrupt_after_ms": 60_000, "finish_notices": finish_notices},
                      sim={**SIM, "decode_ms": 20.0, "workers_per_process": 1})
     client = raysched.launch(cfg)
     try:
@@ -154,17 +154,45 @@ def test_a_worker_that_dies_in_a_long_call_with_joined_requests_loses_no_token()
         deadline = time.monotonic() + 60
         while client.stats()["tokens"] < 10 and time.monotonic() < deadline:  # the admission call is back
             time.sleep(0.01)
-        later = [client.submit([3, 1, i], {"max_new_tokens": 30}) for i in range(2, 4)]
+        later = [client.submit([3, 1, i], {"max_new_tokens": later_tokens}) for i in range(2, 4)]
         records = [h.result(timeout=120) for h in first + later]
-        stats = client.stats()
-        idle = client.check_idle()
+        return records, client.stats(), client.check_idle()
     finally:
         client.shutdown()
+
+
+def test_a_worker_that_dies_in_a_long_call_with_joined_requests_loses_no_token() -> None:
+    """Two requests decode on one simulated worker in a long call (32 steps of 20 ms); two more
+    arrive during it and join it (`join_long_calls`, no interrupt); the worker dies at the call's
+    decode step 28 (`kill_in_step`, folded). All four are recovered from it, on the replacement,
+    and end with the tokens of an uninterrupted run (the reference); the pools end empty."""
+    records, stats, idle = long_call_then_a_kill(later_tokens=30)
     for r in records:
         assert r["token_ids"] == run_alone(r["request_id"], list(r["prompt_ids"]), len(r["token_ids"])), r
         assert len(r["token_ids"]) == (60 if r["prompt_ids"][-1] < 2 else 30)
     assert stats["joins"] >= 2 and stats["interrupted_calls"] == 0 and stats["worker_failures"] == 1
     assert stats["recovered"] == 4  # the joined ones too were on worker 0 when it died
+    assert idle["workers_idle"] and idle["tables"]["requests"] == 0
+
+
+@pytest.mark.parametrize("notices", [True, False], ids=["notices", "control-calls-end-at-a-finish"])
+def test_requests_that_finish_inside_a_long_call_end_once_when_the_worker_dies_after(notices: bool) -> None:
+    """Two long requests decode in a long call (32 steps of 20 ms); two short ones join it and
+    finish inside it; the worker dies at the call's decode step 28. With `finish_notices` the
+    call went on past their finish and the scheduler ended them from the notices: each of the
+    four ends once, with the tokens of an uninterrupted run, and only the two long ones are
+    recovered. Control: without notices the call ends at the first finish (none are sent) and
+    dies there (the fault fires after a call's last step): its reply is lost, all four are
+    recovered, and the same tokens come out."""
+    records, stats, idle = long_call_then_a_kill(later_tokens=6, finish_notices=notices)
+    for r in records:
+        assert r["token_ids"] == run_alone(r["request_id"], list(r["prompt_ids"]), len(r["token_ids"])), r
+        assert len(r["token_ids"]) == (60 if r["prompt_ids"][-1] < 2 else 6)
+    assert stats["finished"] == 4 and stats["worker_failures"] == 1 and stats["joins"] >= 2
+    if notices:  # (the long ones, recovered, end in a later long call: notices too)
+        assert stats["finish_notices"] >= 2 and stats["recovered"] == 2
+    else:  # the call ended at their finish, and its reply was lost with the worker
+        assert stats["finish_notices"] == 0 and stats["recovered"] == 4
     assert idle["workers_idle"] and idle["tables"]["requests"] == 0
 
 
@@ -262,6 +290,36 @@ def test_a_long_call_ends_at_the_step_a_request_finishes() -> None:
     assert len(full.new_tokens["long"]) == 21
 
 
+class NoticeBox:
+    """A scheduler's handle as `StepPlan.notices` sees it: records each `call_finished`."""
+
+    def __init__(self) -> None:
+        self.got: list[tuple] = []
+        box = self
+
+        class CallFinished:
+            @staticmethod
+            def remote(*args):
+                box.got.append(args)
+        self.call_finished = CallFinished
+
+
+def test_a_long_call_with_notices_goes_on_past_a_finish_and_tells_the_scheduler() -> None:
+    """`StepPlan.notices`: a long call (`end_at_finish`) that finds a request finished decodes
+    on, and tells the scheduler at once, with the finished request's tokens of the call (those
+    of an uninterrupted run, the reference); the other request runs all 20 steps with the
+    reference's tokens. Control: the same plan without `notices` ends at that step."""
+    box = NoticeBox()
+    plan = StepPlan(prefill=(item("short", [1, 2], 5), item("long", [3, 4], 40)), decode_steps=20,
+                    end_at_finish=True, call_id=1, joins=True, notices=box, notice_id=9)
+    *_, out = SimWorker(sim_config(sim={**SIM, "decode_ms": 10.0}), 0).step_stream(plan)
+    assert box.got == [(0, 9, {"short": ("length", run_alone("short", [1, 2], 5))})]
+    assert out.finished == {"short": "length"} and out.new_tokens["long"] == run_alone("long", [3, 4], 40)[:21]
+    control = SimWorker(sim_config(sim={**SIM, "decode_ms": 10.0}), 0)
+    *_, ended = control.step_stream(dataclasses.replace(plan, notices=None))
+    assert len(ended.new_tokens["long"]) == 5
+
+
 def test_a_request_joins_a_long_call_between_decode_steps_and_continues_exactly() -> None:
     """`join(call_id, items)` while a long call that takes joins (`StepPlan.joins`) streams: the
     call starts the item before its next decode step and decodes it with its own request; its
@@ -304,6 +362,49 @@ class _InProcess:
                 log.append((name, args))
                 return getattr(impl, name)(*args)
         return Method
+
+
+def test_a_call_with_nothing_left_to_decode_ends_there() -> None:
+    """A simulated long call whose requests all finished, with no join waiting, ends (its
+    modeled time covers the steps that ran), as the real engine's `decode_steps` does: a call
+    that goes on past finishes must not sleep through steps that decode nothing. Control: a
+    request that outlasts the call runs all its steps."""
+    sim = sim_config(sim={**SIM, "decode_ms": 10.0})
+    plan = StepPlan(prefill=(item("short", [1, 2], 5),), decode_steps=20, call_id=1, joins=True,
+                    end_at_finish=True, notices=NoticeBox(), notice_id=1)
+    w = SimWorker(sim, 0)
+    out = w.step(plan)
+    assert out.finished == {"short": "length"} and w.last_step_ms == sim.sim.step_ms(2, 4, 1)
+    longer = SimWorker(sim, 0)
+    longer.step(dataclasses.replace(plan, prefill=(item("long", [1, 2], 40),)))
+    assert longer.last_step_ms == sim.sim.step_ms(2, 20, 1)
+
+
+def test_a_batching_hosts_finish_notices_come_back_through_its_channel() -> None:
+    """With `sim.batch_calls`, a simulated worker's finish notice leaves with the host's replies
+    (`SimHost._notice`, no Ray call of its own) and the channel hands it to its `on_notice`
+    (`route_notices`) before the call's reply: the finished request's tokens are the reference's.
+    Control: a host that does not batch sends it as a Ray call to the plan's `notices`."""
+    import asyncio
+
+    from actors.sim import SimHost
+    from raysched.workers import HostChannel
+
+    async def scenario(batch: bool) -> tuple[list, list]:
+        host = SimHost(sim_config(sim={**SIM, "decode_ms": 2.0, "batch_calls": batch}))
+        await host.add(0)
+        channel, routed, box = HostChannel(_InProcess(host, [])), [], NoticeBox()
+        channel.on_notice = lambda *args: routed.append((args, channel.waiting.get((0, 0)) is not None))
+        plan = StepPlan(prefill=(item("short", [1, 2], 5), item("long", [3, 4], 40)), decode_steps=12,
+                        call_id=1, joins=True, end_at_finish=True, notices=box, notice_id=3)
+        out = await channel.step(0, 0, (plan,))
+        assert out.new_tokens["long"] == run_alone("long", [3, 4], 40)[:13]
+        return routed, box.got
+
+    routed, sent = asyncio.run(scenario(batch=True))
+    assert routed == [((0, 3, {"short": ("length", run_alone("short", [1, 2], 5))}), True)] and sent == []
+    routed, sent = asyncio.run(scenario(batch=False))
+    assert routed == [] and sent == [(0, 3, {"short": ("length", run_alone("short", [1, 2], 5))})]
 
 
 def test_a_host_channel_batches_a_loop_turns_calls_and_routes_every_reply() -> None:

@@ -46,7 +46,7 @@ from raysched.scheduler.state_cache import StateCache
 from raysched.scheduler.table import Limits, RequestTable, validate_generated
 from raysched.stats import Counters
 from raysched.tokenizer import require_tokenizer
-from raysched.workers import kill_worker, release_workers, worker_bundle
+from raysched.workers import kill_worker, release_workers, route_notices, worker_bundle
 
 log = logging.getLogger("raysched.scheduler")
 
@@ -107,6 +107,8 @@ class Scheduler:
         """Start the worker actors and their loops, once (the creator calls it; a restarted
         scheduler calls it itself on its first submit); returns one line of facts per worker."""
         if self._start_task is None:
+            if ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None:
+                self.dispatch.notices = ray.get_runtime_context().current_actor  # (`call_finished`)
             self._start_task = asyncio.get_running_loop().create_task(self._start_workers())
         await asyncio.shield(self._start_task)
         return [w.line() for w in self.fleet.slots]
@@ -135,6 +137,7 @@ class Scheduler:
     def _start_loop(self, w: WorkerSlot) -> None:
         """A worker joined: its loop starts; branch points move to the grid every worker shares."""
         self.prefix_cache.use_grid([o.info.prefix_grid for o in self.fleet.alive()])
+        route_notices(w.handle, self.dispatch.on_finish_notice)
         self.dispatch.start_loop(w)
 
     def _before_decide(self, w: WorkerSlot) -> None:
@@ -216,6 +219,11 @@ class Scheduler:
         """"live", "ended" (`wait` returns its record) or "unknown" (a reader whose sink went
         quiet asks: after a scheduler restart, "unknown" means resubmit)."""
         return self.table.status(request_id)
+
+    async def call_finished(self, worker: int, notice_id: int, ended: dict[str, tuple[str, list[int]]]) -> None:
+        """A worker's long call went on past requests that finished in it (`StepPlan.notices`):
+        `ended` maps each to (why, its tokens of that call); they end now."""
+        self.dispatch.on_finish_notice(worker, notice_id, ended)
 
     async def stop(self, request_id: str, generated: list[int]) -> None:
         """A reader's sink matched a stop string after `generated`: the request ends there."""

@@ -21,6 +21,7 @@ No Ray import: worker handles are opaque (`handle.step.remote(...)` returns an a
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections import deque
@@ -57,6 +58,9 @@ class Dispatcher:
         self.before_decide: Callable[[WorkerSlot], None] = lambda w: None  # (live migration's stop-and-copy)
         self.migrating: Callable[[WorkerSlot], bool] = lambda w: False  # (a live migration involves w)
         self.round_due: Any = None  # the interrupt round scheduled for waiting requests, if any
+        self.notices: Any = None  # this scheduler's own handle, for long calls' finish notices
+        #   (`with_notices`; None outside an actor: long calls end at a finish)
+        self.notice_ids = 0  # the last `StepPlan.notice_id` given
         fleet.on_notify = self.interrupt_for_waiting
 
     # ------------------------------------------------------------------ loop
@@ -137,7 +141,8 @@ class Dispatcher:
         self.mark_running(w, decision.resume + decision.admit)
         self.faults.before_call(w, self.fleet, holding=bool(w.view.running or snap_victims))
         folded = self.fold(w, decision)
-        step = self.step_plan(w, decision, drop, resume_snap, [r for r, _ in prefixes], cross_node, folded)
+        step = self.with_notices(w, self.step_plan(w, decision, drop, resume_snap, [r for r, _ in prefixes],
+                                                   cross_node, folded))
         if folded > 2:  # more than one successor: the call ends early when interrupted
             self.fleet.start_long_call(w, step.call_id)
         retract_calls = [self.ledger.send(w, r) for r in snap_victims]  # queued: others may resume them
@@ -154,6 +159,8 @@ class Dispatcher:
             self.counters.decision_s.append(time.perf_counter() - t0[0])
             self.counters.decision_cpu_s.append(time.thread_time() - t0[1])
         result, streamed = await self.receive(calls[0])
+        if w.noticing:  # its tokens that finish notices applied already
+            streamed, w.noticing, w.noticed = {**streamed, **w.noticed}, 0, {}
         self.fleet.end_long_call(w)
         self.settle_joins(w, decision, result)
         self.apply(w, decision, result, resume_snap, streamed)  # its last tokens go out now,
@@ -169,11 +176,15 @@ class Dispatcher:
         Ray streaming generator) when a request on `w` is read as it comes
         (`Request.streaming`) and `scheduler.stream_each_step` is on; else one reply
         (`Worker.step`): a message per decode step costs the scheduler, so only a reader gets it."""
-        sinks = self.table.sinks
-        if self.config.scheduler.stream_each_step and any(r.streaming and r.request_id not in sinks
-                                                          for r in w.view.running):
+        if self.streams(w):
             return w.handle.step_stream.options(num_returns="streaming").remote(plan, *args), True
         return w.handle.step.remote(plan, *args), False
+
+    def streams(self, w: WorkerSlot) -> bool:
+        """Does a step call to `w` now stream each step to us (`send_step`)?"""
+        sinks = self.table.sinks
+        return self.config.scheduler.stream_each_step and any(r.streaming and r.request_id not in sinks
+                                                              for r in w.view.running)
 
     async def receive(self, sent: tuple[Any, bool]) -> tuple[Any, dict[str, int]]:
         """A step call's `StepResult` (or the exception it raised), and how many of its tokens
@@ -362,6 +373,46 @@ class Dispatcher:
             self.fleet.forget(o.handle.join.remote(call.call_id, items))
             if not ripe:
                 return
+
+    def with_notices(self, w: WorkerSlot, step: StepPlan) -> StepPlan:
+        """A long call that takes joins and replies once goes on past a request's finish and
+        tells us of it (`StepPlan.notices`, `on_finish_notice`), with `scheduler.finish_notices`:
+        its other requests then see no gap where the call would have ended, and the finished
+        one's room takes a join, without the worker waiting for a round trip here."""
+        if not (step.joins and self.notices is not None and self.config.scheduler.finish_notices) or self.streams(w):
+            return step
+        self.notice_ids += 1
+        w.noticing, w.noticed = self.notice_ids, {}
+        return dataclasses.replace(step, notices=self.notices, notice_id=self.notice_ids)
+
+    def on_finish_notice(self, index: int, notice_id: int, ended: dict[str, tuple[str, list[int]]]) -> None:
+        """Worker `index`'s call `notice_id` is going on past `ended` (id -> (why, its tokens of
+        that call)): each ends now with those tokens (the call's reply skips them), and its room
+        (the KV it held, its slot, what the call kept for its steps) goes back to the worker's
+        view and to the call's joins; then the ripe waiting requests may join. A notice for a
+        call that is over, or a request that is no longer running there, changes nothing."""
+        w = self.fleet.slots[index] if 0 <= index < len(self.fleet.slots) else None
+        if w is None or not w.alive or w.noticing != notice_id:
+            return
+        now, call = time.monotonic(), w.open_call
+        for rid, (reason, toks) in ended.items():
+            req = self.table.requests.get(rid)
+            if req is None or req.state is not State.RUNNING or req.worker != index or rid in w.noticed:
+                continue
+            held, kept = w.view.held(req), (call.need(req, w.view.page_size) if call is not None else 0)
+            w.noticed[rid] = len(toks)
+            self.add_tokens({rid: toks}, now)
+            if req.state is State.RUNNING:
+                self.finish(req, State.FINISHED, reason)
+            if req not in w.view.running:  # (one a stop string ended stays there until dropped)
+                w.view.allocated.pop(rid, None)
+                w.view.free_tokens, w.view.free_slots = w.view.free_tokens + held, w.view.free_slots + 1
+                if call is not None:
+                    call.free_tokens, call.free_slots = call.free_tokens + kept, call.free_slots + 1
+            self.counters.finish_notices += 1
+        if self.joining():
+            join_s, _ = self.waits_s()
+            self.join_waiting([r for r in self.table.waiting if r.arrival_s <= now - join_s])
 
     def settle_joins(self, w: WorkerSlot, decision: Decision, result: Any) -> None:
         """`w`'s long call replied: the requests sent to join it count as this call's admissions

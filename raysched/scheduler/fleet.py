@@ -39,6 +39,8 @@ class WorkerSlot:
     long_call: int = 0  # the call id of its call in flight that folds more than one successor
     #   (`Fleet.interrupt` ends it early); 0: none, or interrupted already
     open_call: Any = None  # `joins.OpenCall` of its long call if that takes joins, until its reply
+    noticing: int = 0  # the `StepPlan.notice_id` of its call in flight that sends finish notices
+    noticed: dict[str, int] = field(default_factory=dict)  # of that call: tokens applied from notices, per id
     failures: int = 0  # failures in a row of the workers this one replaces, none of which
     #   completed a call since (`Recovery.on_worker_failure`); 0 once a call of its own succeeded
 
