@@ -239,7 +239,7 @@ STATUS_GROUPS = (  # `raysched status` prints every counter: these by topic, the
                       "state_cache_fallbacks", "state_cache_bytes", "state_cache_points", "state_cache_entries",
                       "state_cache_chunks", "state_cache_evictions")),
     ("calls", ("calls", "pipelined_calls", "folded_calls", "interrupted_calls", "joins", "joins_refused",
-               "joins_late")),
+               "joins_late", "finish_notices")),
 )
 
 
