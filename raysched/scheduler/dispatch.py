@@ -394,25 +394,30 @@ class Dispatcher:
         w = self.fleet.slots[index] if 0 <= index < len(self.fleet.slots) else None
         if w is None or not w.alive or w.noticing != notice_id:
             return
-        now, call = time.monotonic(), w.open_call
+        now = time.monotonic()
         for rid, (reason, toks) in ended.items():
             req = self.table.requests.get(rid)
-            if req is None or req.state is not State.RUNNING or req.worker != index or rid in w.noticed:
-                continue
-            held, kept = w.view.held(req), (call.need(req, w.view.page_size) if call is not None else 0)
-            w.noticed[rid] = len(toks)
-            self.add_tokens({rid: toks}, now)
-            if req.state is State.RUNNING:
-                self.finish(req, State.FINISHED, reason)
-            if req not in w.view.running:  # (one a stop string ended stays there until dropped)
-                w.view.allocated.pop(rid, None)
-                w.view.free_tokens, w.view.free_slots = w.view.free_tokens + held, w.view.free_slots + 1
-                if call is not None:
-                    call.free_tokens, call.free_slots = call.free_tokens + kept, call.free_slots + 1
-            self.counters.finish_notices += 1
+            if req is not None and req.state is State.RUNNING and req.worker == index and rid not in w.noticed:
+                self.end_noticed(w, req, reason, toks, now)
         if self.joining():
             join_s, _ = self.waits_s()
             self.join_waiting([r for r in self.table.waiting if r.arrival_s <= now - join_s])
+
+    def end_noticed(self, w: WorkerSlot, req: Request, reason: str, toks: list[int], now: float) -> None:
+        """End `req`, running in `w`'s call, with `toks` (its tokens of that call, which its
+        reply will skip); its room goes back to `w`'s view and to the call's joins."""
+        call = w.open_call
+        held, kept = w.view.held(req), (call.need(req, w.view.page_size) if call is not None else 0)
+        w.noticed[req.request_id] = len(toks)
+        self.add_tokens({req.request_id: toks}, now)
+        if req.state is State.RUNNING:
+            self.finish(req, State.FINISHED, reason)
+        if req not in w.view.running:  # (one a stop string ended stays there until dropped)
+            w.view.allocated.pop(req.request_id, None)
+            w.view.free_tokens, w.view.free_slots = w.view.free_tokens + held, w.view.free_slots + 1
+            if call is not None:
+                call.free_tokens, call.free_slots = call.free_tokens + kept, call.free_slots + 1
+        self.counters.finish_notices += 1
 
     def settle_joins(self, w: WorkerSlot, decision: Decision, result: Any) -> None:
         """`w`'s long call replied: the requests sent to join it count as this call's admissions
