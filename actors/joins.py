@@ -17,10 +17,9 @@ the scheduler of it at once (after the reader's push went out), so its room can 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
 from typing import Any
 
-from raysched.messages import PrefillItem, StepPlan
+from raysched.messages import FinishNotice, PrefillItem, StepPlan
 
 
 class JoinBox:
@@ -65,11 +64,8 @@ def goes_on_past_finish(plan: StepPlan) -> bool:
     return plan.notices is not None or not plan.end_at_finish
 
 
-Notify = Callable[[int, int, dict], None]  # (worker, notice id, {id: (why, tokens)}): another way out
-
-
 def notify_finished(plan: StepPlan, worker: int, finished: dict[str, str],
-                    tokens: dict[str, list[int]], send: Notify | None = None) -> None:
+                    tokens: dict[str, list[int]], send: FinishNotice | None = None) -> None:
     """Tell `plan.notices` (the scheduler) that `finished` (id -> why) ended inside the call,
     with each one's tokens of this call (`tokens`: the call's tokens so far); through `send`
     where given (a simulated host's batched replies), else by a Ray call. Fire and forget: a

@@ -41,10 +41,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from actors.accounting import PageLedger, PoolLedger, SlotLedger
-from actors.joins import JoinBox, Notify, goes_on_past_finish, notify_finished
+from actors.joins import JoinBox, goes_on_past_finish, notify_finished
 from actors.sinks import Sinks
 from raysched.config import ServeConfig
-from raysched.messages import NOTICE_SEQ, FaultPoint, PrefillItem, StepPlan, StepResult, StepTokens, Usage, WorkerInfo
+from raysched.messages import NOTICE_SEQ, FaultPoint, FinishNotice, PrefillItem, StepPlan, StepResult, StepTokens, Usage, WorkerInfo
 from raysched.sampling import SamplingParams
 
 MASK64 = (1 << 64) - 1
@@ -234,7 +234,7 @@ class SimWorker:
         self.sinks = Sinks()  # streamed requests' readers (`actors.sinks`): `SimHost` sends each
         #   piece's tokens to them at its modeled time
         self._call: tuple[StepPlan, StepResult] | None = None  # the step call under way, its result so far
-        self.notify: Notify | None = None  # how finish notices leave: its host's batched replies
+        self.notify: FinishNotice | None = None  # how finish notices leave: its host's batched replies
         #   (`SimHost`, with `sim.batch_calls`); None: a Ray call to the plan's `notices`
 
     # ------------------------------------------------------------------ queries

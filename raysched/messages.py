@@ -116,6 +116,8 @@ class Usage:
     page_size: int
 
 
+FinishNotice = Callable[[int, int, dict], None]  # (worker, `StepPlan.notice_id`, {id: (why, its tokens of
+#   the call)}): where a long call's finish notice goes (`Scheduler.call_finished`, a host's replies)
 NOTICE_SEQ = -1  # the sequence number of a simulated host's reply that is a finish notice, not a
 #   step call's (`SimHost.collect` brings both; `raysched.workers.HostChannel` routes it)
 

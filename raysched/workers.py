@@ -26,13 +26,13 @@ import asyncio
 import importlib
 import itertools
 import logging
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import ray
 
 from raysched.config import ServeConfig
-from raysched.messages import NOTICE_SEQ, FaultPoint, StepPlan, StepResult, StepTokens, Usage, WorkerInfo
+from raysched.messages import NOTICE_SEQ, FaultPoint, FinishNotice, StepPlan, StepResult, StepTokens, Usage, WorkerInfo
 
 log = logging.getLogger("raysched.scheduler")
 
@@ -268,7 +268,7 @@ class HostChannel:
         #   | ("join", index, call_id, items)
         self.waiting: dict[tuple[int, int], asyncio.Future] = {}  # (index, seq) -> its reply
         self.collector: asyncio.Task | None = None
-        self.on_notice: Callable[[int, int, dict], None] | None = None  # where finish notices go
+        self.on_notice: FinishNotice | None = None  # where finish notices go
         #   (`route_notices`): they come back with the replies, `NOTICE_SEQ` for their number
 
     def step(self, index: int, seq: int, args: tuple) -> asyncio.Future:
@@ -314,7 +314,7 @@ class HostChannel:
             self.collector = None
 
 
-def route_notices(handle: Any, on_notice: Callable[[int, int, dict], None]) -> None:
+def route_notices(handle: Any, on_notice: FinishNotice) -> None:
     """Finish notices of a simulated worker whose host batches calls come back through its
     channel, to `on_notice` (`Dispatcher.on_finish_notice`); other workers send them to the
     scheduler as Ray calls (`Scheduler.call_finished`)."""
