@@ -179,11 +179,34 @@ void rowdot_ssd_update(float *state, const long *slots, long R, long H, long P, 
  *
  * Shapes: state (S, D, K-1) contiguous, slots (R), x (R, D), taps (K, D) (the weight
  * transposed), bias (D) or NULL, out (R, D); all fp32 but slots (int64). */
+/* The usual d_conv = 4 (three state columns), one request: each channel's sum in the same order
+ * as below, written out so that the compiler vectorizes across channels (restrict: no overlap). */
+static void conv_update_k4(float *restrict s, const float *restrict x, const float *restrict taps,
+                           const float *restrict bias, float *restrict out, long D) {
+  const float *t0 = taps, *t1 = taps + D, *t2 = taps + 2 * D, *t3 = taps + 3 * D;
+  if (bias)
+    for (long d = 0; d < D; d++) {
+      float s0 = s[3 * d], s1 = s[3 * d + 1], s2 = s[3 * d + 2], xv = x[d];
+      out[d] = (((s0 * t0[d] + s1 * t1[d]) + s2 * t2[d]) + xv * t3[d]) + bias[d];
+      s[3 * d] = s1, s[3 * d + 1] = s2, s[3 * d + 2] = xv;
+    }
+  else
+    for (long d = 0; d < D; d++) {
+      float s0 = s[3 * d], s1 = s[3 * d + 1], s2 = s[3 * d + 2], xv = x[d];
+      out[d] = ((s0 * t0[d] + s1 * t1[d]) + s2 * t2[d]) + xv * t3[d];
+      s[3 * d] = s1, s[3 * d + 1] = s2, s[3 * d + 2] = xv;
+    }
+}
+
 void rowdot_conv_update(float *state, const long *slots, long R, long D, long K, const float *x,
                         const float *taps, const float *bias, float *out) {
   for (long r = 0; r < R; r++) {
     float *sr = state + slots[r] * D * (K - 1);
     const float *xr = x + r * D;
+    if (K == 4) {
+      conv_update_k4(sr, xr, taps, bias, out + r * D, D);
+      continue;
+    }
     for (long d = 0; d < D; d++) {
       float *s = sr + d * (K - 1), o = s[0] * taps[d];
       for (long k = 1; k < K - 1; k++) o = o + s[k] * taps[k * D + d];

@@ -158,18 +158,24 @@ def test_decode_takes_them_where_rowdot_loads_says_so_and_keeps_the_torch_paths_
     assert fused == plain
 
 
-@pytest.mark.parametrize("K, bias", [(4, True), (4, False), (2, True)], ids=["k4-bias", "k4", "k2-bias"])
+@pytest.mark.parametrize("K, bias, D", [(4, True, 37), (4, False, 37), (2, True, 37), (4, True, 1152)],
+                         ids=["k4-bias", "k4", "k2-bias", "k4-bias-wide"])
 @pytest.mark.parametrize("run", [False, True], ids=["gather", "run"])
-def test_the_conv_update_gives_the_torch_paths_bits(K, bias, run):
+@pytest.mark.parametrize("build", rowdot.builds_here())
+def test_the_conv_update_gives_the_torch_paths_bits(K, bias, D, run, build):
+    """On every build this CPU runs (d_conv = 4 has a loop of its own, vectorized across
+    channels: 37 channels leave a remainder, 1,152 are `small`'s)."""
     g = torch.Generator().manual_seed(K)
-    D, R = 37, 3
+    R = 3
     state = torch.randn(SLOTS, D, K - 1, generator=g)
     x = torch.randn(R, D, generator=g)
     weight, b = torch.randn(D, 1, K, generator=g), (torch.randn(D, generator=g) if bias else None)
     slots = torch.tensor([4, 5, 6]) if run else torch.tensor([6, 0, 3])
     torch_state, fused_state = state.clone(), state.clone()
     expected = causal_conv_step(torch_state, slots, x, weight, b, run=(4, R) if run else None)
-    got = causal_conv_step(fused_state, slots, x, weight, b, fused=rowdot.conv_update)
+    lib = rowdot.library(build)
+    got = causal_conv_step(fused_state, slots, x, weight, b,
+                           fused=lambda *a: rowdot.conv_update(*a, lib=lib))
     assert torch.equal(got, expected)
     assert torch.equal(fused_state, torch_state)  # shifted at its slots, the others untouched
 
