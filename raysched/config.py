@@ -423,7 +423,8 @@ class SchedulerConfig:
     admission: str = "overcommit"  # overcommit: admit while the next steps fit, retract on
     #   overflow | reserve: no-overcommit baseline, every request keeps room for its whole budget
     victim_order: str = "fewest_generated"  # which running request is retracted first
-    decode_steps_per_call: int = 4  # decode steps a worker runs per scheduler decision
+    decode_steps_per_call: int = 4  # decode steps a worker runs per scheduler decision (1 while
+    #   prompts on it wait for their next chunk: `planner.prefill_backlog`)
     fold_successor: bool = True  # a call whose successor needs no decision runs the successor's
     #   steps too (one Ray call instead of two); False: the successor is a second, pipelined call
     fold_calls: int = 64  # with fold_successor: a call runs up to this many calls' decode steps

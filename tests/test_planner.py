@@ -55,6 +55,29 @@ def test_steps_halve_from_the_configured_count() -> None:
     assert plan(view(running, free_tokens=3), decode_steps_per_call=8).decode_steps == 2
 
 
+def test_a_call_that_leaves_prompts_unfed_decodes_one_step() -> None:
+    """Four prompts of 300 admitted with a 512-token budget: the call feeds the first whole and
+    part of the next, so prompts wait for the next call: this one decodes a single step (the
+    next chunks come sooner, and fewer steps run at a partial batch); the control, the same
+    with no budget and no chunks, feeds them all and decodes the configured 4."""
+    waiting = [request(f"w{i}", 300, max_new=16) for i in range(4)]
+    p = plan(view([], total_tokens=4096), waiting, prefill_budget_tokens=512, prefill_chunk_tokens=512)
+    assert len(p.admit) == 4 and p.decode_steps == 1
+    control = plan(view([], total_tokens=4096), [request(f"w{i}", 300, max_new=16) for i in range(4)],
+                   prefill_budget_tokens=0, prefill_chunk_tokens=0)
+    assert len(control.admit) == 4 and control.decode_steps == 4
+
+
+def test_a_prompt_longer_than_a_chunk_keeps_calls_short_until_it_is_fed() -> None:
+    """One running request and one 1,200-token prompt still prefilling (no token yet): each call
+    feeds it one chunk, so calls decode one step until its first token comes back."""
+    decoding, long = request("a", 10, generated=6), request("b", 1200)
+    v = view([decoding, long], total_tokens=4096)
+    assert plan(v, prefill_chunk_tokens=512, prefill_budget_tokens=512).decode_steps == 1
+    long.output_ids = [7]  # its prefill ended
+    assert plan(v, prefill_chunk_tokens=512, prefill_budget_tokens=512).decode_steps == 4
+
+
 def test_retracts_only_when_a_single_step_does_not_fit() -> None:
     running = [request("a", 10, generated=6), request("b", 12, generated=3)]
     v = view(running, free_tokens=1)

@@ -483,6 +483,25 @@ def test_the_fold_factor_is_the_most_calls_whose_steps_fit() -> None:
     assert p["dispatch"].fold_factor(w, 4) == 2
 
 
+def test_no_call_is_folded_while_a_prompt_on_the_worker_waits_to_be_fed() -> None:
+    """A worker prefills only at a call's start: folding a call while a request there is still
+    prefilling would leave it unfed for the whole long call. With an unfed request (or a prompt
+    longer than a chunk, no token yet) `fold` declines; the control, the same worker once the
+    prompt has its token, folds up to `fold_calls`."""
+    p = parts(ServeConfig(workers=1, scheduler=SchedulerConfig(fold_calls=8)), [FakeWorker(0, kv=4096)])
+    w = p["fleet"].slots[0]
+    decoding = Request("a", (1, 2, 3), SamplingParams(max_new_tokens=200))
+    decoding.output_ids = [5]
+    long = Request("b", tuple(range(1, 1201)), SamplingParams(max_new_tokens=200))
+    w.view.running, w.view.free_tokens = [decoding, long], 4000
+    w.view.prefilling = {"b": 1200}
+    assert p["dispatch"].fold(w, Decision(decode_steps=1)) == 0
+    w.view.prefilling, w.view.unfed = {"b": 300}, {"b"}
+    assert p["dispatch"].fold(w, Decision(decode_steps=1)) == 0
+    long.output_ids, w.view.prefilling, w.view.unfed = [5], {}, set()
+    assert p["dispatch"].fold(w, Decision(decode_steps=1)) == 8
+
+
 @pytest.mark.parametrize("fold", [True, False], ids=["folded", "pipelined"])
 def test_forced_retraction_keeps_successors_on_and_loses_no_token(fold: bool) -> None:
     """Before the split, `force_retract_every` switched pipelining off, so the fault tests that

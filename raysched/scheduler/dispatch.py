@@ -33,7 +33,7 @@ from raysched.request import Request, State, enqueue
 from raysched.scheduler.faults import FaultSeam
 from raysched.scheduler.fleet import Fleet, WorkerSlot
 from raysched.scheduler.joins import OpenCall
-from raysched.scheduler.planner import Decision, decode_need, plan_for_role
+from raysched.scheduler.planner import Decision, decode_need, plan_for_role, prefill_backlog
 from raysched.scheduler.prefix_cache import PrefixCache
 from raysched.scheduler.recovery import Recovery
 from raysched.scheduler.retraction import RetractionLedger
@@ -266,6 +266,8 @@ class Dispatcher:
         scale`, benchmarks/README). Returns the factor (0: not folded)."""
         if not (self.config.scheduler.fold_successor and self.can_pipeline(w, decision)):
             return 0
+        if prefill_backlog(w.view, self.config.scheduler):
+            return 0  # prompts wait to be fed: those feed at each call's start
         factor = self.fold_factor(w, decision.decode_steps)
         decision.decode_steps *= factor
         self.counters.folded_calls += 1

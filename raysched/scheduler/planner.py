@@ -142,7 +142,19 @@ def plan_step(view: WorkerView, waiting: deque[Request], retracted: deque[Reques
     if running or plan.resume or plan.admit:
         plan.decode_steps = steps
     note_prefills(view, plan, cfg, running)
+    if plan.decode_steps and prefill_backlog(view, cfg):
+        plan.decode_steps = 1  # the next chunks come with the next call: sooner, and fewer
+        #   decode steps run at a partial batch while prompts wait to be fed
     return plan
+
+
+def prefill_backlog(view: WorkerView, cfg: SchedulerConfig) -> bool:
+    """Whether prompt tokens on this worker may remain unfed after the call just noted: a
+    request it surely does not feed (the budget), or one longer than a chunk (it needs more
+    than one call). Prompts advance only at a call's start (and a join's), so such a call is
+    kept to one decode step and is not folded (`Dispatcher.fold`)."""
+    chunk = cfg.prefill_chunk_tokens
+    return bool(view.unfed) or bool(chunk and any(n > chunk for n in view.prefilling.values()))
 
 
 def settle_prefills(view: WorkerView) -> None:
