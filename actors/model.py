@@ -19,7 +19,7 @@ decode and in prefill. What is fixed-shape, and why:
   minimum (1 on an Intel Xeon, 4 on an AMD EPYC): a row's result there is bit-identical
   whatever M is and wherever the row sits (measured: the summation order follows the packing,
   not the call, from m rows on). That is not MKL's documented contract, so m is probed per
-  weight shape at first use (every row count up to 17, and some up to `MAX_CALL_ROWS`, against
+  weight shape at first use (every row count up to 33, 16 in a row past 100, and some up to `MAX_CALL_ROWS`, against
   exact tile calls, then up to `PREFILL_CALL_ROWS` against those), calls are split at those
   counts, and a shape with no such m <= the tile falls back to calls of exactly
   `DECODE_TILE` (16) rows in decode and `PREFILL_TILE` (128) in prefill, the last tile
@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import zlib
 from typing import Iterator, Protocol
 
 import torch
@@ -95,8 +96,13 @@ def tiled_linear(x: Tensor, weight: Tensor, bias: Tensor | None, tile: int) -> T
 PACK_ROWS = 128  # MKL packs each fp32 weight once, for calls of this many rows
 MAX_CALL_ROWS = 256  # a row-free decode call takes at most this many rows (all of them probed)
 PREFILL_CALL_ROWS = 2048  # a row-free prefill call takes at most this many rows
-PROBE_ROWS = tuple(range(1, 18)) + (31, 32, 33, 64, 100, 128, 129, 200, 256)  # every count to 17
-PROBE_ROWS_LARGE = (300, 512, 1000, 2048)  # checked against 256-row calls once those pass
+PROBE_ROWS = tuple(range(1, 34)) + (64, 100) + tuple(range(120, 136)) + (200, 255, 256)  # every count to
+#   33, and 16 in a row past 100: MKL's kernels block the rows (by 4 on an Intel Xeon's AVX2 path,
+#   where counts of 2 and 3 mod 4 give other bits at every size: a sparser set, all 0 or 1 mod 4
+#   past 31, passed such shapes), so every residue is checked at small and at larger counts
+PROBE_ROWS_LARGE = (300, 301, 302, 303, 512, 1000, 2048)  # checked against 256-row calls once those pass
+PROBE_SET = f"rows {zlib.crc32(repr((PROBE_ROWS, PROBE_ROWS_LARGE)).encode()):08x}"  # in each answer's cache
+#   key: an answer from another set of counts is probed again
 _MIN_ROWS: dict[tuple[int, int, int, int, torch.dtype, bool], int | None] = {}  # (out, in, tile, threads,
 #   dtype, packed) -> probed: fewest rows of a row-free call of this shape on that path (packed:
 #   MKL's packed fp32 GEMM; else `weight @ x^T`), smaller calls zero-padded up to it; None: tiles
@@ -121,8 +127,8 @@ class TiledLinear:
     an AMD EPYC (Zen, MKL's generic dispatch with its Zen kernel), where calls of 1 to 3 rows
     take another kernel. So a batch of M rows is one call of max(M, minimum) rows, the padding
     rows zero: batch 1 costs the minimum, not a 16-row tile, and batch 32 is one call. This is
-    not documented by MKL, so it is probed once per weight shape in this process (every row
-    count up to 17 and `PROBE_ROWS` beyond, against `tile`-row calls, at two row offsets; calls
+    not documented by MKL, so it is probed once per weight shape in this process (`PROBE_ROWS`:
+    every count up to 33 and 16 in a row past 100, against `tile`-row calls, at two row offsets; calls
     are split at `max_rows`): the minimum is one above the largest failing count; where a count
     at or above `tile` fails, that shape falls back to exact `tile`-row calls (`kernel_paths`
     says which shape took which path). Other CPU dtypes (bf16), and fp32 without MKL packing,
@@ -216,7 +222,7 @@ def probed_min_rows(out_features: int, in_features: int, tile: int, dtype: torch
         t0 = time.perf_counter()
         name = path_name(dtype, packed)
         _MIN_ROWS[key] = kernel_choice.cached(
-            f"probe {name} {out_features}x{in_features} tile {tile} {key[3]}t",
+            f"probe {name} {out_features}x{in_features} tile {tile} {key[3]}t {PROBE_SET}",
             lambda: _probe_min_rows(*key[:3], dtype=dtype, packed=packed))
         _PROBE_S[name] = _PROBE_S.get(name, 0.0) + time.perf_counter() - t0
     return _MIN_ROWS[key]

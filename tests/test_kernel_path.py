@@ -67,6 +67,25 @@ def test_negative_control_the_probe_refuses_calls_whose_rows_follow_the_row_coun
     assert _fewest_free_rows(past_tile, x, expected, TILE) is None
 
 
+@pytest.mark.parametrize("period", [4, 6, 8, 12, 16])
+def test_the_probe_sees_rows_blocked_by_the_call_at_every_size(period, monkeypatch):
+    """Seen on an Intel Xeon with MKL on its AVX2 path (`MKL_ENABLE_INSTRUCTIONS=AVX2`): calls
+    of 2 and 3 rows mod 4 give other bits at every size, and the probe's old counts (every
+    count to 17, then 31, 32, 33, 64, 100, 128, 129, 200, 256: none 2 or 3 mod 4 past 31)
+    called such shapes row-free from 32 rows, so a prompt's prefill changed with its batch. A
+    call whose rows change at one residue of `period` past 40 rows must be refused for a
+    128-row tile. Control: the old counts accept the same call."""
+    x, w, _ = _inputs(max(PROBE_ROWS) + 3)
+    honest = lambda rows: torch.stack([torch.mv(w, r) for r in rows])  # noqa: E731
+    expected = honest(x)
+    blocked = lambda rows: honest(rows) + (1e-3 if rows.shape[0] > 40 and rows.shape[0] % period == period - 1 else 0.0)  # noqa: E731
+    assert _fewest_free_rows(blocked, x, expected, 128) is None
+    import actors.model
+
+    monkeypatch.setattr(actors.model, "PROBE_ROWS", tuple(range(1, 18)) + (31, 32, 33, 64, 100, 128, 129, 200, 256))
+    assert _fewest_free_rows(blocked, x, expected, 128) is not None
+
+
 def test_negative_control_calls_below_the_minimum_take_another_kernel():
     if not TiledLinear(TILE).pack:
         pytest.skip("no MKL packed GEMM in this torch build: tiles everywhere")
