@@ -168,12 +168,16 @@ class Worker:
         self._joins.put(call_id, items)
 
     def _take_joins(self, plan: StepPlan, result: StepResult) -> StepOutput:
-        """Prefill what was sent to join the call `plan` since the last decode step."""
+        """Prefill, between two decode steps of the call `plan`, what was sent to join it since
+        the last step, then the next chunks of the call's joins still prefilling (a prompt
+        longer than the plan's chunk or budget), within the plan's budget: a joined prompt is
+        fed a chunk a step and decodes inside the call, instead of waiting for its end."""
         items = self._joins.take(plan)
-        if not items:
+        unfed = [rid for rid in result.joined if rid in self.engine.prefilling]
+        if not items and not unfed:
             return StepOutput()
         self.sinks.note_items(items)
-        joined = self.engine.prefill([_sequence(item) for item in items], plan.prefill_chunk_tokens or None,
+        joined = self.engine.prefill([_sequence(item) for item in items] + unfed, plan.prefill_chunk_tokens or None,
                                      plan.prefill_budget_tokens or None)
         result.joined.extend(item.request_id for item in items if item.request_id not in joined.not_admitted)
         return joined

@@ -71,6 +71,60 @@ def test_a_request_that_joins_a_long_call_gets_the_logits_of_an_uninterrupted_ru
     assert not all(torch.equal(x, y) for x, y in zip(changed, ref.logits["d"]))
 
 
+def test_a_joined_prompt_longer_than_a_chunk_is_fed_a_chunk_a_step_and_decodes_inside_the_call():
+    """A prompt that joins a long call and is longer than the plan's prefill chunk and budget:
+    the call feeds it a chunk between each two decode steps until its prompt is in, and it
+    decodes in the call's batch from then on (before, the rest of its prompt waited for the
+    call's end, holding a slot and decoding nothing: a long call with finish notices may go on
+    for hundreds of steps). Its logits, and the other request's, across that call and the next
+    are `torch.equal` to an uncached run that prefills it in the same chunks (the reference).
+    Control: a call that ends before the last chunk leaves it prefilling, which the check sees."""
+    import torch
+
+    from actors.engine import Sequence, build_engine
+    from actors.worker import Worker
+    from raysched.config import load_serve_config
+    from raysched.messages import PrefillItem, StepPlan
+
+    chunk, steps = 32, 12
+    late = spec("long-prompt", [(7 * i + 3) % 97 for i in range(2 * chunk + 9)], 16, temperature=0.8)
+    specs = [FIRST[0], late]
+    items = [PrefillItem(s.request_id, s.prompt_ids, len(s.prompt_ids), s.sampling.to_dict()) for s in specs]
+    config = load_serve_config({"model": "tiny", "workers": 1, "pool": {"kv_tokens": 1024, "state_slots": 4},
+                                "state_cache": {"enabled": False}})
+
+    def joined_call(decode_steps: int) -> tuple[Worker, object]:
+        w = Worker(config, 0)
+        w.engine.record_logits = True
+        stream = w.step_stream(StepPlan(prefill=(items[0],), decode_steps=decode_steps, call_id=1, joins=True,
+                                        prefill_chunk_tokens=chunk, prefill_budget_tokens=chunk))
+        next(stream), next(stream)  # the prefill's token, decode step 0
+        w.join(1, [items[1]])
+        *_, result = stream
+        return w, result
+
+    w, result = joined_call(steps)
+    # taken after step 0: a chunk after steps 0, 1 and 2 (the last one samples its first token),
+    # then it decodes in steps 3 to 11
+    assert result.joined == [late.request_id] and late.request_id not in w.engine.prefilling
+    assert len(result.new_tokens[late.request_id]) == 1 + (steps - 3)
+    while w.engine.running:
+        w.step(StepPlan(decode_steps=40, call_id=2))
+
+    ref = build_engine("tiny", device="cpu", record_logits=True, kv_tokens=1024, state_slots=4)
+    ref.prefill([Sequence(s.request_id, list(s.prompt_ids), len(s.prompt_ids), s.sampling) for s in specs], chunk)
+    while ref.prefilling:
+        ref.prefill(list(ref.prefilling), chunk)
+    while ref.running:
+        ref.decode(1)
+    for s in specs:
+        rid = s.request_id
+        assert len(w.engine.logits[rid]) == len(ref.logits[rid]) == s.sampling.max_new_tokens
+        assert all(torch.equal(x, y) for x, y in zip(w.engine.logits[rid], ref.logits[rid])), rid
+    cut, cut_result = joined_call(2)  # ends after step 1: two chunks fed, the third not
+    assert late.request_id in cut.engine.prefilling and late.request_id not in cut_result.new_tokens
+
+
 def test_a_long_call_with_notices_decodes_on_past_a_finish_with_exact_tokens():
     """`StepPlan.notices` on the real worker (in process): the long call decodes on after the
     step in which a request finished, and the scheduler's handle gets one `call_finished`

@@ -151,8 +151,8 @@ def plan_step(view: WorkerView, waiting: deque[Request], retracted: deque[Reques
 def prefill_backlog(view: WorkerView, cfg: SchedulerConfig) -> bool:
     """Whether prompt tokens on this worker may remain unfed after the call just noted: a
     request it surely does not feed (the budget), or one longer than a chunk (it needs more
-    than one call). Prompts advance only at a call's start (and a join's), so such a call is
-    kept to one decode step and is not folded (`Dispatcher.fold`)."""
+    than one call). A call's own prompts advance only at its start (joins' between its
+    steps), so such a call is kept to one decode step and is not folded (`Dispatcher.fold`)."""
     chunk = cfg.prefill_chunk_tokens
     return bool(view.unfed) or bool(chunk and any(n > chunk for n in view.prefilling.values()))
 
