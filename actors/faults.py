@@ -8,7 +8,7 @@ checksum was taken. With `scheduler.debug_drop_state` (the negative control of t
 tests) it also zeroes each restored request's recurrent state. The scheduler's shell starts
 this class only when the config has faults or that switch (`raysched.workers`).
 
-It overrides three hooks of the worker it wraps: `_restore_one`, `_decode`, `retract_pending`,
+It overrides four hooks of the worker it wraps: `_restore_one`, `_decode`, `_take_joins`, `retract_pending`,
 and its live-migration calls (`migrate_out`, `reserve`, `migrate_in`, `commit`: the process
 exits after the copy, before the reply; a reservation is refused); and needs from it
 `engine.decode(steps)` and, for `debug_drop_state`, `engine.pool.mamba`. A worker class may
@@ -43,6 +43,13 @@ class FaultHooks:
             self.engine.decode(min(fault.after_decode_steps, plan.decode_steps))  # these tokens never leave
             self._die_at(fault, "kill_in_step")
         return super()._decode(plan, *rest)  # type: ignore[misc]
+
+    def _take_joins(self, plan: StepPlan, result: StepResult) -> Any:
+        joined = super()._take_joins(plan, result)  # type: ignore[misc]
+        prefilling = getattr(self.engine, "prefilling", {})  # (a simulated worker feeds joins whole)
+        if any(rid in prefilling for rid in result.joined):
+            self._die_at(plan.fault, "kill_in_join")  # a joined prompt half fed
+        return joined
 
     def _restore_one(self, plan: StepPlan, rid: str, snap: Any, result: StepResult) -> bool | None:
         ok = super()._restore_one(plan, rid, snap, result)  # type: ignore[misc]

@@ -30,9 +30,9 @@ VICTIM_ORDERS = ("fewest_generated", "most_generated", "newest", "oldest", "larg
 DTYPES = ("float32", "bfloat16")
 DATA_PLANES = ("torch", "sim")
 DEVICES = ("auto", "cuda", "cpu")
-FAULT_KINDS = ("kill_worker", "remove_node", "corrupt_snapshot", "kill_in_step", "kill_in_retract",
-               "kill_in_restore", "kill_scheduler", "kill_migration_source", "kill_migration_dest",
-               "refuse_migration")
+FAULT_KINDS = ("kill_worker", "remove_node", "corrupt_snapshot", "kill_in_step", "kill_in_join",
+               "kill_in_retract", "kill_in_restore", "kill_scheduler", "kill_migration_source",
+               "kill_migration_dest", "refuse_migration")
 MIGRATION_KILLS = ("kill_migration_source", "kill_migration_dest")
 MAX_SEED = 2**64  # seeds are unsigned 64-bit (the sampler mixes them with SplitMix64)
 
@@ -610,6 +610,8 @@ class FaultSpec:
     one), after that many of them
     (with `pipelined`, in its next pipelined call: one sent before the call ahead of it returned;
     with `folded`, in its next folded call: one that runs its successor's steps too).
+    kill_in_join: in the worker's next folded call, right after it fed a chunk of a prompt that
+    joined it (`Worker.join`) while the rest of that prompt is still to be fed.
     kill_in_retract: in its next retract call, after the
     gather, before the return. kill_in_restore: in its next call that restores a snapshot (with
     `cross_node`, one taken on another node), right after the restore.

@@ -92,7 +92,9 @@ class FaultPoint:
     Only the worker class `actors.faults.with_faults` derives acts on it.
 
     kill_in_step: after `after_decode_steps` decode steps of the step call (or after all of
-    them, if the call runs fewer); kill_in_restore: in the step call, right after restoring its
+    them, if the call runs fewer); kill_in_join: in the step call, right after it fed a chunk of
+    a prompt that joined it while the rest of that prompt is still to be fed; kill_in_restore:
+    in the step call, right after restoring its
     first snapshot into the pools; kill_in_retract: in the retract call, after the gather (the
     slots are freed, the snapshot built), before the snapshot is returned; corrupt_snapshot (a
     retract call): one payload byte of the snapshot is flipped after its checksum was taken.
@@ -100,7 +102,7 @@ class FaultPoint:
     its copy and before its reply; refuse_migration (a reservation): refused as if full.
     """
 
-    kind: str  # kill_in_step | kill_in_restore | kill_in_retract | corrupt_snapshot | kill_migration_*
+    kind: str  # kill_in_step | kill_in_join | kill_in_restore | kill_in_retract | corrupt_snapshot | kill_migration_*
     after_decode_steps: int = 0
 
 

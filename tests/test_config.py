@@ -262,8 +262,8 @@ def test_kv_tokens_must_be_a_multiple_of_page_size() -> None:
 def test_fault_with_bad_kind_names_its_index() -> None:
     faults = [{"kind": "kill_worker", "worker": 0, "after_steps": 1}, {"kind": "kill", "worker": 0, "after_steps": 1}]
     message = ("serve config: faults[1].kind must be one of kill_worker | remove_node | corrupt_snapshot | "
-               "kill_in_step | kill_in_retract | kill_in_restore | kill_scheduler | kill_migration_source | "
-               "kill_migration_dest | refuse_migration, got 'kill'")
+               "kill_in_step | kill_in_join | kill_in_retract | kill_in_restore | kill_scheduler | "
+               "kill_migration_source | kill_migration_dest | refuse_migration, got 'kill'")
     with pytest.raises(ConfigError, match=re.escape(message)):
         load_serve_config({"faults": faults})
 

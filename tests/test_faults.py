@@ -192,6 +192,33 @@ class TestOnCluster:
         assert (stats["finish_notices"] >= 1) if notices else (stats["finish_notices"] == 0), stats["finish_notices"]
         print(f"\nnotices {notices}: recovered {stats['recovered']}, finish notices {stats['finish_notices']}")
 
+    def test_a_worker_killed_with_a_joined_prompt_half_fed_loses_no_token(self):
+        """One worker runs two long requests in a folded call (joins on: prefix reuse off); two
+        requests whose prompts span six 32-token chunks arrive while it runs and join it
+        (`join_after_ms` 0), fed a chunk a step (`Worker._take_joins`); the worker dies right
+        after a chunk of one of them while the rest of its prompt is unfed (`kill_in_join`).
+        Every request ends once with the reference's tokens (the joined ones prefilled again from
+        their prompts on the replacement), and no slot or table entry is left."""
+        long = [RequestSpec(f"long{i}", tuple(range(3 + i, 11 + i)),
+                            SamplingParams(max_new_tokens=400, temperature=0.8 if i else 0.0, seed=5))
+                for i in range(2)]
+        joiners = [RequestSpec(f"join{i}", tuple((7 * k + i) % 97 for k in range(5 * 32 + 3)),
+                               SamplingParams(max_new_tokens=12, temperature=0.8 if i else 0.0, seed=5), 0.15)
+                   for i in range(2)]
+        specs = long + joiners
+        scheduler = {"fold_calls": 64, "join_after_ms": 0, "prefill_chunk_tokens": 32, "prefill_budget_tokens": 32,
+                     "rebalance": {"enabled": False}}
+        faults = [kill(0, 1, "kill_in_join")]
+        with serving(config(scheduler, faults, workers=1, pool=ROOMY, state_cache={"enabled": False})) as client:
+            report = run_workload(client, specs, progress=False)
+            assert_exactly_once(report, specs)
+            stats = wait_for_replacements(client, 1)
+            assert_idle(client.check_idle())
+        assert stats["worker_failures"] == 1 and stats["joins"] >= 1, stats
+        fired = stats["faults_fired"][0]
+        assert fired["kind"] == "kill_in_join" and fired["folded"], fired
+        print(f"\njoined prompt half fed: joins {stats['joins']}, recovered {stats['recovered']}")
+
     def test_without_replacement_the_survivor_finishes_everything(self):
         specs = synthetic(12, requests=16)
         with serving(config({"replace_failed_workers": False, "force_retract_every": 2}, [kill(1, 2)])) as client:

@@ -61,11 +61,12 @@ class FaultInjector:
         """The fault point of step call number `call`, if one is due there. `resume_cross_node`:
         whether the call's first snapshot resume comes from another node (None: it has none).
         A kill_in_step waits for a call with at least its `after_decode_steps` decode steps (and
-        one), so that it dies where it says, inside the call."""
+        one), so that it dies where it says, inside the call; a kill_in_join for a folded call
+        (one that takes joins when joins are on)."""
         for i, f in self._armed(worker, call):
             if (f.kind == "kill_in_step" and decode_steps >= max(1, f.after_decode_steps)
                     and (pipelined or not f.pipelined)
-                    and (folded or not f.folded)) or (
+                    and (folded or not f.folded)) or (f.kind == "kill_in_join" and folded) or (
                     f.kind == "kill_in_restore" and resume_cross_node is not None
                     and (resume_cross_node or not f.cross_node)):
                 self._fire(i, f, call, pipelined=pipelined, cross_node=resume_cross_node, requests=requests,
