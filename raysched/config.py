@@ -521,6 +521,9 @@ class StateCacheConfig(Section):
     #   that worker's free fraction is within this of the roomiest worker's
     turn_points: bool = True  # park each prompt's end and each finished turn too (a chat's next
     #   turn resends the history); false for single-turn traffic: only what prompts share is parked
+    turn_window: int = 64  # while the last this many turn points parked got no hit, park none
+    #   (and drop those without hits) until a prompt that contains an earlier one whole (a repeat,
+    #   a next turn) comes; 0: always park them
     late_branch_calls: int = 2  # a worker's last prefill calls whose scan-grid states it keeps, so
     #   a branch point found after an earlier prompt's prefill passed it is still parked from
     #   them (0: off; costs memory, about the call's tokens / grid x one recurrent state)
@@ -533,6 +536,7 @@ class StateCacheConfig(Section):
         "inline_budget_bytes": check_non_negative_int,
         "placement_slack": check_fraction,
         "turn_points": check_bool,
+        "turn_window": check_non_negative_int,
         "late_branch_calls": check_non_negative_int,
     }
 

@@ -578,3 +578,78 @@ def test_matched_points_beyond_their_share_of_the_budget_are_demoted_oldest_firs
     assert cache.lookup((2,) * 6).point.ref == "p2"  # its second chance paid: matched again
     _, dropped = cache.park((6,) * 5, "newest", 10, "prompt")
     assert dropped == ["newer"] and hits() == {"p3": 1, "p2": 1, "p0": 0, "newest": 0}
+
+
+def park_turn(cache: StateCache, tokens: tuple[int, ...], kind: str, name: str) -> list:
+    """A turn point (no blocks: its object holds all of its K/V); the refs the park dropped."""
+    return cache.park(tokens, name, 10, kind)[1]
+
+
+@pytest.mark.parametrize("matched", [False, True], ids=["no-hit-pauses", "control-a-hit-keeps-parking"])
+def test_turn_points_that_nobody_matches_stop_being_parked_and_are_dropped(matched: bool) -> None:
+    """`turn_window` 4: four prompt/finished points parked with no hit among them pause turn
+    points (`turns_pay` False) and drop every turn point without hits, never a chunk point (one
+    parked later, asked for before the pause, is refused); a
+    prompt containing an earlier one whole (`resume_turns`) starts a new window. Control: one of
+    the four matched keeps parking on, and nothing is dropped."""
+    cache = StateCache(budget_bytes=1 << 20, min_tokens=4, block_tokens=B, turn_window=4)
+    park_boundaries(cache, tuple(range(8)))  # two exact chunk points, shared by nobody yet
+    dropped = []
+    for i in range(4):
+        prompt = tuple(range(100 * (i + 1), 100 * (i + 1) + 6))
+        dropped += park_turn(cache, prompt, "prompt", f"prompt{i}")
+        if matched and i == 1:
+            assert cache.lookup(prompt + (7,)).point.ref == "prompt1"  # a repeat of prompt 1
+        assert cache.turns_pay() or i == 3
+    if matched:
+        assert cache.turns_pay() and dropped == [] and cache.turn_pauses == 0
+        return
+    assert not cache.turns_pay() and cache.turn_pauses == 1
+    assert sorted(dropped) == ["prompt0", "prompt1", "prompt2", "prompt3"] and cache.turn_points_dropped == 4
+    assert cache.kind_bytes["prompt"] == 0 and cache.kind_bytes["chunk"] == 20  # chunk points stay
+    late = park_turn(cache, tuple(range(600, 606)), "finished", "late")  # asked for before the pause
+    assert late == [] and cache.kind_bytes["finished"] == 0 and not cache.wants(6, "finished") and cache.wants(6)
+    cache.resume_turns()
+    assert cache.turns_pay()
+    assert park_turn(cache, tuple(range(500, 506)), "finished", "next") == [] and cache.turns_pay()
+
+
+def test_a_repeat_or_a_next_turn_contains_an_earlier_prompt_and_a_shared_system_prompt_does_not() -> None:
+    """`BranchPoints.contains_earlier`, the evidence that resumes turn points: a repeated prompt
+    and a chat's next turn (the history plus more) contain an earlier prompt whole (up to its
+    last whole grid block); a prompt that shares only a system text with earlier ones does not."""
+    from raysched.scheduler.state_cache import BranchPoints
+
+    grid = 16
+    system, tree = tuple(range(1, 41)), BranchPoints(grid=grid)
+    first = system + tuple(range(200, 230))
+    assert not tree.contains_earlier(first)
+    tree.add("a", first)
+    assert not tree.contains_earlier(system + tuple(range(300, 330)))  # shares the system text only
+    assert tree.contains_earlier(first)  # a repeat
+    assert tree.contains_earlier(first + tuple(range(400, 450)))  # the next turn: history + answer + more
+    assert not tree.contains_earlier(first[:40])
+
+
+@pytest.mark.parametrize("repeat", [True, False], ids=["repeat-resumes", "control-new-prompt-stays-paused"])
+def test_plans_park_turn_points_again_once_a_repeat_is_seen_waiting(repeat: bool) -> None:
+    """The scheduler's side: once the index pauses turn points, plans ask for none
+    (`PrefixCache.park_turns`); a waiting prompt that repeats an earlier one, first seen by
+    `survey`, resumes them. Control: a new prompt that shares nothing leaves them paused."""
+    from raysched.config import ServeConfig
+    from raysched.scheduler.prefix_cache import PrefixCache
+    from tests.test_scheduler_parts import LIMITS, FakeWorker, parts
+
+    p = parts(ServeConfig(), [FakeWorker(0, kv=1024)])
+    index = StateCache(budget_bytes=1 << 20, min_tokens=16, block_tokens=512, turn_window=2)
+    glue = PrefixCache(index, p["table"], p["counters"], branch_points=True)
+    first = [t % 60 + 1 for t in range(100)]
+    a = p["table"].submit(first, {"max_new_tokens": 2}, LIMITS)
+    glue.survey(p["table"].waiting, {0: 1.0})
+    assert glue.park_turns()
+    for i in range(2):
+        index.park(tuple(range(1000 * (i + 1), 1000 * (i + 1) + 40)), f"turn{i}", 10, "finished")
+    assert not glue.park_turns() and a.request_id
+    p["table"].submit(first if repeat else [t % 50 + 3 for t in range(100)], {"max_new_tokens": 2}, LIMITS)
+    glue.survey(p["table"].waiting, {0: 1.0})
+    assert glue.park_turns() == repeat

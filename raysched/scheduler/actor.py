@@ -435,7 +435,7 @@ def _state_cache(config: ServeConfig) -> StateCache | None:
     if not cfg.enabled:
         return None
     return StateCache(cfg.budget_bytes or 0, cfg.min_tokens, cfg.inline_budget_bytes, inline_return_bytes(),
-                      config.scheduler.prefill_chunk_tokens)
+                      config.scheduler.prefill_chunk_tokens, turn_window=cfg.turn_window if cfg.turn_points else 0)
 
 
 def rss_bytes() -> int:

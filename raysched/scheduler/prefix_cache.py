@@ -101,8 +101,9 @@ class PrefixCache:
         return self.index.min_tokens if self.index is not None else 0
 
     def park_turns(self) -> bool:
-        """`StepPlan.park_turns`: park prompt points and finished turns too."""
-        return self.turn_points
+        """`StepPlan.park_turns`: park prompt points and finished turns too (while they pay:
+        `StateCache.turns_pay`)."""
+        return self.turn_points and (self.index is None or self.index.turns_pay())
 
     def trail_calls(self) -> int:
         """`StepPlan.trail_calls`: the prefill calls whose scan states a worker keeps."""
@@ -214,6 +215,8 @@ class PrefixCache:
         asked for their point when it starts); if an earlier prompt's prefill already passed
         their branch point and the index has no state there, that request's worker is asked
         for it now (late), not when `r` is admitted: by then the states it keeps may be gone."""
+        if self.index.turns_paused and self.branches.contains_earlier(r.prompt_ids):
+            self.index.resume_turns()  # a repeat or a next turn: turn points would have paid
         point, _ = self.branches.add(r.request_id, r.prompt_ids)
         if point < self.index.min_tokens or (match is not None and match.num_tokens >= point):
             return
@@ -381,7 +384,7 @@ class PrefixCache:
                 continue
             tokens = req.token_ids[:p.num_tokens]
             missing = self._missing_blocks(tokens, p)
-            if missing is None or not self.index.wants(p.num_tokens):
+            if missing is None or not self.index.wants(p.num_tokens, p.kind):
                 continue
             keep.append((p, tokens))
             wanted += [p.key] + [p.block_key(i) for i in missing]
@@ -413,7 +416,9 @@ class PrefixCache:
                 "state_cache_bytes_blocks": i.bytes - sum(i.kind_bytes.values()), "state_cache_entries": i.num_points,
                 "state_cache_points": i.num_points, "state_cache_chunks": i.num_blocks,
                 "state_cache_evictions": i.evictions, "state_cache_budget_bytes": i.budget_bytes,
-                "state_cache_inline_bytes": i.inline_bytes}
+                "state_cache_inline_bytes": i.inline_bytes, "state_cache_turn_pauses": i.turn_pauses,
+                "state_cache_turn_points_dropped": i.turn_points_dropped,
+                "state_cache_turns_paused": int(i.turns_paused)}
 
     def use_grid(self, grids: list[int]) -> None:
         """Branch points on the grid the workers share (the least common multiple of their

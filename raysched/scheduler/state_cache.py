@@ -18,7 +18,14 @@ parked (or since they were demoted) go first, oldest first; points a request mat
 until none of the others is left, or until they hold more than `protected_fraction` of the
 budget, when the least recently used of them is demoted (it joins the others as their newest).
 A burst of prompts nobody shares (each parks points) cannot push out the ones being shared; a
-block goes when no kept point uses it. Parked
+block goes when no kept point uses it.
+
+Prompt and finished points (*turn points*) are parked before anyone asks for them, a bet that a
+repeat or a chat's next turn comes. With `turn_window` W, the index keeps the bet only while it
+pays: when the last W turn points parked got no hit among them, it *pauses* (`turns_pay` is
+False, so plans ask for none) and drops the turn points without hits; `resume_turns` (the
+scheduler saw a prompt that contains an earlier prompt whole: a repeat or a next turn) starts a
+new window. Parked
 bytes (blocks + points) stay within `budget_bytes`; objects under `inline_limit` (Ray returns
 results that small into the caller's memory, so they live in the scheduler's process) also
 within `inline_budget_bytes`.
@@ -44,6 +51,7 @@ from raysched.messages import GRID_TOKENS  # branch points lie on this grid unti
 
 PROTECTED_FRACTION = 0.8  # of the budget, at most, for points that lookups matched (see the module doc)
 KINDS = ("chunk", "prompt", "finished")  # a prefill chunk boundary, a prompt's end, a finished turn
+TURN_KINDS = ("prompt", "finished")  # parked on a bet (a repeat, a next turn), not because two prompts share it
 
 
 @dataclass(frozen=True)
@@ -134,7 +142,7 @@ class StateCache:
 
     def __init__(self, budget_bytes: int, min_tokens: int, inline_budget_bytes: int | None = None,
                  inline_limit: int = 100 * 1024, block_tokens: int = 0,
-                 protected_fraction: float = PROTECTED_FRACTION) -> None:
+                 protected_fraction: float = PROTECTED_FRACTION, turn_window: int = 0) -> None:
         self.budget_bytes = budget_bytes
         self.min_tokens = min_tokens
         self.block_tokens = block_tokens  # 0: no blocks, every point holds all of its K/V
@@ -151,6 +159,12 @@ class StateCache:
         self.num_blocks = 0
         self.evictions = 0
         self.superseded = 0  # unmatched chunk points dropped for a deeper one on their path
+        self.turn_window = turn_window  # 0: turn points always pay
+        self._turn_bets: OrderedDict[int, bool] = OrderedDict()  # key of each of the last turn points
+        #   parked -> matched since (at most `turn_window` of them, oldest first)
+        self.turns_paused = False
+        self.turn_pauses = 0  # times the index stopped parking turn points
+        self.turn_points_dropped = 0  # turn points without hits dropped at a pause
 
     # ------------------------------------------------------------------ queries
     def __len__(self) -> int:
@@ -160,9 +174,22 @@ class StateCache:
     def num_points(self) -> int:
         return len(self._points)
 
-    def wants(self, num_tokens: int) -> bool:
-        """Is a point covering `num_tokens` tokens worth parking?"""
-        return num_tokens >= self.min_tokens and self.budget_bytes > 0
+    def turns_pay(self) -> bool:
+        """Should plans park turn points (prompt ends, finished turns)? (see the module doc)"""
+        return not self.turns_paused
+
+    def resume_turns(self) -> None:
+        """Evidence that turn points would pay (a prompt containing an earlier one whole came):
+        park them again, with a new window."""
+        if self.turns_paused:
+            self.turns_paused = False
+            self._turn_bets.clear()
+
+    def wants(self, num_tokens: int, kind: str = "chunk") -> bool:
+        """Is a point of `kind` covering `num_tokens` tokens worth parking? (A turn point is not
+        while turn points are paused: one a plan sent before the pause asked for.)"""
+        return (num_tokens >= self.min_tokens and self.budget_bytes > 0
+                and not (self.turns_paused and kind in TURN_KINDS))
 
     def lookup(self, prompt: tuple[int, ...], touch: bool = True) -> Match | None:
         """The point with the most tokens that `prompt` starts with and extends by at least one
@@ -236,7 +263,7 @@ class StateCache:
         b = self.block_tokens
         if kv_from and (not b or kv_from % b or kv_from > len(tokens)):
             raise ValueError(f"kv_from {kv_from} is not a block boundary within {len(tokens)} tokens")
-        if not self.wants(len(tokens)) or nbytes > self._budget_for(nbytes):
+        if not self.wants(len(tokens), kind) or nbytes > self._budget_for(nbytes):
             return set(), []
         node, used = self._attach_blocks(tokens, kv_from // b if b else 0, blocks or {})
         if node is None:
@@ -244,7 +271,26 @@ class StateCache:
         tail = tuple(tokens[kv_from:])
         point = Point(len(tokens), kv_from, ref, nbytes, kind, exact, place, node, tail, next(self._keys))
         dropped = self._replace(node.points.get(tail), point)
+        if kind in TURN_KINDS:
+            dropped += self._bet_on(point)
         return used, dropped + self._evict()
+
+    def _bet_on(self, p: Point) -> list[Any]:
+        """Note turn point `p` parked; pause and drop the unmatched turn points when none of the
+        last `turn_window` was matched. Returns the refs dropped."""
+        if not self.turn_window:
+            return []
+        self._turn_bets[p.key] = bool(p.hits)
+        while len(self._turn_bets) > self.turn_window:
+            self._turn_bets.popitem(last=False)
+        if len(self._turn_bets) < self.turn_window or any(self._turn_bets.values()):
+            return []
+        self.turns_paused = True
+        self.turn_pauses += 1
+        self._turn_bets.clear()
+        unmatched = [q for q in self._unhit.values() if q.kind in TURN_KINDS]
+        self.turn_points_dropped += len(unmatched)
+        return [self._remove_point(q) for q in unmatched]
 
     def _attach_blocks(self, tokens: tuple[int, ...], count: int,
                        offered: dict[int, BlockRef]) -> tuple[_Node | None, set[int]]:
@@ -294,6 +340,8 @@ class StateCache:
         self.kind_bytes[p.kind] += p.nbytes
 
     def _hit(self, p: Point) -> None:
+        if p.key in self._turn_bets:
+            self._turn_bets[p.key] = True
         if not p.hits:
             del self._unhit[p.key]
             self.protected_bytes += p.nbytes
@@ -390,6 +438,8 @@ class StateCache:
         self._unhit.clear()
         self.bytes = self.inline_bytes = self.num_blocks = self.protected_bytes = 0
         self.kind_bytes = dict.fromkeys(KINDS, 0)
+        self._turn_bets.clear()
+        self.turns_paused = False
 
 
 class BranchPoints:
@@ -419,6 +469,7 @@ class BranchPoints:
         self._first: dict[int, str] = {}  # block-prefix key -> the first request remembered with it
         self._recent: deque[tuple[str, list[int]]] = deque()  # (request, its keys), oldest first
         self._ids: set[str] = set()
+        self._ends: dict[int, int] = {}  # key of a remembered prompt's last whole block -> prompts
 
     def __len__(self) -> int:
         return len(self._recent)
@@ -444,6 +495,12 @@ class BranchPoints:
     def knows(self, request_id: str) -> bool:
         return request_id in self._ids
 
+    def contains_earlier(self, prompt: tuple[int, ...]) -> bool:
+        """Does `prompt` start with a whole remembered prompt (up to its last whole grid block
+        before its last token)? A repeat or a chat's next turn: what a turn point serves. Ask
+        before `add`ing it."""
+        return any(k in self._ends for k in self.keys(prompt))
+
     def find(self, prompt: tuple[int, ...], request_id: str | None = None) -> tuple[int, str | None]:
         """`add`'s answer for `prompt` (whose own keys, if remembered as `request_id`, do not
         count), remembering nothing."""
@@ -467,6 +524,8 @@ class BranchPoints:
         for k in keys:
             self._owner[k] = (request_id, self._owner.get(k, ("", 0))[1] + 1)
             self._first.setdefault(k, request_id)
+        if keys:
+            self._ends[keys[-1]] = self._ends.get(keys[-1], 0) + 1
         self._recent.append((request_id, keys))
         self._ids.add(request_id)
         while len(self._recent) > self.capacity:
@@ -474,6 +533,10 @@ class BranchPoints:
 
     def _forget(self, request_id: str, keys: list[int]) -> None:
         self._ids.discard(request_id)
+        if keys:
+            self._ends[keys[-1]] -= 1
+            if not self._ends[keys[-1]]:
+                del self._ends[keys[-1]]
         for k in keys:
             if self._first.get(k) == request_id:
                 del self._first[k]
