@@ -237,7 +237,8 @@ STATUS_GROUPS = (  # `raysched status` prints every counter: these by topic, the
                       "state_cache_hits_finished", "state_cache_hits_same_worker", "state_cache_hits_same_node",
                       "state_cache_hits_other_node", "state_cache_misses", "state_cache_tokens_reused",
                       "state_cache_fallbacks", "state_cache_bytes", "state_cache_points", "state_cache_entries",
-                      "state_cache_chunks", "state_cache_evictions")),
+                      "state_cache_chunks", "state_cache_evictions", "state_cache_turn_pauses",
+                      "state_cache_turn_points_dropped", "state_cache_turns_paused")),
     ("calls", ("calls", "pipelined_calls", "folded_calls", "interrupted_calls", "joins", "joins_refused",
                "joins_late", "finish_notices")),
 )
