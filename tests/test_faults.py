@@ -81,6 +81,18 @@ class Scenario(NamedTuple):
 ROOMY = {"kv_tokens": 2048, "state_slots": 8}  # nothing waits: pure-decode calls run their successors
 PIPELINED = {"fold_successor": False}  # a successor is a second call, sent before the first returns
 
+
+def one_worker_killed_in_a_long_call(specs: list[RequestSpec], scheduler: dict, faults: list) -> dict:
+    """`specs` on one roomy worker with prefix reuse off (so its long calls take joins) and
+    `faults`: every request ends once with the reference's tokens, the dead worker is replaced,
+    no pool or table holds anything. Returns the scheduler's stats."""
+    with serving(config(scheduler, faults, workers=1, pool=ROOMY, state_cache={"enabled": False})) as client:
+        report = run_workload(client, specs, progress=False)
+        assert_exactly_once(report, specs)
+        stats = wait_for_replacements(client, 1)
+        assert_idle(client.check_idle())
+    return stats
+
 SCENARIOS = {
     # between calls: the scheduler kills the worker actor before the call numbered after_steps
     "prefill": Scenario({}, [kill(0, 0)], 1),  # dies on its very first call: the first prefill
@@ -181,11 +193,7 @@ class TestOnCluster:
                  for i, n in enumerate((60, 64, 8, 10))]
         faults = [kill(0, 2, "kill_in_step", after_decode_steps=24, folded=True)]
         scheduler = {"fold_calls": 8, "finish_notices": notices, "rebalance": {"enabled": False}}
-        with serving(config(scheduler, faults, workers=1, pool=ROOMY, state_cache={"enabled": False})) as client:
-            report = run_workload(client, specs, progress=False)
-            assert_exactly_once(report, specs)
-            stats = wait_for_replacements(client, 1)
-            assert_idle(client.check_idle())
+        stats = one_worker_killed_in_a_long_call(specs, scheduler, faults)
         assert stats["worker_failures"] == 1 and stats["recovered"] >= 2, stats
         fired = stats["faults_fired"][0]
         assert fired["folded"] and fired["decode_steps"] >= (24 if notices else 8), fired
@@ -209,11 +217,7 @@ class TestOnCluster:
         scheduler = {"fold_calls": 64, "join_after_ms": 0, "prefill_chunk_tokens": 32, "prefill_budget_tokens": 32,
                      "rebalance": {"enabled": False}}
         faults = [kill(0, 1, "kill_in_join")]
-        with serving(config(scheduler, faults, workers=1, pool=ROOMY, state_cache={"enabled": False})) as client:
-            report = run_workload(client, specs, progress=False)
-            assert_exactly_once(report, specs)
-            stats = wait_for_replacements(client, 1)
-            assert_idle(client.check_idle())
+        stats = one_worker_killed_in_a_long_call(specs, scheduler, faults)
         assert stats["worker_failures"] == 1 and stats["joins"] >= 1, stats
         fired = stats["faults_fired"][0]
         assert fired["kind"] == "kill_in_join" and fired["folded"], fired

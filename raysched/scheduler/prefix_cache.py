@@ -215,7 +215,7 @@ class PrefixCache:
         asked for their point when it starts); if an earlier prompt's prefill already passed
         their branch point and the index has no state there, that request's worker is asked
         for it now (late), not when `r` is admitted: by then the states it keeps may be gone."""
-        if self.index.turns_paused and self.branches.contains_earlier(r.prompt_ids):
+        if not self.index.turns_pay() and self.branches.contains_earlier(r.prompt_ids):
             self.index.resume_turns()  # a repeat or a next turn: turn points would have paid
         point, _ = self.branches.add(r.request_id, r.prompt_ids)
         if point < self.index.min_tokens or (match is not None and match.num_tokens >= point):
