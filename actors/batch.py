@@ -181,7 +181,7 @@ def by_row_blocks(fn: Callable[[slice], torch.Tensor], rows_of: torch.Tensor,
     """fn(rows) -> that block's result (rows, ...), for all rows of `rows_of`: one call where
     they fit one block (a decode step) or live on a GPU, else block by block into `out` (made
     from the first block when None; it may be an input whose rows fn has read by the time they
-    are written).
+    are written, or that fn wrote its block into: then nothing is copied).
 
     For chains of elementwise steps and per-row reductions, whose rows do not depend on the
     other rows: on the CPU, blocks keep a long prefill's temporaries in cache and give the same
@@ -194,7 +194,9 @@ def by_row_blocks(fn: Callable[[slice], torch.Tensor], rows_of: torch.Tensor,
         part = fn(rows)
         if out is None:
             out = part.new_empty((n, *part.shape[1:]))
-        out[rows] = part
+        dst = out[rows]
+        if part.data_ptr() != dst.data_ptr() or part.stride() != dst.stride():
+            dst.copy_(part)
     return out
 
 

@@ -69,8 +69,8 @@ class SwiGLU(nn.Module):
         linear = kernels.linear
         gate = linear(x, self.gate_proj.weight, self.gate_proj.bias)  # (T, I)
         up = linear(x, self.up_proj.weight, self.up_proj.bias)  # (T, I)
-        act = by_row_blocks(lambda rows: kernels.pointwise(F.silu, gate[rows]).mul_(up[rows]),
-                            gate, out=gate)  # (T, I)
+        act = by_row_blocks(lambda rows: torch.mul(kernels.pointwise(F.silu, gate[rows]), up[rows], out=gate[rows]),
+                            gate, out=gate)  # (T, I), written over gate block by block
         return linear(act, self.down_proj.weight, self.down_proj.bias)  # (T, hidden)
 
 

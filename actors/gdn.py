@@ -183,7 +183,7 @@ class GatedDeltaNet(nn.Module):
         """
         qkv, z, b, a = self._project(h, kernels)
         qkv = conv_segments(qkv, segments, conv_state, self.conv1d.weight, None,
-                            kernels.pointwise)  # (T, conv_dim)
+                            kernels.pointwise, kernels.conv_prefill)  # (T, conv_dim)
         q, k, v = self._split(qkv)
         g, beta = self._gates(a, b, kernels.pointwise)  # (T, Hv) each
         chunk = scan_chunk(self.config.linear_chunk_size, h.device)

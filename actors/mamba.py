@@ -28,6 +28,7 @@ never depends on which other requests share the batch.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Callable
 
@@ -44,6 +45,8 @@ SlotRun = "tuple[int, int] | None"  # slots as one ascending run (start, count) 
 LinearFn = Callable[[Tensor, Tensor, "Tensor | None"], Tensor]
 Pointwise = Callable[[Callable[[Tensor], Tensor], Tensor], Tensor]
 StateUpdate = Callable[..., Tensor]  # a fused decode update of a pool state: `actors.rowdot.ssd_update`, `conv_update`
+ConvPrefill = Callable[[Tensor, Tensor, "Tensor | None"], Tensor]  # (window, taps, bias) -> pre-activation:
+#   `actors.rowdot.conv_prefill`
 
 
 def whole(fn: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
@@ -69,15 +72,18 @@ def rowwise(fn: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
     in the tensor. On the CPU every row (x[i], any shape) is zero-padded to a multiple of
     `row_align()` elements (rows already that long go as they are) and the whole batch goes in
     one call: no element of a real row then falls in a scalar tail, whatever the row count
-    (tests/test_batch_invariance.py holds this, with a negative control). GPU kernels compute
-    every element alike, so there the whole tensor goes at once.
+    (tests/test_batch_invariance.py holds this, with a negative control). Rows already that
+    long go as they lie, also when they are spaced apart (a column slice, as z of the Mamba
+    projection: the kernel runs each row's elements as one contiguous stretch, or a thread's
+    part of it, a whole number of vector blocks either way). GPU kernels compute every element
+    alike, so there the whole tensor goes at once.
     """
     if x.device.type != "cpu" or x.numel() == 0:
         return fn(x)
     rows = x.reshape(x.shape[0], -1)  # (R, n)
     n, align = rows.shape[1], row_align()
-    if n % align == 0 and rows.is_contiguous():
-        return fn(rows).view(x.shape)  # rows already whole vector blocks: no padding copy
+    if n % align == 0 and rows.stride(1) == 1:
+        return fn(rows).reshape(x.shape)  # rows already whole vector blocks: no padding copy
     padded = torch.constant_pad_nd(rows, (0, -n % align))  # (R, n') with n' a multiple of align (F.pad, less Python)
     return fn(padded)[:, :n].reshape(x.shape)
 
@@ -96,6 +102,10 @@ class Kernels:
     #   (`actors.rowdot.ssd_update`, CPU); None: the torch calls of `ssd_step`
     conv_update: StateUpdate | None = None  # decode's conv and its state's shift in one pass
     #   (`actors.rowdot.conv_update`, CPU, fp32: the torch path's bits); None: `causal_conv_step`'s calls
+    conv_prefill: ConvPrefill | None = None  # prefill's conv in one pass (`actors.rowdot.conv_prefill`,
+    #   CPU, fp32: the torch path's bits); None: `causal_conv_prefill`'s calls
+    ssd_carry: Callable[[Tensor, Tensor, Tensor], None] | None = None  # prefill's scan: its recurrence
+    #   over chunks in one pass per chunk (`actors.rowdot.ssd_carry`, CPU: the torch path's bits)
 
 
 @dataclass(frozen=True)
@@ -193,13 +203,15 @@ def segment_sum(a: Tensor) -> Tensor:
 
 
 def ssd_chunked(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, chunk_size: int,
-                initial_state: Tensor | None = None, marks: list | None = None) -> tuple[Tensor, Tensor]:
+                initial_state: Tensor | None = None, marks: list | None = None,
+                carry: Callable[[Tensor, Tensor, Tensor], None] | None = None) -> tuple[Tensor, Tensor]:
     """Chunked SSD for one sequence of any length (the last chunk is zero-padded internally).
 
     x (L, H, P), dt (L, H), A (H,), B and C (L, G, N). Within a chunk the output is a masked
     "attention" C_l B_s^T decay(s->l) dt_s x_s; across chunks the state is carried by a short
     recurrence over chunk boundaries. Returns y (L, H, P) and the final state (H, P, N), fp32.
-    With `marks`, appends the states entering each chunk (`Marks`, every `chunk_size`).
+    With `marks`, appends the states entering each chunk (`Marks`, every `chunk_size`). `carry`:
+    `Kernels.ssd_carry` (the recurrence over chunks in one pass per chunk, the same bits).
 
     B and C stay per group (G of them, each shared by K = H/G heads): C_l B_s^T is computed once
     per group, and heads are viewed as (G, K) wherever they meet B or C, never expanded.
@@ -212,7 +224,8 @@ def ssd_chunked(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, chunk_si
     xg = xc.view(c, l, G, H // G, P)  # (c, l, G, K, P)
     y_diag = _intra_chunk(xg, a_cum, Bc, Cc)  # (c, l, G, K, P)
     local = _chunk_states(xg, a_cum, Bc)  # (c, G, N, K, P)
-    starts, final = _carry_states(local, a_cum[..., -1], _start_state(x, B, initial_state))
+    starts, final = _carry_states(local, a_cum[..., -1], _start_state(x, B, initial_state), carry,
+                                  reuse=marks is None)  # (marks hold the starts past this call)
     if marks is not None:  # (G, N, K, P) -> (H, P, N), as `final`
         marks.append(Marks(chunk_size, L, lambda r: starts[r // chunk_size].permute(0, 2, 3, 1).reshape(H, P, -1)))
     y_off = torch.bmm(Cc.transpose(1, 2).reshape(c * G, l, -1),  # C (l, N) @ start (N, K*P)
@@ -270,20 +283,47 @@ def _chunk_states(xg: Tensor, a_cum: Tensor, Bc: Tensor) -> Tensor:
     return torch.bmm(b_t, x_rows).view(c, G, N, K, P)  # (c, G, N, K, P)
 
 
-def _carry_states(local: Tensor, chunk_log_decay: Tensor, state: Tensor) -> tuple[Tensor, Tensor]:
+def _carry_states(local: Tensor, chunk_log_decay: Tensor, state: Tensor,
+                  fused: Callable[[Tensor, Tensor, Tensor], None] | None = None,
+                  reuse: bool = False) -> tuple[Tensor, Tensor]:
     """Recurrence over chunk boundaries: the state entering each chunk, and the final state.
 
     local (c, G, N, K, P) (`_chunk_states`' layout), chunk_log_decay (c, H), state (H, P, N) ->
-    starts (c, G, N, K, P), final (H, P, N) contiguous.
+    starts (c, G, N, K, P), final (H, P, N) contiguous. `fused` (`Kernels.ssd_carry`, CPU): the
+    same products and adds in one pass per chunk. `reuse`: the starts are not needed past the
+    caller's use, so on the CPU they go in this thread's scratch buffer (`_scratch`).
     """
     c, G, N, K, P = local.shape
-    decay = torch.exp(chunk_log_decay).view(c, G, 1, K, 1)  # (c, G, 1, K, 1)
-    states = local.new_empty((c + 1, G, N, K, P))  # entering each chunk, then the final one
+    decay = torch.exp(chunk_log_decay)  # (c, H)
+    shape = (c + 1, G, N, K, P)  # entering each chunk, then the final one
+    states = _scratch(shape, local) if reuse and local.device.type == "cpu" else local.new_empty(shape)
     states[0] = state.view(G, K, P, N).permute(0, 3, 1, 2)
-    for k in range(c):
-        torch.mul(states[k], decay[k], out=states[k + 1]).add_(local[k])
-    final = states[c].permute(0, 2, 3, 1).reshape(G * K, P, N).contiguous()  # (H, P, N)
+    if fused is not None and local.device.type == "cpu":
+        fused(states, local.contiguous(), decay.view(c, G, K).contiguous())
+    else:
+        decay = decay.view(c, G, 1, K, 1)  # (c, G, 1, K, 1)
+        for k in range(c):
+            torch.mul(states[k], decay[k], out=states[k + 1]).add_(local[k])
+    final = states[c].permute(0, 2, 3, 1).reshape(G * K, P, N).clone(memory_format=torch.contiguous_format)  # (H, P, N), its own
     return states[:c], final
+
+
+_SCRATCH = threading.local()
+
+
+def _scratch(shape: tuple[int, ...], like: Tensor) -> Tensor:
+    """An uninitialised tensor of `shape` in this thread's reused buffer (grown as needed): a
+    long prefill's chunk states (16 MB at 2,048 tokens of `small`) in fresh memory each call
+    cost more in first-touch page faults than in arithmetic (~8 against ~2 ms a layer). Valid
+    until the thread's next call."""
+    n = 1
+    for d in shape:
+        n *= d
+    buf = getattr(_SCRATCH, "buf", None)
+    if buf is None or buf.numel() < n or buf.dtype != like.dtype \
+            or buf.is_inference() != torch.is_inference_mode_enabled():  # (one made in inference mode is read-only outside it)
+        buf = _SCRATCH.buf = like.new_empty(n)
+    return buf[:n].view(shape)
 
 
 def ssd_step(ssm_state: Tensor, slots: Tensor, x: Tensor, dt: Tensor, A: Tensor, B: Tensor,
@@ -332,7 +372,8 @@ def ssd_step(ssm_state: Tensor, slots: Tensor, x: Tensor, dt: Tensor, A: Tensor,
 # ---------------------------------------------------------------------------- causal conv
 def causal_conv_prefill(xBC: Tensor, weight: Tensor, bias: Tensor | None,
                         initial: Tensor | None = None,
-                        pointwise: Pointwise = whole, marks: list | None = None) -> tuple[Tensor, Tensor]:
+                        pointwise: Pointwise = whole, marks: list | None = None,
+                        fused: ConvPrefill | None = None) -> tuple[Tensor, Tensor]:
     """Causal depthwise conv + SiLU over one sequence (or one chunk of it), and the state it leaves.
 
     xBC (L, D) pre-activation conv inputs, weight (D, 1, K), bias (D,), initial (D, K-1) the
@@ -340,16 +381,27 @@ def causal_conv_prefill(xBC: Tensor, weight: Tensor, bias: Tensor | None,
     sequence's start). Returns the activated output (L, D) and the state (D, K-1): the last K-1
     inputs of [initial | xBC], oldest first. With `marks`, appends the state after each row
     (`Marks`, every 1).
+
+    The taps are summed in order. In fp32 on the CPU, one product then one add each (not a
+    fused multiply-add, which ATen's `addcmul_` becomes or not depending on how it was built):
+    the bits of `fused` (`Kernels.conv_prefill`, the same sums in one pass) on every CPU.
     """
     L, D, K = xBC.shape[0], xBC.shape[1], weight.shape[-1]
     left = initial.t().to(xBC.dtype) if initial is not None else xBC.new_zeros(K - 1, D)  # (K-1, D)
     window = torch.cat([left, xBC])  # (K-1+L, D): time-major, no transposes of the long side
     taps = weight[:, 0, :].t()  # (K, D)
-    out = window[:L] * taps[0]  # (L, D): tap k meets input t + k of the window
-    for k in range(1, K):
-        out.addcmul_(window[k:k + L], taps[k])
-    if bias is not None:
-        out += bias
+    fp32_cpu = window.dtype == torch.float32 and window.device.type == "cpu"
+    if fused is not None and fp32_cpu:
+        out = fused(window, taps, bias)  # (L, D)
+    else:
+        out = window[:L] * taps[0]  # (L, D): tap k meets input t + k of the window
+        for k in range(1, K):
+            if fp32_cpu:
+                out.add_(window[k:k + L] * taps[k])
+            else:
+                out.addcmul_(window[k:k + L], taps[k])
+        if bias is not None:
+            out += bias
     if marks is not None:
         marks.append(Marks(1, L, lambda r: window[r:r + K - 1].t()))  # (D, K-1)
     return pointwise(F.silu, out), window[L:].t().contiguous()  # (L, D), (D, K-1)
@@ -390,11 +442,11 @@ def causal_conv_step(conv_state: Tensor, slots: Tensor, xBC: Tensor, weight: Ten
 
 
 def conv_segments(xBC: Tensor, segments: list[Segment], conv_state: Tensor, weight: Tensor,
-                  bias: Tensor | None, pointwise: Pointwise = whole) -> Tensor:
+                  bias: Tensor | None, pointwise: Pointwise = whole, fused: ConvPrefill | None = None) -> Tensor:
     """`causal_conv_prefill` of each sequence's rows of xBC (T, D), from the conv state at its
     slot (zeros for a fresh sequence); writes each one's final conv state back. -> (T, D)."""
     return scan_segments(segments, conv_state, lambda rows, initial, marks: causal_conv_prefill(
-        xBC[rows], weight, bias, initial, pointwise, marks))
+        xBC[rows], weight, bias, initial, pointwise, marks, fused))
 
 
 def scan_segments(segments: list[Segment], state: Tensor,
@@ -424,16 +476,21 @@ def discretize_dt(dt: Tensor, dt_bias: Tensor, limit: tuple[float, float],
 
 
 def gated_rms_norm(y: Tensor, z: Tensor, weight: Tensor, group_size: int, eps: float,
-                   pointwise: Pointwise = whole) -> Tensor:
+                   pointwise: Pointwise = whole, out: Tensor | None = None) -> Tensor:
     """RMSNorm of y * silu(z) over groups of `group_size` channels, computed in fp32.
 
-    y, z (T, I), weight (I,). Returns (T, I) in the weight's dtype.
+    y, z (T, I), weight (I,). Returns (T, I) in the weight's dtype, written into `out` (T, I)
+    when given (an fp32 `out` holds the fp32 work as it goes: nothing is copied).
     """
     T = y.shape[0]
-    h = pointwise(F.silu, z.float()).mul_(y.float())  # (T, I), a fresh tensor: in place from here
-    g = h.view(T, -1, group_size)  # (T, G, I/G)
+    gate = pointwise(F.silu, z.float())  # (T, I), a fresh tensor
+    h = torch.mul(gate, y.float(), out=out) if out is not None and out.dtype == torch.float32 else gate.mul_(y.float())
+    g = h.view(T, -1, group_size)  # (T, G, I/G): in place from here
     g.mul_(inv_rms(g, eps))  # (T, G, I/G)
-    return h.mul_(weight.float()).to(weight.dtype)  # (T, I)
+    h.mul_(weight.float())  # (T, I)
+    if out is None:
+        return h.to(weight.dtype)
+    return out if h is out else out.copy_(h)
 
 
 # ---------------------------------------------------------------------------- the mixer
@@ -471,13 +528,13 @@ class MambaMixer(nn.Module):
         c = self.config
         z, xBC, dt = self._project(h, kernels)  # (T, I), (T, conv_dim), (T, H)
         xBC = conv_segments(xBC, segments, conv_state, self.conv1d.weight, self.conv1d.bias,
-                            kernels.pointwise)  # (T, conv_dim)
+                            kernels.pointwise, kernels.conv_prefill)  # (T, conv_dim)
         x, B, C = self._split_xBC(xBC)  # (T, H, P), (T, G, N), (T, G, N)
         dt = discretize_dt(dt, self.dt_bias, c.time_step_limit, kernels.pointwise)  # (T, H) fp32
         A = self._A()
         chunk = scan_chunk(c.mamba_chunk_size, h.device)
         y = scan_segments(segments, ssm_state, lambda rows, s0, marks: ssd_chunked(
-            x[rows], dt[rows], A, B[rows], C[rows], chunk, s0, marks))  # (T, H, P)
+            x[rows], dt[rows], A, B[rows], C[rows], chunk, s0, marks, kernels.ssd_carry))  # (T, H, P)
         return self._output(y, x, z, kernels)
 
     def decode(self, h: Tensor, conv_state: Tensor, ssm_state: Tensor, slots: Tensor,
@@ -520,10 +577,12 @@ class MambaMixer(nn.Module):
         D = self.D.float()[:, None]  # (H, 1)
         group = c.mamba_intermediate // c.mamba_n_groups
 
-        def block(rows: slice) -> Tensor:  # (n, I)
+        out = y.new_empty((T, c.mamba_intermediate), dtype=self.norm.weight.dtype)  # (T, I)
+
+        def block(rows: slice) -> Tensor:  # (n, I), written into out's rows
             skip = y[rows] + D * x[rows].float()  # (n, H, P)
             return gated_rms_norm(skip.view(skip.shape[0], -1), z[rows], self.norm.weight, group,
-                                  c.rms_norm_eps, kernels.pointwise)
+                                  c.rms_norm_eps, kernels.pointwise, out=out[rows])
 
-        out = by_row_blocks(block, y)  # (T, I)
+        out = by_row_blocks(block, y, out=out)  # (T, I)
         return kernels.linear(out, self.out_proj.weight, self.out_proj.bias)  # (T, hidden)

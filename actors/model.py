@@ -555,6 +555,12 @@ class HybridLM(nn.Module):
             return {}
         return {"ssd_update": rowdot.ssd_update, "conv_update": rowdot.conv_update}
 
+    def fused_prefill(self) -> dict:
+        """Prefill's conv and its scan's recurrence over chunks in one pass each
+        (`rowdot.conv_prefill`, `rowdot.ssd_carry`: the fp32 torch path's bits) as `Kernels`
+        fields, where `fused_updates` gives decode's; {} elsewhere."""
+        return {"conv_prefill": rowdot.conv_prefill, "ssd_carry": rowdot.ssd_carry} if self.fused_updates() else {}
+
     def prefill_kernels(self) -> Kernels:
         """Batch-invariant kernels for prefill, or plain ones when invariant_tile is None.
 
@@ -566,7 +572,8 @@ class HybridLM(nn.Module):
             return Kernels()
         if triton_route.routes(self.embed_tokens.weight):  # CUDA: the fixed-tile Triton matmul
             return Kernels(linear=triton_route.linear, pointwise=rowwise)
-        return Kernels(linear=self._tiled(PREFILL_TILE, True, PREFILL_CALL_ROWS), pointwise=rowwise)
+        return Kernels(linear=self._tiled(PREFILL_TILE, True, PREFILL_CALL_ROWS), pointwise=rowwise,
+                       **self.fused_prefill())
 
     def _tiled(self, tile: int, pack: bool, max_rows: int | None) -> TiledLinear:
         """One `TiledLinear` per (tile, pack, max_rows, rowdot, linear_kernel), kept so its packed

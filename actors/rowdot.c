@@ -218,3 +218,71 @@ void rowdot_conv_update(float *state, const long *slots, long R, long D, long K,
     }
   }
 }
+
+/* rowdot_conv_prefill: the causal depthwise conv over a prefill's L rows, in one pass. window
+ * (K-1+L, D) is time-major: the K-1 inputs before the first row, then the L rows. For row t and
+ * channel d:
+ *   out[t][d] = w[t][d] t[0][d] + w[t+1][d] t[1][d] + ... + w[t+K-1][d] t[K-1][d] (+ bias[d])
+ * summed in that order, one product then one add each: the order and roundings of the fp32 CPU
+ * torch path (`actors.mamba.causal_conv_prefill`), so its bits, on every build (no fused
+ * multiply-adds here). A row's result depends on its own window rows only.
+ *
+ * Shapes: window (K-1+L, D), taps (K, D) (the weight transposed), bias (D) or NULL, out (L, D);
+ * all fp32, contiguous. */
+/* The usual d_conv = 4, written out so that the compiler vectorizes across channels. */
+static void conv_prefill_k4(const float *restrict w, long L, long D, const float *restrict taps,
+                            const float *restrict bias, float *restrict out) {
+  const float *t0 = taps, *t1 = taps + D, *t2 = taps + 2 * D, *t3 = taps + 3 * D;
+  for (long t = 0; t < L; t++) {
+    const float *w0 = w + t * D, *w1 = w0 + D, *w2 = w1 + D, *w3 = w2 + D;
+    float *o = out + t * D;
+    if (bias)
+      for (long d = 0; d < D; d++)
+        o[d] = (((w0[d] * t0[d] + w1[d] * t1[d]) + w2[d] * t2[d]) + w3[d] * t3[d]) + bias[d];
+    else
+      for (long d = 0; d < D; d++)
+        o[d] = ((w0[d] * t0[d] + w1[d] * t1[d]) + w2[d] * t2[d]) + w3[d] * t3[d];
+  }
+}
+
+void rowdot_conv_prefill(const float *window, long L, long D, long K, const float *taps,
+                         const float *bias, float *out) {
+  if (K == 4) {
+    conv_prefill_k4(window, L, D, taps, bias, out);
+    return;
+  }
+  for (long t = 0; t < L; t++)
+    for (long d = 0; d < D; d++) {
+      float o = window[t * D + d] * taps[d];
+      for (long k = 1; k < K; k++) o = o + window[(t + k) * D + d] * taps[k * D + d];
+      if (bias) o = o + bias[d];
+      out[t * D + d] = o;
+    }
+}
+
+/* rowdot_ssd_carry: a chunked SSD scan's recurrence over chunk boundaries, in one pass per chunk.
+ * states (C+1, G, N, K, P) holds the state entering chunk 0 in its first entry; for each chunk k
+ *   states[k+1] = states[k] * decay[k][g][h] + local[k]      (h: the head within its group)
+ * one product then one add per element: the torch path's order and roundings
+ * (`actors.mamba._carry_states`), so its bits, on every build.
+ *
+ * Shapes: states (C+1, G, N, K, P), local (C, G, N, K, P), decay (C, G, K); fp32, contiguous. */
+static void carry_row(const float *restrict s, const float *restrict l, float d, float *restrict o,
+                      long P) {
+  for (long p = 0; p < P; p++) o[p] = s[p] * d + l[p];
+}
+
+void rowdot_ssd_carry(float *states, const float *local, const float *decay, long C, long G, long N,
+                      long K, long P) {
+  long E = G * N * K * P;
+  for (long k = 0; k < C; k++) {
+    const float *s = states + k * E, *l = local + k * E, *dk = decay + k * G * K;
+    float *o = states + (k + 1) * E;
+    for (long g = 0; g < G; g++)
+      for (long n = 0; n < N; n++)
+        for (long h = 0; h < K; h++) {
+          long at = ((g * N + n) * K + h) * P;
+          carry_row(s + at, l + at, dk[g * K + h], o + at, P);
+        }
+  }
+}

@@ -23,8 +23,10 @@ products take MKL's probed path (one warning line says why).
 
 `ssd_update` and `conv_update` (the same library) are decode's Mamba2 state updates in one pass
 over each request's state, fused from the torch calls of `actors.mamba.ssd_step` and
-`causal_conv_step`; plain C built without fused multiply-adds, so their bits are the same on
-every build (and the conv's are the torch path's: the same products and adds, in its order).
+`causal_conv_step`, and `conv_prefill` and `ssd_carry` are prefill's conv (`causal_conv_prefill`)
+and its scan's recurrence over chunks (`actors.mamba._carry_states`) in one pass;
+plain C built without fused multiply-adds, so their bits are the same on every build (and the
+convs' are the fp32 torch path's: the same products and adds, in its order).
 
 Threads: a call is one thread; with torch set to more than one thread, a large call's columns
 (an SSD update's requests) are split among a pool (ctypes releases the GIL), which changes no bit.
@@ -164,6 +166,49 @@ def conv_update(state: Tensor, slots: Tensor, x: Tensor, taps: Tensor, bias: Ten
     return out
 
 
+def conv_prefill(window: Tensor, taps: Tensor, bias: Tensor | None, lib=None) -> Tensor:
+    """The causal depthwise conv over a prefill's rows in one pass (`rowdot_conv_prefill`: the
+    fp32 CPU torch path's products and adds, in its order, so its bits on every build).
+
+    window (K-1+L, D) fp32 on the CPU (the K-1 inputs before the first row, then the rows),
+    taps (K, D) (the weight transposed), bias (D,) or None. Returns the pre-activation (L, D)."""
+    lib = _lib(lib)
+    K, D = taps.shape
+    L = window.shape[0] - (K - 1)
+    if window.dtype != torch.float32 or window.device.type != "cpu" or window.dim() != 2 \
+            or window.shape[1] != D or L < 0 or (bias is not None and bias.shape != (D,)):
+        raise ValueError(f"conv_prefill: an fp32 CPU window (K-1+L, D) and taps (K, D), got "
+                         f"{tuple(window.shape)} {window.dtype} and {tuple(taps.shape)}")
+    window, taps = window.contiguous(), taps.float().contiguous()
+    bias = None if bias is None else bias.float().contiguous()
+    out = torch.empty(L, D, dtype=torch.float32)
+
+    def rows(t0: int, t1: int) -> None:  # rows [t0, t1): each row's bits are its own
+        lib.rowdot_conv_prefill(window.data_ptr() + 4 * t0 * D, t1 - t0, D, K, taps.data_ptr(),
+                                None if bias is None else bias.data_ptr(), out.data_ptr() + 4 * t0 * D)
+
+    _in_parts(L, L * D * K >= SPLIT_MACS, rows)
+    return out
+
+
+def ssd_carry(states: Tensor, local: Tensor, decay: Tensor, lib=None) -> None:
+    """A chunked SSD scan's recurrence over chunk boundaries, in place: states[k+1] =
+    states[k] * decay[k] + local[k] for each chunk k (`rowdot_ssd_carry`: the torch path's
+    product and add, so its bits on every build).
+
+    states (c+1, G, N, K, P) with the state entering the first chunk in states[0], local
+    (c, G, N, K, P), decay (c, G, K); fp32 contiguous CPU tensors."""
+    lib = _lib(lib)
+    c, G, N, K, P = local.shape
+    for t in (states, local, decay):
+        if t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu":
+            raise ValueError("ssd_carry: fp32 contiguous CPU tensors only")
+    if states.shape != (c + 1, G, N, K, P) or decay.shape != (c, G, K):
+        raise ValueError(f"ssd_carry: shapes {tuple(states.shape)}, {tuple(local.shape)}, {tuple(decay.shape)} "
+                         "do not agree")
+    lib.rowdot_ssd_carry(states.data_ptr(), local.data_ptr(), decay.data_ptr(), c, G, N, K, P)
+
+
 def _in_parts(n: int, large: bool, run, align: int = 1) -> None:
     """`run(i0, i1)` over [0, n): in one call, or, for a `large` call with torch on more than
     one thread, in ranges (starts multiples of `align`) on the pool's threads. The ranges' results
@@ -244,6 +289,10 @@ def load(portable: bool = False, build: str | None = None):
     lib.rowdot_ssd_update.restype = None
     lib.rowdot_conv_update.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_long] * 3 + [ctypes.c_void_p] * 4
     lib.rowdot_conv_update.restype = None
+    lib.rowdot_conv_prefill.argtypes = [ctypes.c_void_p] + [ctypes.c_long] * 3 + [ctypes.c_void_p] * 3
+    lib.rowdot_conv_prefill.restype = None
+    lib.rowdot_ssd_carry.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 5
+    lib.rowdot_ssd_carry.restype = None
     return lib, None
 
 

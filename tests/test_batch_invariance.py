@@ -270,7 +270,8 @@ def _model_chains(pointwise):
     y, x = torch.randn(T, H, P, generator=gen), torch.randn(T, H, P, generator=gen)
     z = torch.randn(T, config.mamba_intermediate, generator=gen)
     kernels = Kernels(linear=F.linear, pointwise=pointwise)
-    return [mixer._output(y, x, z, kernels), swiglu(torch.randn(T, 24, generator=gen), kernels)]
+    with torch.inference_mode():  # as the model runs them
+        return [mixer._output(y, x, z, kernels), swiglu(torch.randn(T, 24, generator=gen), kernels)]
 
 
 def test_row_blocks_give_each_row_the_bits_of_one_pass(monkeypatch):
@@ -299,3 +300,28 @@ def test_negative_control_row_blocks_without_rowwise_change_bits(monkeypatch):
     for fn in fns:
         one_pass = _in_blocks(monkeypatch, 10**6, lambda r: whole(fn, rows[r]))
         assert not torch.equal(_in_blocks(monkeypatch, 7, lambda r: whole(fn, rows[r])), one_pass), fn
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("blocks", [1, 3, None], ids=["one-block-rows", "three-block-rows", "ragged-rows"])
+def test_rowwise_over_rows_spaced_apart_gives_each_row_its_own_bits(threads, blocks):
+    """`rowwise` runs rows that are whole vector blocks as they lie, also a column slice of a
+    wider tensor (z of the Mamba projection, no copy): each row must get the bits of that row
+    computed alone, contiguous (the reference), whatever the row count; rows of a ragged length
+    go through the padded copy and must too."""
+    from actors.mamba import row_align
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        n = row_align() * blocks if blocks else row_align() + 37
+        wide = torch.randn(300, n + 96, generator=torch.Generator().manual_seed(5)) * 6
+        spaced = wide[:, 40:40 + n]  # (300, n), rows n + 96 apart
+        assert spaced.stride() == (n + 96, 1)
+        for fn in POINTWISE_FNS:
+            alone = torch.cat([rowwise(fn, spaced[i:i + 1].contiguous()) for i in range(0, 300, 37)])
+            for count in (1, 7, 300):
+                got = rowwise(fn, spaced[:count])
+                assert torch.equal(got[::37], alone[:len(got[::37])]), (fn, count)
+    finally:
+        torch.set_num_threads(before)

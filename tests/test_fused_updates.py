@@ -1,5 +1,6 @@
 """`actors.rowdot.ssd_update` and `conv_update`: decode's Mamba2 state updates in one pass over
-each request's state.
+each request's state; `conv_prefill` and `ssd_carry`: prefill's conv and its scan's recurrence
+over chunks in one pass.
 
 Held here, for the SSD update, against an independent float64 reference (the recurrence written
 out): the updated states and the readout y are within fp32 rounding of it, and the slots no
@@ -10,8 +11,12 @@ same bits as the torch path (`causal_conv_step`, gather and run forms), outputs 
 and without a bias. Negative controls: a one-ulp change to the request's own input changes its y
 (the equality check sees a change that small); a readout summed in another order (torch's)
 does not give the same bits, nor do the conv's taps summed in reverse, so neither kernel is
-checked against itself under another name. In the engine: decode takes both where rowdot loads
-and says so in the kernel a worker reports, with the torch path's tokens.
+checked against itself under another name. The prefill conv: the fp32 torch path's bits on
+every build, outputs and the state it leaves (control: one fused multiply-add per tap, what
+`addcmul_` gives where ATen was built with them, is within rounding and not the same bits); the
+scan's carry likewise, and close to the plain recurrence. In the engine: decode takes both
+updates and prefill the conv and the carry where rowdot loads, says so in the
+kernel a worker reports, with the torch path's tokens.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import pytest
 import torch
 
 from actors import rowdot
-from actors.mamba import causal_conv_step, ssd_step
+from actors.mamba import causal_conv_prefill, causal_conv_step, rowwise, ssd_step
 
 pytestmark = pytest.mark.skipif(not rowdot.available(), reason=f"rowdot: {rowdot.unavailable_reason()}")
 
@@ -127,12 +132,12 @@ def test_bad_arguments_are_refused_in_one_line():
         rowdot.ssd_update(state.transpose(2, 3), torch.tensor([0, 1]), decay, xdt, B, C)
 
 
-def test_decode_takes_them_where_rowdot_loads_says_so_and_keeps_the_torch_paths_tokens(monkeypatch):
+def test_the_engine_takes_them_where_rowdot_loads_says_so_and_keeps_the_torch_paths_tokens(monkeypatch):
     from actors.engine import Sequence, build_engine
     from actors.model import matrix_kernel
     from raysched.sampling import SamplingParams
 
-    calls = {"ssd_update": 0, "conv_update": 0}
+    calls = {"ssd_update": 0, "conv_update": 0, "conv_prefill": 0, "ssd_carry": 0}
     for name in calls:
         def counted(*args, _real=getattr(rowdot, name), _name=name, **kwargs):
             calls[_name] += 1
@@ -151,6 +156,7 @@ def test_decode_takes_them_where_rowdot_loads_says_so_and_keeps_the_torch_paths_
 
     fused, kernel = tokens(True)
     assert calls["ssd_update"] > 0 and calls["conv_update"] == calls["ssd_update"]  # every Mamba layer, every step
+    assert calls["conv_prefill"] > 0 and calls["ssd_carry"] > 0  # and prefill's conv and scan
     before = dict(calls)
     plain, other = tokens(False)
     assert calls == before
@@ -192,3 +198,87 @@ def test_negative_control_the_conv_taps_summed_in_reverse_give_other_bits():
     fused = rowdot.conv_update(state.clone(), torch.tensor([0, 1]), x, taps, None)
     assert torch.allclose(fused, reverse, rtol=1e-5, atol=1e-5)
     assert not torch.equal(fused, reverse)
+
+
+@pytest.mark.parametrize("K, bias, D", [(4, True, 37), (4, False, 37), (2, True, 37), (4, True, 1152)],
+                         ids=["k4-bias", "k4", "k2-bias", "k4-bias-wide"])
+@pytest.mark.parametrize("start", [False, True], ids=["from-a-state", "fresh"])
+@pytest.mark.parametrize("build", rowdot.builds_here())
+def test_the_prefill_conv_gives_the_torch_paths_bits(K, bias, D, start, build):
+    """`rowdot.conv_prefill` (`Kernels.conv_prefill`) against `causal_conv_prefill`'s torch
+    calls on every build: outputs and the state it leaves, from a conv state or from zeros; and
+    each row's bits are its own (the first rows alone give the same; the SiLU after it runs
+    `rowwise`, as in the model)."""
+    g = torch.Generator().manual_seed(K + D)
+    L = 70
+    xBC, weight = torch.randn(L, D, generator=g), torch.randn(D, 1, K, generator=g)
+    b = torch.randn(D, generator=g) if bias else None
+    initial = None if start else torch.randn(D, K - 1, generator=g)
+    lib = rowdot.library(build)
+    fused = lambda *a: rowdot.conv_prefill(*a, lib=lib)  # noqa: E731
+    expected, state = causal_conv_prefill(xBC, weight, b, initial, rowwise)
+    got, got_state = causal_conv_prefill(xBC, weight, b, initial, rowwise, fused=fused)
+    assert torch.equal(got, expected) and torch.equal(got_state, state)
+    assert torch.equal(causal_conv_prefill(xBC[:9], weight, b, initial, rowwise, fused=fused)[0], expected[:9])
+
+
+def test_negative_control_a_fused_multiply_add_gives_other_bits_than_the_prefill_conv():
+    """The prefill conv's fp32 sums are one product then one add each; one multiply-add per
+    tap (float64 products, one rounding to fp32 per tap: what `addcmul_` becomes where ATen
+    was built with fused multiply-adds) is within rounding of it and not the same bits, so the
+    equality above tells the two apart."""
+    g = torch.Generator().manual_seed(11)
+    L, D, K = 200, 64, 4
+    xBC, weight, b = torch.randn(L, D, generator=g), torch.randn(D, 1, K, generator=g), torch.randn(D, generator=g)
+    window, taps = torch.cat([torch.zeros(K - 1, D), xBC]), weight[:, 0, :].t()
+    fma = window[:L] * taps[0]
+    for k in range(1, K):
+        fma = (fma.double() + window[k:k + L].double() * taps[k].double()).float()
+    fma = fma + b
+    got = rowdot.conv_prefill(window, taps, b)
+    assert torch.allclose(got, fma, rtol=1e-5, atol=1e-5)
+    assert not torch.equal(got, fma)
+
+
+@pytest.mark.parametrize("G, P", [(2, 16), (1, 13)], ids=["two-groups", "P-13"])
+@pytest.mark.parametrize("start", [False, True], ids=["from-a-state", "fresh"])
+@pytest.mark.parametrize("build", rowdot.builds_here())
+def test_the_scan_carry_gives_the_torch_paths_bits(G, P, start, build):
+    """`rowdot.ssd_carry` (`Kernels.ssd_carry`) inside `ssd_chunked`, against the torch
+    recurrence over chunks, on every build: the outputs, the final state and every chunk's
+    entering state (`Marks`) equal; and close to the plain recurrence (`ssd_sequential_ref`),
+    so neither side is wrong in the same way (P = 13: a row that is no whole vector)."""
+    from actors.mamba import ssd_chunked, ssd_sequential_ref
+
+    g = torch.Generator().manual_seed(G * 100 + P)
+    L, heads, N, chunk = 75, 4, 16, 16
+    x, dt = torch.randn(L, heads, P, generator=g), torch.rand(L, heads, generator=g) * 0.5 + 0.01
+    A, B, C = -torch.rand(heads, generator=g) * 4 - 0.5, torch.randn(L, G, N, generator=g), torch.randn(L, G, N, generator=g)
+    initial = None if start else torch.randn(heads, P, N, generator=g)
+    lib = rowdot.library(build)
+    marks_t, marks_f = [], []
+    y, final = ssd_chunked(x, dt, A, B, C, chunk, initial, marks_t)
+    y2, final2 = ssd_chunked(x, dt, A, B, C, chunk, initial, marks_f,
+                             carry=lambda *a: rowdot.ssd_carry(*a, lib=lib))
+    assert torch.equal(y2, y) and torch.equal(final2, final)
+    assert all(torch.equal(marks_f[0].at(r), marks_t[0].at(r)) for r in range(chunk, L, chunk))
+    if initial is None:
+        y_ref, state_ref = ssd_sequential_ref(x, dt, A, B, C, chunk)
+        torch.testing.assert_close(y2, y_ref, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(final2, state_ref, rtol=1e-4, atol=1e-4)
+
+
+def test_negative_control_a_carry_with_a_multiply_add_gives_other_bits():
+    """One multiply-add per element (float64 product and sum, one rounding) instead of the
+    product then the add: within rounding of the kernel, not its bits."""
+    g = torch.Generator().manual_seed(3)
+    c, G, N, K, P = 6, 1, 16, 4, 32
+    local, decay = torch.randn(c, G, N, K, P, generator=g), torch.rand(c, G, K, generator=g)
+    states = torch.empty(c + 1, G, N, K, P)
+    states[0] = torch.randn(G, N, K, P, generator=g)
+    fma = states.clone()
+    rowdot.ssd_carry(states, local, decay)
+    for k in range(c):
+        fma[k + 1] = (fma[k].double() * decay[k].double()[:, None, :, None] + local[k].double()).float()
+    assert torch.allclose(states, fma, rtol=1e-5, atol=1e-5)
+    assert not torch.equal(states, fma)
