@@ -228,8 +228,9 @@ def ssd_chunked(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, chunk_si
                                   reuse=marks is None)  # (marks hold the starts past this call)
     if marks is not None:  # (G, N, K, P) -> (H, P, N), as `final`
         marks.append(Marks(chunk_size, L, lambda r: starts[r // chunk_size].permute(0, 2, 3, 1).reshape(H, P, -1)))
-    y_off = torch.bmm(Cc.transpose(1, 2).reshape(c * G, l, -1),  # C (l, N) @ start (N, K*P)
-                      starts.view(c * G, -1, (H // G) * P)).view(c, G, l, H // G, P).transpose(1, 2)
+    y_off = torch.bmm(Cc.transpose(1, 2).reshape(c * G, l, -1).contiguous(),  # C (l, N) @ start (N, K*P)
+                      starts.view(c * G, -1, (H // G) * P)).view(c, G, l, H // G, P).transpose(1, 2)  # (contiguous
+    #   whatever c is, as in `_chunk_states`)
     y_off.mul_(decay_exp_(a_cum.clone()).permute(0, 2, 1).reshape(c, l, G, H // G, 1))  # decayed from the chunk start
     y = torch.add(y_diag, y_off, out=xg.new_empty(c, l, G, H // G, P))  # (c, l, G, K, P), one pass
     return y.view(-1, H, P)[:L], final  # (L, H, P)
@@ -278,8 +279,11 @@ def _chunk_states(xg: Tensor, a_cum: Tensor, Bc: Tensor) -> Tensor:
     N = Bc.shape[-1]
     to_end = decay_exp_(a_cum[..., -1:] - a_cum)  # (c, H, l)
     x_decayed = xg * to_end.permute(0, 2, 1).reshape(c, l, G, K, 1)  # (c, l, G, K, P)
-    x_rows = x_decayed.view(c, l, G, K * P).transpose(1, 2).reshape(c * G, l, K * P)
-    b_t = Bc.permute(0, 2, 3, 1).reshape(c * G, N, l)  # (c*G, N, l)
+    # contiguous whatever c is: with one chunk both reshapes are views, strided otherwise than
+    # the copies more chunks give, and MKL's product takes another path for them (other bits
+    # with MKL on its AVX2 code: a chunk's state must not depend on how many chunks the scan ran)
+    x_rows = x_decayed.view(c, l, G, K * P).transpose(1, 2).reshape(c * G, l, K * P).contiguous()
+    b_t = Bc.permute(0, 2, 3, 1).reshape(c * G, N, l).contiguous()  # (c*G, N, l)
     return torch.bmm(b_t, x_rows).view(c, G, N, K, P)  # (c, G, N, K, P)
 
 

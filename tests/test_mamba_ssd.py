@@ -4,6 +4,11 @@ prefill vs prefill-of-a-prefix followed by decode steps."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -147,3 +152,40 @@ def test_a_decay_floor_near_zero_would_break_the_match(monkeypatch):
     y, _ = ssd_chunked(x, dt, A, B, C, 64)
     y_ref, _ = ssd_sequential_ref(x, dt, A, B, C, 64)
     assert (y - y_ref).abs().max() > 1e-3
+
+
+_CHUNK_COUNT_CHECK = """
+import torch
+torch.set_num_threads(1)
+from actors.mamba import ssd_chunked
+g = torch.Generator().manual_seed(0)
+H, P, G, N, L = 4, 32, 2, 16, 168
+x, dt = torch.randn(L, H, P, generator=g), torch.rand(L, H, generator=g) * 0.5 + 0.01
+A, B, C = -torch.rand(H, generator=g) * 4 - 0.5, torch.randn(L, G, N, generator=g), torch.randn(L, G, N, generator=g)
+marks = []
+y, _ = ssd_chunked(x, dt, A, B, C, 128, None, marks)
+y_a, s_a = ssd_chunked(x[:128], dt[:128], A, B[:128], C[:128], 128)
+y_b, _ = ssd_chunked(x[128:], dt[128:], A, B[128:], C[128:], 128, s_a)
+same = torch.equal(marks[0].at(128), s_a) and torch.equal(y, torch.cat([y_a, y_b]))
+b = torch.randn(1, 128, G, N, generator=g).permute(0, 2, 3, 1).reshape(G, N, 128)  # one chunk's views, as
+r = torch.randn(1, 128, G, 64, generator=g).transpose(1, 2).reshape(G, 128, 64)      # the scan had them
+differs = not torch.equal(torch.bmm(b, r), torch.bmm(b.contiguous(), r.contiguous()))
+print("equal" if same else "differ", "strided-differs" if differs else "strided-same")
+"""
+
+
+def test_a_chunks_state_does_not_depend_on_how_many_chunks_the_scan_ran_with_mkl_on_avx2():
+    """A scan in 128-token chunks (a GPU's, here on the CPU) gives the state at 128, and the rows
+    after it, the bits of a scan that stopped there, with MKL held to its AVX2 code (a fresh
+    process: MKL reads `MKL_ENABLE_INSTRUCTIONS` when it loads). With one chunk the products'
+    operands were strided views, with more they were copies, and MKL's AVX2 path rounds the two
+    layouts differently. Control (skipped where MKL does not): the same product on a strided view
+    and on its contiguous copy give other bits there."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")} | {"MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+    run = subprocess.run([sys.executable, "-c", _CHUNK_COUNT_CHECK], env=env, capture_output=True, text=True,
+                         timeout=300, cwd=Path(__file__).resolve().parents[1])
+    assert run.returncode == 0, run.stderr[-2000:]
+    result, control = run.stdout.split()
+    assert result == "equal"
+    if control != "strided-differs":
+        pytest.skip("MKL rounds strided and contiguous operands alike here: the control has no premise")
