@@ -28,6 +28,7 @@ never depends on which other requests share the batch.
 
 from __future__ import annotations
 
+import math
 import threading
 from dataclasses import dataclass
 from typing import Callable
@@ -320,9 +321,7 @@ def _scratch(shape: tuple[int, ...], like: Tensor) -> Tensor:
     long prefill's chunk states (16 MB at 2,048 tokens of `small`) in fresh memory each call
     cost more in first-touch page faults than in arithmetic (~8 against ~2 ms a layer). Valid
     until the thread's next call."""
-    n = 1
-    for d in shape:
-        n *= d
+    n = math.prod(shape)
     buf = getattr(_SCRATCH, "buf", None)
     if buf is None or buf.numel() < n or buf.dtype != like.dtype \
             or buf.is_inference() != torch.is_inference_mode_enabled():  # (one made in inference mode is read-only outside it)

@@ -175,11 +175,11 @@ def conv_prefill(window: Tensor, taps: Tensor, bias: Tensor | None, lib=None) ->
     lib = _lib(lib)
     K, D = taps.shape
     L = window.shape[0] - (K - 1)
-    if window.dtype != torch.float32 or window.device.type != "cpu" or window.dim() != 2 \
-            or window.shape[1] != D or L < 0 or (bias is not None and bias.shape != (D,)):
-        raise ValueError(f"conv_prefill: an fp32 CPU window (K-1+L, D) and taps (K, D), got "
-                         f"{tuple(window.shape)} {window.dtype} and {tuple(taps.shape)}")
-    window, taps = window.contiguous(), taps.float().contiguous()
+    _check_state(window, "conv_prefill", "the window")
+    if window.dim() != 2 or window.shape[1] != D or L < 0 or (bias is not None and bias.shape != (D,)):
+        raise ValueError(f"conv_prefill: a window (K-1+L, D) and taps (K, D), got {tuple(window.shape)} "
+                         f"and {tuple(taps.shape)}")
+    taps = taps.float().contiguous()
     bias = None if bias is None else bias.float().contiguous()
     out = torch.empty(L, D, dtype=torch.float32)
 
@@ -200,9 +200,8 @@ def ssd_carry(states: Tensor, local: Tensor, decay: Tensor, lib=None) -> None:
     (c, G, N, K, P), decay (c, G, K); fp32 contiguous CPU tensors."""
     lib = _lib(lib)
     c, G, N, K, P = local.shape
-    for t in (states, local, decay):
-        if t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu":
-            raise ValueError("ssd_carry: fp32 contiguous CPU tensors only")
+    for name, t in (("states", states), ("local", local), ("decay", decay)):
+        _check_state(t, "ssd_carry", name)
     if states.shape != (c + 1, G, N, K, P) or decay.shape != (c, G, K):
         raise ValueError(f"ssd_carry: shapes {tuple(states.shape)}, {tuple(local.shape)}, {tuple(decay.shape)} "
                          "do not agree")
@@ -229,9 +228,9 @@ def _lib(lib):
     return lib
 
 
-def _check_state(state: Tensor, what: str) -> None:
+def _check_state(state: Tensor, what: str, name: str = "the state") -> None:
     if state.dtype != torch.float32 or not state.is_contiguous() or state.device.type != "cpu":
-        raise ValueError(f"{what}: the state must be a contiguous fp32 CPU tensor")
+        raise ValueError(f"{what}: {name} must be a contiguous fp32 CPU tensor")
 
 
 def _slots(slots: Tensor, rows: int, pool: int, what: str) -> Tensor:
