@@ -52,6 +52,25 @@ def rope_cos_sin(positions: Tensor, rotary_dim: int, theta: float, dtype: torch.
     return pointwise(torch.cos, angles).to(dtype), pointwise(torch.sin, angles).to(dtype)
 
 
+_ROPE: list = [None]  # the tables `rope_tables` made last: (positions, key, (cos, sin))
+
+
+def rope_tables(positions: Tensor, rotary_dim: int, theta: float, dtype: torch.dtype,
+                pointwise: Pointwise = whole) -> tuple[Tensor, Tensor]:
+    """`rope_cos_sin`, made once for the positions tensor that every attention layer of a
+    forward passes (again when it was written since, or for other arguments), on the CPU (on a
+    GPU a table kept from one CUDA graph's capture would live in that graph's memory)."""
+    if positions.is_inference() or positions.device.type != "cpu":  # (inference: no version counter)
+        return rope_cos_sin(positions, rotary_dim, theta, dtype, pointwise)
+    key = (positions._version, rotary_dim, theta, dtype, pointwise, torch.is_inference_mode_enabled())
+    last = _ROPE[0]
+    if last is not None and last[0] is positions and last[1] == key:
+        return last[2]
+    tables = rope_cos_sin(positions, rotary_dim, theta, dtype, pointwise)
+    _ROPE[0] = (positions, key, tables)  # (it holds the tensor, so no other tensor takes its id meanwhile)
+    return tables
+
+
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Rotate the first cos.shape[-1] channels of every head. x (T, heads, head_dim)."""
     rd = cos.shape[-1]
@@ -209,8 +228,8 @@ class Attention(nn.Module):
         if c.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         if c.use_rope:
-            cos, sin = rope_cos_sin(positions, c.rotary_dim, c.rope_theta, h.dtype,
-                                    kernels.pointwise)  # (T, rd) each
+            cos, sin = rope_tables(positions, c.rotary_dim, c.rope_theta, h.dtype,
+                                   kernels.pointwise)  # (T, rd) each
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         return q, k, v, gate
 

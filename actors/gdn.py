@@ -27,8 +27,8 @@ from torch import Tensor, nn
 from actors import triton_route
 from actors.config import ModelConfig
 from actors.batch import Segment
-from actors.mamba import (Kernels, Marks, Pointwise, SlotRun, causal_conv_step, conv_segments, decay_exp_,
-                          scan_chunk, scan_segments, whole)
+from actors.mamba import (Kernels, Marks, Pointwise, SlotRun, causal_conv_step, conv_segments, conv_taps, decay_exp_,
+                          derived, scan_chunk, scan_segments, whole)
 from actors.norms import rms_normalize
 
 
@@ -197,7 +197,8 @@ class GatedDeltaNet(nn.Module):
         same as one ascending run, `ForwardBatch.mamba_run`). h (R, hidden)."""
         pw = kernels.pointwise
         qkv, z, b, a = self._project(h, kernels)
-        qkv = causal_conv_step(conv_state, slots, qkv, self.conv1d.weight, None, pw, run)  # (R, conv_dim)
+        qkv = causal_conv_step(conv_state, slots, qkv, self.conv1d.weight, None, pw, run,
+                               taps=derived(self, "taps", self.conv1d.weight, conv_taps))  # (R, conv_dim)
         q, k, v = self._split(qkv)
         g, beta = self._gates(a, b, pw)
         y = gdn_step(state, slots, q, k, v, g, beta, pw)  # (R, Hv, dv)

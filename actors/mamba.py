@@ -37,10 +37,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from actors import triton_route
+from actors import rowdot, triton_route
 from actors.batch import Segment, by_row_blocks, cat_rows
 from actors.config import ModelConfig
-from actors.norms import inv_rms
+from actors.norms import in_one_pass, inv_rms
 
 SlotRun = "tuple[int, int] | None"  # slots as one ascending run (start, count) (`ForwardBatch.mamba_run`)
 LinearFn = Callable[[Tensor, Tensor, "Tensor | None"], Tensor]
@@ -81,12 +81,35 @@ def rowwise(fn: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
     """
     if x.device.type != "cpu" or x.numel() == 0:
         return fn(x)
-    rows = x.reshape(x.shape[0], -1)  # (R, n)
+    flat = x.dim() == 2
+    rows = x if flat else x.reshape(x.shape[0], -1)  # (R, n)
     n, align = rows.shape[1], row_align()
     if n % align == 0 and rows.stride(1) == 1:
-        return fn(rows).reshape(x.shape)  # rows already whole vector blocks: no padding copy
-    padded = torch.constant_pad_nd(rows, (0, -n % align))  # (R, n') with n' a multiple of align (F.pad, less Python)
-    return fn(padded)[:, :n].reshape(x.shape)
+        out = fn(rows)  # rows already whole vector blocks: no padding copy
+    else:
+        out = fn(torch.constant_pad_nd(rows, (0, -n % align)))[:, :n]  # (R, n') padded to a multiple of align
+    return out if flat else out.reshape(x.shape)
+
+
+def derived(module: nn.Module, name: str, param: Tensor, make: Callable[[Tensor], Tensor]) -> Tensor:
+    """make(param), kept on `module` (as `name`) until the parameter changes: another tensor,
+    other storage, an in-place write (its version), or the inference mode (a tensor made in it
+    is read-only outside). A decode step's constants (the conv taps, -exp(A_log)) are then not
+    recomputed, with one op each, in every layer of every step. CPU only (on a GPU a tensor kept
+    from one CUDA graph's capture would live in that graph's memory): elsewhere made each time."""
+    if param.is_inference() or param.device.type != "cpu":  # (inference: no version counter to watch)
+        return make(param)
+    key = (param, param.data_ptr(), param._version, torch.is_inference_mode_enabled())
+    memo = module.__dict__.setdefault("_derived", {})
+    entry = memo.get(name)
+    if entry is None or entry[0][0] is not param or entry[0][1:] != key[1:]:
+        entry = memo[name] = (key, make(param))
+    return entry[1]
+
+
+def conv_taps(weight: Tensor) -> Tensor:
+    """A depthwise conv weight (D, 1, K) as contiguous taps (K, D)."""
+    return weight[:, 0, :].t().contiguous()
 
 
 @dataclass(frozen=True)
@@ -412,11 +435,11 @@ def causal_conv_prefill(xBC: Tensor, weight: Tensor, bias: Tensor | None,
 
 def causal_conv_step(conv_state: Tensor, slots: Tensor, xBC: Tensor, weight: Tensor,
                      bias: Tensor | None, pointwise: Pointwise = whole, run: SlotRun = None,
-                     fused: StateUpdate | None = None) -> Tensor:
+                     fused: StateUpdate | None = None, taps: Tensor | None = None) -> Tensor:
     """One decode token per request: conv over [state | new], SiLU; shift the state in place.
 
     conv_state (S, D, K-1) (one Mamba layer of the pool), slots (R,), xBC (R, D),
-    weight (D, 1, K), bias (D,). Returns (R, D).
+    weight (D, 1, K), bias (D,); taps: `conv_taps(weight)` when the caller keeps it. Returns (R, D).
 
     The taps are summed in order with one elementwise multiply and add per tap (no window is
     built, no reduction over the short K axis); when the slots are one ascending run (`run`,
@@ -425,7 +448,7 @@ def causal_conv_step(conv_state: Tensor, slots: Tensor, xBC: Tensor, weight: Ten
     pass per request (the same bits).
     """
     R, K = xBC.shape[0], weight.shape[-1]
-    taps = weight[:, 0, :].t().contiguous()  # (K, D)
+    taps = conv_taps(weight) if taps is None else taps  # (K, D)
     if fused is not None and conv_state.dtype == torch.float32:
         return pointwise(F.silu, fused(conv_state, slots, xBC, taps, bias))
     old = conv_state.narrow(0, run[0], R) if run else conv_state[slots]  # (R, D, K-1)
@@ -489,8 +512,11 @@ def gated_rms_norm(y: Tensor, z: Tensor, weight: Tensor, group_size: int, eps: f
     gate = pointwise(F.silu, z.float())  # (T, I), a fresh tensor
     h = torch.mul(gate, y.float(), out=out) if out is not None and out.dtype == torch.float32 else gate.mul_(y.float())
     g = h.view(T, -1, group_size)  # (T, G, I/G): in place from here
-    g.mul_(inv_rms(g, eps))  # (T, G, I/G)
-    h.mul_(weight.float())  # (T, I)
+    if in_one_pass(g, weight):  # fp32 on the CPU: the two steps below in one call
+        rowdot.rms_norm(g, eps, weight, out=g)
+    else:
+        g.mul_(inv_rms(g, eps))  # (T, G, I/G)
+        h.mul_(weight.float())  # (T, I)
     if out is None:
         return h.to(weight.dtype)
     return out if h is out else out.copy_(h)
@@ -547,14 +573,14 @@ class MambaMixer(nn.Module):
         pw = kernels.pointwise
         z, xBC, dt = self._project(h, kernels)  # (R, I), (R, conv_dim), (R, H)
         xBC = causal_conv_step(conv_state, slots, xBC, self.conv1d.weight, self.conv1d.bias, pw, run,
-                               kernels.conv_update)
+                               kernels.conv_update, derived(self, "taps", self.conv1d.weight, conv_taps))
         x, B, C = self._split_xBC(xBC)  # (R, H, P), (R, G, N), (R, G, N)
         dt = discretize_dt(dt, self.dt_bias, self.config.time_step_limit, pw)  # (R, H) fp32
         y = ssd_step(ssm_state, slots, x, dt, self._A(), B, C, pw, run, kernels.ssd_update)  # (R, H, P)
         return self._output(y, x, z, kernels)
 
     def _A(self) -> Tensor:
-        return -torch.exp(self.A_log.float())  # (H,)
+        return derived(self, "A", self.A_log, lambda a: -torch.exp(a.float()))  # (H,)
 
     def _project(self, h: Tensor, kernels: Kernels) -> tuple[Tensor, Tensor, Tensor]:
         """in_proj and split into z (T, I), xBC (T, conv_dim), dt (T, H)."""
@@ -577,7 +603,7 @@ class MambaMixer(nn.Module):
         The skip and the norm run in blocks of rows (`by_row_blocks`), so a long prefill's
         temporaries stay in cache (about 14 against 9 ms per `small` layer at 2,048 tokens)."""
         c, T = self.config, y.shape[0]
-        D = self.D.float()[:, None]  # (H, 1)
+        D = derived(self, "D", self.D, lambda d: d.float()[:, None])  # (H, 1)
         group = c.mamba_intermediate // c.mamba_n_groups
 
         out = y.new_empty((T, c.mamba_intermediate), dtype=self.norm.weight.dtype)  # (T, I)

@@ -13,7 +13,9 @@
  * Shapes: x (M, K), w (N, K), bias (N) or NULL, all contiguous; y rows ldy apart (ldy >= N,
  * so a caller can hand threads column ranges of one output).
  */
+#include <math.h>
 #include <stddef.h>
+#include <stdlib.h>
 
 /* The 8 lane sums added in one fixed order: (0+4, 2+6), (1+5, 3+7), as the AVX2 build's vsum
  * pairs them (the portable build's vsum and rowdot_ssd_update's readout call this). */
@@ -285,4 +287,64 @@ void rowdot_ssd_carry(float *states, const float *local, const float *decay, lon
           carry_row(s + at, l + at, dk[g * K + h], o + at, P);
         }
   }
+}
+
+/* rowdot_rms_norm: RMSNorm of each row in one pass, its mean square summed in one fixed order
+ * that no build, thread count or row count changes, and that torch ops can repeat (ATen's mean
+ * sums in an order of its own). For a row x of n elements:
+ *   - the squares x[i] * x[i], zero-padded to m = ceil(n / 16) blocks of 16;
+ *   - while m > 1: a zero block appended when m is odd, then block b += block b + m/2 for each
+ *     b < m/2, and m = m/2 (elementwise over the 16 lanes);
+ *   - then the lanes by halves: lane l += lane l + 8, + 4, + 2, + 1;
+ *   - inv = 1 / sqrt(sum * inv_n + eps) (inv_n = fp32(1/n));
+ *   - y[i] = x[i] * inv, then with a weight w[i] * y[i], or y[i] * (1 + w[i]) (`offset`).
+ * Every step is one IEEE product or sum, rounded (no fused multiply-add: -ffp-contract=off), so
+ * the torch path of `actors.norms` (the same steps as tensor ops, `tree_inv_rms`) gives the same
+ * bits. Row r takes the weight's part (r % wrap) * n (a gated norm's groups: wrap = groups).
+ *
+ * Shapes: x and out (R, n) contiguous fp32 (out may be x), w (wrap * n) fp32 or NULL. Returns
+ * nonzero when the scratch for a long row cannot be had. */
+#define RMS_LANES 16
+#define RMS_STACK_BLOCKS 257
+
+static float tree_sum_squares(const float *restrict x, long n, float *restrict buf) {
+  long m = (n + RMS_LANES - 1) / RMS_LANES;
+  for (long i = 0; i < n; i++) buf[i] = x[i] * x[i];
+  for (long i = n; i < m * RMS_LANES; i++) buf[i] = 0.0f;
+  while (m > 1) {
+    if (m & 1) {
+      for (long l = 0; l < RMS_LANES; l++) buf[m * RMS_LANES + l] = 0.0f;
+      m++;
+    }
+    long half = m / 2, off = half * RMS_LANES;
+    for (long i = 0; i < off; i++) buf[i] = buf[i] + buf[i + off];
+    m = half;
+  }
+  for (long w = RMS_LANES / 2; w >= 1; w /= 2)
+    for (long l = 0; l < w; l++) buf[l] = buf[l] + buf[l + w];
+  return buf[0];
+}
+
+static void scale_row(const float *x, long n, float inv, const float *w, int offset, float *out) {
+  if (!w)
+    for (long i = 0; i < n; i++) out[i] = x[i] * inv;
+  else if (offset)
+    for (long i = 0; i < n; i++) out[i] = (x[i] * inv) * (1.0f + w[i]);
+  else
+    for (long i = 0; i < n; i++) out[i] = w[i] * (x[i] * inv);
+}
+
+int rowdot_rms_norm(const float *x, long R, long n, float inv_n, float eps, const float *w, long wrap,
+                    int offset, float *out) {
+  long blocks = (n + RMS_LANES - 1) / RMS_LANES + 1; /* room for one odd level's zero block */
+  float stack_buf[RMS_STACK_BLOCKS * RMS_LANES];
+  float *buf = blocks <= RMS_STACK_BLOCKS ? stack_buf : malloc(sizeof(float) * RMS_LANES * blocks);
+  if (!buf) return -1;
+  for (long r = 0; r < R; r++) {
+    float v = tree_sum_squares(x + r * n, n, buf) * inv_n;
+    v = v + eps;
+    scale_row(x + r * n, n, 1.0f / sqrtf(v), w ? w + (r % wrap) * n : NULL, offset, out + r * n);
+  }
+  if (buf != stack_buf) free(buf);
+  return 0;
 }

@@ -26,7 +26,9 @@ over each request's state, fused from the torch calls of `actors.mamba.ssd_step`
 `causal_conv_step`, and `conv_prefill` and `ssd_carry` are prefill's conv (`causal_conv_prefill`)
 and its scan's recurrence over chunks (`actors.mamba._carry_states`) in one pass;
 plain C built without fused multiply-adds, so their bits are the same on every build (and the
-convs' are the fp32 torch path's: the same products and adds, in its order).
+convs' are the fp32 torch path's: the same products and adds, in its order). `rms_norm` is an
+RMSNorm in one pass a row, its mean square summed in the fixed tree order that
+`actors.norms.tree_inv_rms` writes out in torch ops (the same bits, every build).
 
 Threads: a call is one thread; with torch set to more than one thread, a large call's columns
 (an SSD update's requests) are split among a pool (ctypes releases the GIL), which changes no bit.
@@ -65,6 +67,7 @@ BUILDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {  # name -> (CPU f
 _STATE: dict[str, object] = {}  # "lib": the loaded library or None; "why": why not
 _BUILT: dict[str, tuple[object, str | None]] = {}  # build name -> load()'s answer, this process
 _LOCK = threading.Lock()
+_CHECKED: list = [None]  # the slots `_slots` checked last: (tensor, version, rows, pool)
 
 
 def available() -> bool:
@@ -208,6 +211,37 @@ def ssd_carry(states: Tensor, local: Tensor, decay: Tensor, lib=None) -> None:
     lib.rowdot_ssd_carry(states.data_ptr(), local.data_ptr(), decay.data_ptr(), c, G, N, K, P)
 
 
+def rms_norm(x: Tensor, eps: float, weight: Tensor | None = None, offset: bool = False,
+             out: Tensor | None = None, lib=None) -> Tensor:
+    """RMSNorm over the last dim of x (..., n), fp32 on the CPU, in one pass a row
+    (`rowdot_rms_norm`): y = x / sqrt(mean(x^2) + eps), the mean's sum in one fixed tree order,
+    then weight * y, or y * (1 + weight) (`offset`). weight (n,), or (G * n,) for rows that are
+    G groups of one weight row (a gated norm). The same bits as `actors.norms`'s torch steps.
+    Returns (..., n) fp32, written into `out` when given (it may be x)."""
+    n = x.shape[-1]
+    if x.dtype != torch.float32 or x.device.type != "cpu" or not x.is_contiguous() or n == 0:
+        raise ValueError(f"rms_norm: a contiguous fp32 CPU tensor, got {x.dtype} {tuple(x.shape)} on {x.device}")
+    wrap = 1
+    if weight is not None:
+        if weight.dtype != torch.float32 or not weight.is_contiguous() or weight.numel() % n:
+            raise ValueError(f"rms_norm: a contiguous fp32 weight of whole rows of {n}, got {tuple(weight.shape)}")
+        wrap = weight.numel() // n
+    out = torch.empty_like(x) if out is None else out
+    R = x.numel() // n
+    wp = None if weight is None else weight.data_ptr()
+
+    def rows(r0: int, r1: int) -> None:  # rows [r0, r1) (a multiple of wrap); ctypes rounds 1/n, eps to fp32
+        if (lib or _library()).rowdot_rms_norm(x.data_ptr() + 4 * r0 * n, r1 - r0, n, 1.0 / n, eps, wp, wrap,
+                                               int(offset), out.data_ptr() + 4 * r0 * n):
+            raise MemoryError(f"rms_norm: no memory for a row of {n}")
+
+    if R * n < SPLIT_STATE:
+        rows(0, R)
+    else:
+        _in_parts(R // wrap, True, lambda g0, g1: rows(g0 * wrap, g1 * wrap))
+    return out
+
+
 def _in_parts(n: int, large: bool, run, align: int = 1) -> None:
     """`run(i0, i1)` over [0, n): in one call, or, for a `large` call with torch on more than
     one thread, in ranges (starts multiples of `align`) on the pool's threads. The ranges' results
@@ -234,10 +268,16 @@ def _check_state(state: Tensor, what: str, name: str = "the state") -> None:
 
 
 def _slots(slots: Tensor, rows: int, pool: int, what: str) -> Tensor:
-    """`slots` as contiguous int64, after checking each names a slot of the pool."""
+    """`slots` as contiguous int64, after checking each names a slot of the pool (once for the
+    tensor that every Mamba layer of a decode step passes, unless it was written since)."""
     slots = slots.to(torch.int64).contiguous()
+    seen = None if slots.is_inference() else (slots, slots._version, rows, pool)
+    last = _CHECKED[0]
+    if seen is not None and last is not None and last[0] is slots and last[1:] == seen[1:]:
+        return slots
     if slots.shape != (rows,) or (rows and (int(slots.min()) < 0 or int(slots.max()) >= pool)):
         raise ValueError(f"{what}: slots outside the pool's {pool}, or not one per request")
+    _CHECKED[0] = seen  # (it holds the tensor, so no other tensor takes its id meanwhile)
     return slots
 
 
@@ -292,6 +332,9 @@ def load(portable: bool = False, build: str | None = None):
     lib.rowdot_conv_prefill.restype = None
     lib.rowdot_ssd_carry.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 5
     lib.rowdot_ssd_carry.restype = None
+    lib.rowdot_rms_norm.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_float,
+                                    ctypes.c_float, ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_void_p]
+    lib.rowdot_rms_norm.restype = ctypes.c_int
     return lib, None
 
 
