@@ -49,9 +49,10 @@ names) or build the model through `actors.loader.load_checkpoint` / `actors.pres
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 import zlib
-from typing import Iterator, Protocol
+from typing import Callable, Iterator, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -155,21 +156,41 @@ class TiledLinear:
         #   rows all belong to one sequence's chunk, needs no invariance across row counts)
         self.phase = "decode" if max_rows is not None and max_rows <= MAX_CALL_ROWS else "prefill"
         self._packed = packs if packs is not None else {}  # id(weight) -> (weight, packed)
+        self._plans: dict[int, tuple] = {}  # id(weight) -> (weight, bias, key, run): see __call__
 
     def __call__(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-        """x (M, in) -> (M, out), contiguous."""
+        """x (M, in) -> (M, out), contiguous. The path is worked out once per weight (`_plan`)
+        and again only when what it depends on changes (x's dtype and device, torch's thread
+        count, a kernel forced in the environment, the bias): a decode step makes ~45 of these
+        calls, and working the path out each time cost more than a batch-1 product."""
+        key = (x.dtype, x.device, torch.get_num_threads(), os.environ.get(kernel_choice.ENV_FORCE))
+        plan = self._plans.get(id(weight))
+        if plan is None or plan[0] is not weight or plan[1] is not bias or plan[2] != key:
+            plan = self._plans[id(weight)] = (weight, bias, key, self._plan(x, weight, bias))
+        return plan[3](x)
+
+    def _plan(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Callable[[Tensor], Tensor]:
+        """How products of this weight with inputs like x run: x (M, in) -> (M, out)."""
         if self.native and x.dtype == torch.float32 and x.device.type == "cpu":
             kernel = self.kernel or kernel_choice.choose(weight.shape, self.phase)
             if kernel.startswith("rowdot "):
                 build = kernel[7:]
                 _ROWDOT_SHAPES[(*weight.shape, self.phase)] = build
-                return rowdot.linear(x, weight, bias, rowdot.library(build))  # (M, out): row-free, any M
-        call = self._row_free_call(x, weight, bias)
-        if call is not None:
+                lib = rowdot.library(build)
+                return lambda x: rowdot.linear(x, weight, bias, lib)  # (M, out): row-free, any M
+        call, max_rows = self._row_free_call(x, weight, bias), self.max_rows
+        if call is None:
+            return lambda x: self._tiles(x, weight, bias)
+
+        def row_free(x: Tensor) -> Tensor:
             x = x.contiguous()
-            if not self.max_rows or x.shape[0] <= self.max_rows:
+            if not max_rows or x.shape[0] <= max_rows:
                 return call(x)  # (M, out): one call (every decode step up to MAX_CALL_ROWS rows)
-            return torch.cat([call(part) for part in x.split(self.max_rows)])  # (M, out)
+            return torch.cat([call(part) for part in x.split(max_rows)])  # (M, out)
+        return row_free
+
+    def _tiles(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        """Exact `tile`-row calls: x (M, in) -> (M, out)."""
         M = x.shape[0]
         padded = F.pad(x, (0, 0, 0, (-M) % self.tile))  # (ceil(M/tile)*tile, in)
         outs = [self._one_tile(t, weight, bias) for t in padded.split(self.tile)]  # (tile, out)

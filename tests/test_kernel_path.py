@@ -148,3 +148,20 @@ def test_the_kernel_chosen_for_the_shape_and_phase_is_the_one_that_runs(tile, ma
     assert torch.equal(got, TiledLinear(tile, max_rows=max_rows, kernel=chosen)(x, w, b))
     for other in set(kernel_choice.candidates()) - {chosen}:
         assert not torch.equal(got, TiledLinear(tile, max_rows=max_rows, kernel=other)(x, w, b)), other
+
+
+def test_a_kept_path_follows_a_kernel_forced_later_and_a_new_bias(monkeypatch):
+    """`TiledLinear` works a weight's path out once and keeps it; a kernel forced in the
+    environment afterwards (`RAYSCHED_KERNEL`), or another bias, must still take effect. Each
+    candidate's bits differ on these rows (the test above), so equality names the kernel."""
+    names = kernel_choice.candidates()
+    if len(names) < 2:
+        pytest.skip(f"one candidate here ({names}): nothing to switch to")
+    x, w, b = _inputs(5)
+    linear = TiledLinear(TILE)
+    linear(x, w, b)
+    for name in names:
+        monkeypatch.setenv(kernel_choice.ENV_FORCE, name)
+        assert torch.equal(linear(x, w, b), TiledLinear(TILE, kernel=name)(x, w, b)), name
+    other = b + 1.0
+    assert torch.equal(linear(x, w, other), TiledLinear(TILE, kernel=names[-1])(x, w, other))
