@@ -26,6 +26,7 @@ from torch import Tensor, nn
 from actors import triton_route
 from actors.batch import NEG_SCORE, KVTable, Segment, cat_rows
 from actors.config import ModelConfig
+from actors.kept import kept
 from actors.mamba import Kernels, Pointwise, whole
 from actors.norms import ARCH_NORM_STYLE, RMSNorm
 
@@ -52,23 +53,15 @@ def rope_cos_sin(positions: Tensor, rotary_dim: int, theta: float, dtype: torch.
     return pointwise(torch.cos, angles).to(dtype), pointwise(torch.sin, angles).to(dtype)
 
 
-_ROPE: list = [None]  # the tables `rope_tables` made last: (positions, key, (cos, sin))
+_ROPE: dict = {}  # the tables `rope_tables` made last (`actors.kept`)
 
 
 def rope_tables(positions: Tensor, rotary_dim: int, theta: float, dtype: torch.dtype,
                 pointwise: Pointwise = whole) -> tuple[Tensor, Tensor]:
     """`rope_cos_sin`, made once for the positions tensor that every attention layer of a
-    forward passes (again when it was written since, or for other arguments), on the CPU (on a
-    GPU a table kept from one CUDA graph's capture would live in that graph's memory)."""
-    if positions.is_inference() or positions.device.type != "cpu":  # (inference: no version counter)
-        return rope_cos_sin(positions, rotary_dim, theta, dtype, pointwise)
-    key = (positions._version, rotary_dim, theta, dtype, pointwise, torch.is_inference_mode_enabled())
-    last = _ROPE[0]
-    if last is not None and last[0] is positions and last[1] == key:
-        return last[2]
-    tables = rope_cos_sin(positions, rotary_dim, theta, dtype, pointwise)
-    _ROPE[0] = (positions, key, tables)  # (it holds the tensor, so no other tensor takes its id meanwhile)
-    return tables
+    forward passes (`actors.kept`: again when it was written since, or for other arguments)."""
+    return kept(_ROPE, "tables", positions, lambda: rope_cos_sin(positions, rotary_dim, theta, dtype, pointwise),
+                (rotary_dim, theta, dtype, pointwise))
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:

@@ -40,6 +40,7 @@ from torch import Tensor, nn
 from actors import rowdot, triton_route
 from actors.batch import Segment, by_row_blocks, cat_rows
 from actors.config import ModelConfig
+from actors.kept import kept
 from actors.norms import in_one_pass, inv_rms
 
 SlotRun = "tuple[int, int] | None"  # slots as one ascending run (start, count) (`ForwardBatch.mamba_run`)
@@ -92,19 +93,10 @@ def rowwise(fn: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
 
 
 def derived(module: nn.Module, name: str, param: Tensor, make: Callable[[Tensor], Tensor]) -> Tensor:
-    """make(param), kept on `module` (as `name`) until the parameter changes: another tensor,
-    other storage, an in-place write (its version), or the inference mode (a tensor made in it
-    is read-only outside). A decode step's constants (the conv taps, -exp(A_log)) are then not
-    recomputed, with one op each, in every layer of every step. CPU only (on a GPU a tensor kept
-    from one CUDA graph's capture would live in that graph's memory): elsewhere made each time."""
-    if param.is_inference() or param.device.type != "cpu":  # (inference: no version counter to watch)
-        return make(param)
-    key = (param, param.data_ptr(), param._version, torch.is_inference_mode_enabled())
-    memo = module.__dict__.setdefault("_derived", {})
-    entry = memo.get(name)
-    if entry is None or entry[0][0] is not param or entry[0][1:] != key[1:]:
-        entry = memo[name] = (key, make(param))
-    return entry[1]
+    """make(param), kept on `module` until the parameter changes (`actors.kept`): a decode
+    step's constants (the conv taps, -exp(A_log), D) are not made again, one op each, in every
+    layer of every step."""
+    return kept(module.__dict__.setdefault("_derived", {}), name, param, lambda: make(param))
 
 
 def conv_taps(weight: Tensor) -> Tensor:

@@ -52,6 +52,7 @@ import torch
 from torch import Tensor
 
 from actors.cpu_info import cpu_flags
+from actors.kept import kept
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +68,7 @@ BUILDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {  # name -> (CPU f
 _STATE: dict[str, object] = {}  # "lib": the loaded library or None; "why": why not
 _BUILT: dict[str, tuple[object, str | None]] = {}  # build name -> load()'s answer, this process
 _LOCK = threading.Lock()
-_CHECKED: list = [None]  # the slots `_slots` checked last: (tensor, version, rows, pool)
+_CHECKED: dict = {}  # the slots `_slots` checked last (`actors.kept`)
 
 
 def available() -> bool:
@@ -269,16 +270,17 @@ def _check_state(state: Tensor, what: str, name: str = "the state") -> None:
 
 def _slots(slots: Tensor, rows: int, pool: int, what: str) -> Tensor:
     """`slots` as contiguous int64, after checking each names a slot of the pool (once for the
-    tensor that every Mamba layer of a decode step passes, unless it was written since)."""
+    tensor that every Mamba layer of a decode step passes, unless it was written since:
+    `actors.kept`)."""
     slots = slots.to(torch.int64).contiguous()
-    seen = None if slots.is_inference() else (slots, slots._version, rows, pool)
-    last = _CHECKED[0]
-    if seen is not None and last is not None and last[0] is slots and last[1:] == seen[1:]:
-        return slots
+    kept(_CHECKED, "slots", slots, lambda: _check_slots(slots, rows, pool, what), (rows, pool))
+    return slots
+
+
+def _check_slots(slots: Tensor, rows: int, pool: int, what: str) -> bool:
     if slots.shape != (rows,) or (rows and (int(slots.min()) < 0 or int(slots.max()) >= pool)):
         raise ValueError(f"{what}: slots outside the pool's {pool}, or not one per request")
-    _CHECKED[0] = seen  # (it holds the tensor, so no other tensor takes its id meanwhile)
-    return slots
+    return True
 
 
 def _call(lib, x: Tensor, w: Tensor, bias: Tensor | None, y: Tensor, j0: int, j1: int) -> None:
