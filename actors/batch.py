@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Callable
 
+import numpy as np
 import torch
 
 
@@ -58,34 +59,37 @@ class KVTable:
         a fixed shape for CUDA graphs): row r's chunks at r * chunks + k, the unused ones empty;
         rows past the requests are empty too.
         """
+        # numpy: a decode step builds one table, and ~40 small torch ops cost more than the step's
+        # attention at batch 1 (the same integers either way)
         R = len(kv_slots)
-        lengths = torch.tensor([t.shape[0] for t in kv_slots], dtype=torch.int64)  # (R,)
+        lengths = np.array([t.shape[0] for t in kv_slots], dtype=np.int64)  # (R,)
         needed = (lengths + chunk - 1) // chunk  # (R,) chunks each request fills
         if shape is None:
             K = int(needed.max()) if R else 1
-            lengths, per_row = _append(lengths, 0), _append(needed, 1)  # the empty chunk: a row of 0
+            lengths, per_row = np.append(lengths, 0), np.append(needed, 1)  # the empty chunk: a row of 0
         else:
             rows, K = shape
             if R > rows or (R and int(needed.max()) > K):
                 raise ValueError(f"KVTable: {R} requests of up to {int(needed.max()) if R else 0} "
                                  f"chunks of {chunk} do not fit {rows} rows x {K} chunks")
-            lengths = torch.cat([lengths, lengths.new_zeros(rows - R)])  # (rows,)
-            per_row = torch.full((rows,), K, dtype=torch.int64)
-        starts = torch.cumsum(per_row, 0) - per_row  # first chunk of each row
-        row_of = torch.repeat_interleave(torch.arange(per_row.shape[0]), per_row)  # (J,)
-        token = (torch.arange(row_of.shape[0]) - starts[row_of])[:, None] * chunk \
-            + torch.arange(chunk)[None, :]  # (J, C): index of the token within its request
+            lengths = np.concatenate([lengths, np.zeros(rows - R, dtype=np.int64)])  # (rows,)
+            per_row = np.full(rows, K, dtype=np.int64)
+        starts = np.cumsum(per_row) - per_row  # first chunk of each row
+        row_of = np.repeat(np.arange(per_row.shape[0]), per_row)  # (J,)
+        token = (np.arange(row_of.shape[0]) - starts[row_of])[:, None] * chunk \
+            + np.arange(chunk)[None, :]  # (J, C): index of the token within its request
         valid = token < lengths[row_of][:, None]  # (J, C)
-        flat = torch.cat(kv_slots) if R else torch.zeros(1, dtype=torch.int64)  # (sum L_i,)
-        offsets = torch.cumsum(lengths, 0) - lengths
-        src = (offsets[row_of][:, None] + token).clamp_(max=max(flat.shape[0] - 1, 0))
-        slots = torch.where(valid, flat[src], 0)  # (J, C)
-        k = torch.arange(K)[None, :]  # (1, K)
+        flat = torch.cat(kv_slots).numpy() if R else np.zeros(1, dtype=np.int64)  # (sum L_i,)
+        offsets = np.cumsum(lengths) - lengths
+        src = np.minimum(offsets[row_of][:, None] + token, max(flat.shape[0] - 1, 0))
+        slots = np.where(valid, flat[src], 0)  # (J, C)
+        k = np.arange(K)[None, :]  # (1, K)
         grid = starts[:, None] + k  # (rows, K)
         if shape is None:  # a request's chunks past its own count: the empty chunk
-            grid = torch.where(k < needed[:, None], grid[:R], int(starts[-1]))
-        owner = row_of.clamp(max=max(R - 1, 0)) if shape is None else row_of
-        return KVTable(slots, valid, owner, grid)
+            grid = np.where(k < needed[:, None], grid[:R], int(starts[-1]))
+        owner = np.minimum(row_of, max(R - 1, 0)) if shape is None else row_of
+        return KVTable(*(torch.from_numpy(np.ascontiguousarray(t, dtype=d)) for t, d in
+                         ((slots, np.int64), (valid, np.bool_), (owner, np.int64), (grid, np.int64))))
 
     def to(self, device: torch.device) -> "KVTable":
         return KVTable(*(t.to(device, non_blocking=True) for t in

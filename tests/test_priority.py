@@ -15,7 +15,7 @@ from raysched.workload import RequestSpec
 from tests.conftest import local_cluster, wait_until
 from tests.exactness import assert_exactly_once, synthetic
 
-POOL = {"kv_tokens": 1536, "state_slots": 4}  # K/V for every request's whole budget: only the slots run out, so
+POOL = {"kv_tokens": 3072, "state_slots": 4}  # K/V for every request's whole budget: only the slots run out, so
 #   an urgent request finds no room unless it preempts (with K/V overcommitted, a low-priority request
 #   retracted for K/V could free a slot first, and the urgent ones started without preempting)
 
@@ -29,9 +29,11 @@ def cluster() -> Iterator[Any]:
 def run_with_urgent(retract: str, preemption: bool = True) -> tuple[list[dict], dict, list[RequestSpec]]:
     """8 long low-priority requests fill both workers; once all run, 2 urgent ones arrive."""
     low = [RequestSpec(s.request_id, s.prompt_ids, s.sampling, priority=5)
-           for s in synthetic(31, requests=8, prompt_len=(24, 32), max_new_tokens=(300, 330))]
-    #   (long enough that none has finished, freeing a slot, by the time the urgent ones come: with
-    #   90-110 tokens a loaded machine once let them all through without a preemption)
+           for s in synthetic(31, requests=8, prompt_len=(24, 32), max_new_tokens=(600, 660))]
+    #   (long enough that none has finished, freeing a slot, by the time the urgent ones come: their
+    #   tokens reach the scheduler when a long call ends, after up to `fold_calls` x
+    #   `decode_steps_per_call` = 256 steps; with 300-330 tokens, 45-75 were left then, and a
+    #   fresh-clone run once finished them before the urgent ones were placed)
     high = [RequestSpec(f"urgent-{i}", s.prompt_ids, s.sampling, priority=0)
             for i, s in enumerate(synthetic(32, requests=2, prompt_len=(40, 50), max_new_tokens=(8, 8)))]
     cfg = {"workers": 2, "pool": POOL, "scheduler": {"retract": retract, "preemption": preemption}}
