@@ -407,7 +407,7 @@ def causal_conv_prefill(xBC: Tensor, weight: Tensor, bias: Tensor | None,
     L, D, K = xBC.shape[0], xBC.shape[1], weight.shape[-1]
     left = initial.t().to(xBC.dtype) if initial is not None else xBC.new_zeros(K - 1, D)  # (K-1, D)
     window = torch.cat([left, xBC])  # (K-1+L, D): time-major, no transposes of the long side
-    taps = weight[:, 0, :].t()  # (K, D)
+    taps = conv_taps(weight)  # (K, D)
     fp32_cpu = window.dtype == torch.float32 and window.device.type == "cpu"
     if fused is not None and fp32_cpu:
         out = fused(window, taps, bias)  # (L, D)

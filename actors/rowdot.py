@@ -219,27 +219,25 @@ def rms_norm(x: Tensor, eps: float, weight: Tensor | None = None, offset: bool =
     then weight * y, or y * (1 + weight) (`offset`). weight (n,), or (G * n,) for rows that are
     G groups of one weight row (a gated norm). The same bits as `actors.norms`'s torch steps.
     Returns (..., n) fp32, written into `out` when given (it may be x)."""
-    n = x.shape[-1]
-    if x.dtype != torch.float32 or x.device.type != "cpu" or not x.is_contiguous() or n == 0:
-        raise ValueError(f"rms_norm: a contiguous fp32 CPU tensor, got {x.dtype} {tuple(x.shape)} on {x.device}")
+    lib, n = _lib(lib), x.shape[-1]
+    _check_state(x, "rms_norm", "x")
     wrap = 1
     if weight is not None:
-        if weight.dtype != torch.float32 or not weight.is_contiguous() or weight.numel() % n:
-            raise ValueError(f"rms_norm: a contiguous fp32 weight of whole rows of {n}, got {tuple(weight.shape)}")
+        _check_state(weight, "rms_norm", "the weight")
+        if not n or weight.numel() % n:
+            raise ValueError(f"rms_norm: a weight of whole rows of {n}, got {tuple(weight.shape)}")
         wrap = weight.numel() // n
     out = torch.empty_like(x) if out is None else out
-    R = x.numel() // n
+    R = x.numel() // n if n else 0
     wp = None if weight is None else weight.data_ptr()
 
-    def rows(r0: int, r1: int) -> None:  # rows [r0, r1) (a multiple of wrap); ctypes rounds 1/n, eps to fp32
-        if (lib or _library()).rowdot_rms_norm(x.data_ptr() + 4 * r0 * n, r1 - r0, n, 1.0 / n, eps, wp, wrap,
-                                               int(offset), out.data_ptr() + 4 * r0 * n):
+    def groups(g0: int, g1: int) -> None:  # rows [g0 * wrap, g1 * wrap); ctypes rounds 1/n, eps to fp32
+        r0, r1 = g0 * wrap, g1 * wrap
+        if lib.rowdot_rms_norm(x.data_ptr() + 4 * r0 * n, r1 - r0, n, 1.0 / n, eps, wp, wrap, int(offset),
+                               out.data_ptr() + 4 * r0 * n):
             raise MemoryError(f"rms_norm: no memory for a row of {n}")
 
-    if R * n < SPLIT_STATE:
-        rows(0, R)
-    else:
-        _in_parts(R // wrap, True, lambda g0, g1: rows(g0 * wrap, g1 * wrap))
+    _in_parts(R // wrap, R * n >= SPLIT_STATE, groups)
     return out
 
 
