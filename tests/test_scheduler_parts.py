@@ -872,6 +872,37 @@ def test_placement_sends_a_request_to_the_worker_holding_its_match_when_loads_ar
     assert p["dispatch"].decide(w1).admit == [] and p["dispatch"].decide(w0).admit == [s]
 
 
+def test_a_request_waiting_for_its_home_worker_does_not_hold_back_the_ones_behind_it() -> None:
+    """Two groups' points: A's on worker 1, B's on worker 0; the queue alternates A, B, A. Worker
+    0 passes the A requests over (worker 1, as roomy, takes them) and admits B's; worker 1 admits
+    both A's. Controls: a less urgent request never passes a more urgent one; a request blocked
+    for another reason (no home, and this worker is not the roomiest) still stops the scan."""
+    p = parts(ServeConfig(), [FakeWorker(0, kv=1024, slots=8), FakeWorker(1, kv=1024, slots=8)])
+    index = StateCache(budget_bytes=1 << 20, min_tokens=2, block_tokens=32)
+    p["cache"] = p["dispatch"].cache = PrefixCache(index, p["table"], p["counters"], slack=0.25)
+    a, b = [t % 80 + 1 for t in range(64)], [79 - t % 70 for t in range(64)]
+    for prefix, worker in ((a, 1), (b, 0)):
+        index.park(tuple(prefix), f"pt{worker}", 10, "chunk", kv_from=64, exact=True,
+                   blocks={0: BlockRef(f"b0-{worker}", 100), 1: BlockRef(f"b1-{worker}", 100)},
+                   place=Place(f"node-{worker}", worker))
+    submit = lambda prefix, i, priority=0: p["table"].submit(prefix + [90 + i] * 3, {"max_new_tokens": 2},  # noqa: E731
+                                                             LIMITS, priority=priority)
+    a1, b1, a2 = submit(a, 1), submit(b, 2), submit(a, 3)
+    w0, w1 = p["fleet"].slots
+    assert p["dispatch"].decide(w0).admit == [b1]  # passes a1 over, and a2 after b1
+    assert list(p["table"].waiting) == [a1, a2]
+    assert p["dispatch"].decide(w1).admit == [a1, a2]
+    a3, b2 = submit(a, 4), submit(b, 5, priority=1)
+    assert p["dispatch"].decide(w0).admit == []  # b2 is less urgent than a3: it waits behind it
+    assert p["dispatch"].decide(w1).admit == [a3]
+    assert p["dispatch"].decide(w0).admit == [b2]
+    c, d = submit([50] * 40, 6), submit(b, 7)  # c: no match, no home
+    w0.view.free_slots = 2  # worker 0 is not the roomiest: c is worker 1's, and d waits behind it
+    p["fleet"].note_room(w0)
+    assert p["dispatch"].decide(w0).admit == []
+    assert p["dispatch"].decide(w1).admit == [c, d]  # (d's home is beyond the slack fuller)
+
+
 def test_requests_sharing_blocks_with_one_being_prefilled_wait_for_its_points() -> None:
     """Three requests share two whole blocks, none parked yet: the first admitted is their
     producer; the other two go back to the queue (and stay held back) until its points exist."""

@@ -9,7 +9,8 @@ Order of decisions, per call:
 4. admit waiting requests (FCFS) while they fit and this worker has the most room (or, with
    prefix reuse, is where the request's matched state lies and has room within a slack of the
    most: `Placement`) — only when no retracted request is waiting, so retracted requests always
-   go first;
+   go first. A request left to the worker holding its match is passed over, not waited behind:
+   the ones after it (of its priority) may still start here;
 5. preempt: when the head of the waiting queue is more urgent than some running request here
    and fits on no worker, retract the least urgent running requests until it fits, and admit it.
 
@@ -95,6 +96,8 @@ class Placement(Protocol):
     """Where waiting requests would rather run (`raysched.prefix_cache.Placement`)."""
 
     def admits_here(self, r: Request, index: int, room: float, best_elsewhere: float) -> bool: ...
+
+    def waits_elsewhere(self, r: Request, index: int) -> bool: ...
 
 
 def decode_need(view: WorkerView, running: list[Request], steps: int) -> int:
@@ -232,16 +235,19 @@ def _take_resumes(view: WorkerView, retracted: deque[Request], plan: Decision, s
 def _take_admissions(view: WorkerView, waiting: deque[Request], plan: Decision, steps: int, free: int,
                      slots: int, cfg: SchedulerConfig, best_room_elsewhere: float, reserve: bool,
                      retracted: deque[Request], placement: Placement | None = None) -> tuple[int, int]:
-    here = view.room()
     if reserve:  # no-overcommit baseline: running requests keep room for their whole budget
         free -= sum(pages(len(r.prompt_ids) + r.sampling.max_new_tokens, view.page_size) * view.page_size
                     - view.held(r) for r in view.running)
     room = (cfg.max_batch_size or 1 << 30) - (len(view.running) - len(plan.victims) + len(plan.resume))
     budget = (lambda r: r.sampling.max_new_tokens) if reserve else (lambda r: min(steps, r.sampling.max_new_tokens))
+    first = retracted[0].priority if retracted else None  # a retracted request goes first
+    here = view.room()
     return _take(waiting, plan.admit, room, view, free, slots,
                  need=lambda r: len(r.prompt_ids) + budget(r),
-                 blocked=lambda r: (bool(retracted) and r.priority >= retracted[0].priority  # it goes first
-                                    or not _admits_here(r, view, here, best_room_elsewhere, placement)))
+                 blocked=lambda r: (first is not None and r.priority >= first
+                                    or not _admits_here(r, view, here, best_room_elsewhere, placement)),
+                 passed=lambda r: (first is None or r.priority < first) and placement is not None
+                 and placement.waits_elsewhere(r, view.index))
 
 
 def _admits_here(r: Request, view: WorkerView, room: float, best_elsewhere: float,
@@ -253,14 +259,25 @@ def _admits_here(r: Request, view: WorkerView, room: float, best_elsewhere: floa
 
 
 def _take(queue: deque[Request], taken: list[Request], room: int, view: WorkerView, free: int, slots: int,
-          need: Callable[[Request], int], blocked: Callable[[Request], bool]) -> tuple[int, int]:
+          need: Callable[[Request], int], blocked: Callable[[Request], bool],
+          passed: Callable[[Request], bool] = lambda r: False) -> tuple[int, int]:
     """Move requests from the head of `queue` to `taken` while fewer than `room` are taken, the
-    head is not `blocked`, and its `need` (KV tokens) fits; returns the (free, slots) left."""
-    while queue and len(taken) < room:
-        r = queue[0]
-        if blocked(r) or not _fits(need(r), view, free, slots):
+    head is not `blocked`, and its `need` (KV tokens) fits; returns the (free, slots) left. A
+    blocked request that another worker will take (`passed`) is passed over: the scan goes on
+    to the next one of the same priority instead of stopping there."""
+    i = 0
+    while i < len(queue) and len(taken) < room:
+        r = queue[i]
+        if i and r.priority != queue[0].priority:
             break
-        queue.popleft()
+        if blocked(r):
+            if passed(r):
+                i += 1
+                continue
+            break
+        if not _fits(need(r), view, free, slots):
+            break
+        del queue[i]
         taken.append(r)
         free -= pages(need(r), view.page_size) * view.page_size
         slots -= 1

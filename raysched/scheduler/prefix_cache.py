@@ -70,6 +70,13 @@ class Placement:
             return room >= best_elsewhere - self.slack
         return self.rooms[home] < room - self.slack and room >= best_elsewhere
 
+    def waits_elsewhere(self, r: Request, index: int) -> bool:
+        """Whether `r` waits for another live worker, the one holding its match: a worker that
+        does not admit it passes it over and admits the requests behind it (one request
+        waiting for its home does not hold back those whose home this worker is)."""
+        home = self.home.get(r.request_id)
+        return home is not None and home != index and home in self.rooms
+
 
 class PrefixCache:
     """The index (None: reuse off), the matches of admitted requests, in-flight producers and
