@@ -183,3 +183,20 @@ def test_rope_tables_kept_for_a_forward_are_made_again_for_written_positions():
     again = attention.rope_tables(positions, 8, 10000.0, torch.float32)
     want = attention.rope_cos_sin(positions, 8, 10000.0, torch.float32)
     assert all(torch.equal(a, b) for a, b in zip(again, want)) and not torch.equal(again[0], first[0])
+
+
+def test_on_another_device_nothing_is_kept_and_the_norm_stays_on_torch_ops():
+    """Off the CPU (CUDA; `meta` here, through `tests.fake_device`) a kept value could live in a
+    CUDA graph's memory, and the C norm cannot read the tensor: `kept` makes the value each time
+    and `in_one_pass` says no, so the norm takes the torch (or Triton) path."""
+    from actors.kept import kept
+    from tests.fake_device import fake_device
+
+    with fake_device():
+        t = torch.ones(3, device="meta")
+        made, store = [], {}
+        for _ in range(2):
+            kept(store, "x", t, lambda: made.append(1) or t * 2)
+        assert len(made) == 2 and not store
+        assert not norms.in_one_pass(torch.ones(2, 8, device="meta"))
+    assert norms.in_one_pass(torch.ones(2, 8))  # control: on the CPU it does
