@@ -903,6 +903,37 @@ def test_a_request_waiting_for_its_home_worker_does_not_hold_back_the_ones_behin
     assert p["dispatch"].decide(w1).admit == [c, d]  # (d's home is beyond the slack fuller)
 
 
+def test_long_prompts_with_no_match_go_where_the_fewest_blocks_wait_to_be_prefilled() -> None:
+    """A burst of four long prompts (three whole blocks each, nothing parked) on two equally
+    roomy workers: a worker takes one while it has fewer blocks still to prefill than the
+    other, and on a tie goes by room: 1, 2, 1 (2:2; by room alone, worker 0, deciding first,
+    takes all four and prefills them one after another while worker 1 idles). Controls: a burst of short prompts (no
+    whole block) still goes by room, all to the worker deciding first; a worker with no room
+    is not one to leave a long prompt to."""
+    p = parts(ServeConfig(), [FakeWorker(0, kv=4096, slots=8), FakeWorker(1, kv=4096, slots=8)])
+    index = StateCache(budget_bytes=1 << 20, min_tokens=2, block_tokens=32)
+    p["cache"] = p["dispatch"].cache = PrefixCache(index, p["table"], p["counters"])
+    w0, w1 = p["fleet"].slots
+
+    def start(w) -> list:
+        decision = p["dispatch"].decide(w)
+        p["cache"].admit(decision.admit, w.index)  # long prompts become their blocks' producers
+        p["dispatch"].mark_running(w, decision.admit)
+        return decision.admit
+
+    submit = lambda g, n: p["table"].submit([(g * 13 + t) % 97 + 1 for t in range(n)],  # noqa: E731
+                                            {"max_new_tokens": 2}, LIMITS)
+    heads = [submit(g, 96) for g in range(4)]
+    assert [start(w0), start(w1), start(w0)] == [heads[:1], heads[1:3], heads[3:]]
+    heads[1].add_tokens([5], 0.0)  # its prefill is over: worker 1 has fewer blocks waiting
+    short = [submit(g, 24) for g in range(4, 8)]
+    assert start(w0) == short  # no whole block: by room (a tie), as without reuse
+    late = submit(9, 96)
+    w1.view.free_slots = 0  # worker 1 has no room: worker 0 takes it
+    p["fleet"].note_room(w1)
+    assert start(w0) == [late]
+
+
 def test_requests_sharing_blocks_with_one_being_prefilled_wait_for_its_points() -> None:
     """Three requests share two whole blocks, none parked yet: the first admitted is their
     producer; the other two go back to the queue (and stay held back) until its points exist."""

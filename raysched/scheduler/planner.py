@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -95,7 +95,8 @@ class Decision:
 class Placement(Protocol):
     """Where waiting requests would rather run (`raysched.prefix_cache.Placement`)."""
 
-    def admits_here(self, r: Request, index: int, room: float, best_elsewhere: float) -> bool: ...
+    def admits_here(self, r: Request, index: int, room: float, best_elsewhere: float,
+                    admitted: Sequence[Request] = ()) -> bool: ...
 
     def waits_elsewhere(self, r: Request, index: int) -> bool: ...
 
@@ -245,17 +246,18 @@ def _take_admissions(view: WorkerView, waiting: deque[Request], plan: Decision, 
     return _take(waiting, plan.admit, room, view, free, slots,
                  need=lambda r: len(r.prompt_ids) + budget(r),
                  blocked=lambda r: (first is not None and r.priority >= first
-                                    or not _admits_here(r, view, here, best_room_elsewhere, placement)),
+                                    or not _admits_here(r, view, here, best_room_elsewhere, placement, plan.admit)),
                  passed=lambda r: (first is None or r.priority < first) and placement is not None
                  and placement.waits_elsewhere(r, view.index))
 
 
 def _admits_here(r: Request, view: WorkerView, room: float, best_elsewhere: float,
-                 placement: Placement | None) -> bool:
-    """Does this worker take `r`, or another one: with more room, or where `r`'s state lies?"""
+                 placement: Placement | None, admitted: list[Request]) -> bool:
+    """Does this worker take `r`, or another one: with more room, or where `r`'s state lies
+    (or, for a long prompt with no match, with less prefill waiting)?"""
     if placement is None:
         return room >= best_elsewhere
-    return placement.admits_here(r, view.index, room, best_elsewhere)
+    return placement.admits_here(r, view.index, room, best_elsewhere, admitted)
 
 
 def _take(queue: deque[Request], taken: list[Request], room: int, view: WorkerView, free: int, slots: int,

@@ -35,7 +35,8 @@ from __future__ import annotations
 import logging
 import math
 from collections import deque
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 from raysched.messages import ParkedPoint, StepResult
 from raysched.request import Request, State
@@ -59,16 +60,40 @@ class Placement:
     home: dict[str, int]  # request id -> index of the worker holding its match (or its producer)
     rooms: dict[int, float]  # live worker index -> room (fraction of its scarcer pool free)
     slack: float
+    pending: dict[int, int] = field(default_factory=dict)  # live worker index -> whole blocks its
+    #   producers (requests prefilling blocks no point holds yet) have still to park
+    block_tokens: int = 0
 
-    def admits_here(self, r: Request, index: int, room: float, best_elsewhere: float) -> bool:
-        """Should the worker `index` (with `room`) admit `r` now? Its home worker when that one
-        has room within `slack` of the best; otherwise the roomiest worker, as without reuse."""
+    def admits_here(self, r: Request, index: int, room: float, best_elsewhere: float,
+                    admitted: Sequence[Request] = ()) -> bool:
+        """Should the worker `index` (with `room`, having admitted `admitted` in this decision)
+        admit `r` now? Its home worker when that one has room within `slack` of the best;
+        with no home, a prompt of whole blocks goes where the fewest such blocks wait to be
+        prefilled (`_less_pending`), anything else to the roomiest worker, as without reuse."""
         home = self.home.get(r.request_id)
         if home is None or home not in self.rooms:
-            return room >= best_elsewhere
+            less = self._less_pending(r, index, admitted)
+            return room >= best_elsewhere if less is None else less
         if home == index:
             return room >= best_elsewhere - self.slack
         return self.rooms[home] < room - self.slack and room >= best_elsewhere
+
+    def _less_pending(self, r: Request, index: int, admitted: Sequence[Request]) -> bool | None:
+        """For a prompt with no home and whole blocks to prefill (a group's first request):
+        whether this worker has fewer blocks waiting to be prefilled (counting the ones it
+        admitted in this decision) than the least of the other workers with room; None on a
+        tie, or for a shorter prompt. Room alone would hand a burst's long first prompts to
+        whichever worker decides first, where each new prompt's chunks go before the older
+        ones' (`Worker._prefill`), while another worker has none to prefill."""
+        blocks = self._blocks(r)
+        others = [n for i, n in self.pending.items() if i != index and self.rooms.get(i, -1.0) > 0]
+        if not blocks or not others:
+            return None
+        mine = self.pending.get(index, 0) + sum(self._blocks(a) for a in admitted if a.request_id not in self.home)
+        return None if mine == min(others) else mine < min(others)
+
+    def _blocks(self, r: Request) -> int:
+        return len(r.prompt_ids) // self.block_tokens if self.block_tokens else 0
 
     def waits_elsewhere(self, r: Request, index: int) -> bool:
         """Whether `r` waits for another live worker, the one holding its match: a worker that
@@ -151,7 +176,16 @@ class PrefixCache:
                 home[r.request_id] = producer
             elif match is not None and match.point.place.worker is not None:
                 home[r.request_id] = match.point.place.worker
-        return held, Placement(home, rooms, self.slack)
+        return held, Placement(home, rooms, self.slack, self._pending(rooms), self.index.block_tokens)
+
+    def _pending(self, rooms: dict[int, float]) -> dict[int, int]:
+        """Live worker index -> whole blocks its producers have still to park."""
+        self._sweep_producers()
+        pending = dict.fromkeys(rooms, 0)
+        for _, worker, keys in self._producers.values():
+            if worker in pending:
+                pending[worker] += len(keys)
+        return pending
 
     def admit(self, admitted: list[Request], worker: int) -> tuple[list[tuple[Request, Match]], list[Request]]:
         """Look up each request a plan admits, in order: ((request, match) for the hits, the
