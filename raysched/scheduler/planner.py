@@ -8,7 +8,8 @@ Order of decisions, per call:
 3. resume retracted requests (oldest retraction first) while they fit;
 4. admit waiting requests (FCFS) while they fit and this worker has the most room (or, with
    prefix reuse, is where the request's matched state lies and has room within a slack of the
-   most: `Placement`) — only when no retracted request is waiting, so retracted requests always
+   most, or, for a long prompt with no match, has the fewest blocks waiting to be prefilled:
+   `Placement`) — only when no retracted request is waiting, so retracted requests always
    go first. A request left to the worker holding its match is passed over, not waited behind:
    the ones after it (of its priority) may still start here;
 5. preempt: when the head of the waiting queue is more urgent than some running request here

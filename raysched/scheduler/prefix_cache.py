@@ -12,7 +12,8 @@ Placement: when a waiting request's match lies on worker h and h's room is withi
 the roomiest worker's, h admits it (no transfer); hits are counted by where the point came from
 (same worker, same node, other node). A request whose prompt shares more whole blocks with a
 prompt being prefilled right now than the index holds waits for those blocks' points (`held`)
-instead of prefilling them a second time.
+instead of prefilling them a second time. A request with no home and whole blocks to prefill
+goes where the fewest blocks wait to be prefilled (`Placement.pending`), room breaking ties.
 
 Branch points (`branch_points=True`): at admission each new prompt is added to a radix tree of
 recent prompts on the workers' scan grid (32 tokens on the CPU) (`state_cache.BranchPoints`); where it leaves an
