@@ -857,7 +857,8 @@ def _shared_prefix_requests(p: dict, n: int, shared: int = 64) -> list:
 
 def test_placement_sends_a_request_to_the_worker_holding_its_match_when_loads_are_close() -> None:
     """Worker 1 holds the point; both workers are idle: worker 0 (asked first) leaves the request
-    to worker 1. With worker 1 much fuller than worker 0 (beyond the slack), worker 0 takes it."""
+    to worker 1. With worker 1 much fuller than worker 0 (beyond the slack), worker 0 takes it;
+    so it does while worker 1 is being drained (before, the request waited for the drain's end)."""
     p = parts(ServeConfig(), [FakeWorker(0), FakeWorker(1)])
     index = StateCache(budget_bytes=1 << 20, min_tokens=2, block_tokens=32)
     p["cache"] = p["dispatch"].cache = PrefixCache(index, p["table"], p["counters"], slack=0.25)
@@ -870,6 +871,10 @@ def test_placement_sends_a_request_to_the_worker_holding_its_match_when_loads_ar
     s = _shared_prefix_requests(p, 1)[0]
     w1.view.free_slots = 1  # worker 1: a quarter of its slots free, worker 0: all of them
     assert p["dispatch"].decide(w1).admit == [] and p["dispatch"].decide(w0).admit == [s]
+    w1.view.free_slots = 4
+    p["fleet"].set_draining(w1, True)  # its home is being drained: worker 0 takes it at once
+    t = _shared_prefix_requests(p, 1)[0]
+    assert p["dispatch"].decide(w0).admit == [t]
 
 
 def test_a_request_waiting_for_its_home_worker_does_not_hold_back_the_ones_behind_it() -> None:
@@ -932,6 +937,10 @@ def test_long_prompts_with_no_match_go_where_the_fewest_blocks_wait_to_be_prefil
     w1.view.free_slots = 0  # worker 1 has no room: worker 0 takes it
     p["fleet"].note_room(w1)
     assert start(w0) == [late]
+    w1.view.free_slots = 8
+    p["fleet"].set_draining(w1, True)  # nor is a worker being drained (it takes nothing new)
+    drained = submit(10, 96)
+    assert start(w0) == [drained]
 
 
 def test_requests_sharing_blocks_with_one_being_prefilled_wait_for_its_points() -> None:

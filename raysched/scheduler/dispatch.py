@@ -107,7 +107,7 @@ class Dispatcher:
         elif any(self.fleet.targeted_elsewhere(r, w) for r in retracted):
             retracted = deque(r for r in retracted if not self.fleet.targeted_elsewhere(r, w))
         if waiting and not w.draining and self.cache.index is not None:
-            rooms = {o.index: o.view.room() for o in (w, *self.fleet.others(w))}
+            rooms = {o.index: -1.0 if o.draining else o.view.room() for o in (w, *self.fleet.others(w))}
             held, placement = self.cache.survey(waiting, rooms)
             self.interrupt_for_late_asks(w)
             if held:

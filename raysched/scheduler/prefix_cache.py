@@ -59,7 +59,8 @@ class Placement:
     """Where the next waiting requests' matched points lie; the planner asks `admits_here`."""
 
     home: dict[str, int]  # request id -> index of the worker holding its match (or its producer)
-    rooms: dict[int, float]  # live worker index -> room (fraction of its scarcer pool free)
+    rooms: dict[int, float]  # live worker index -> room (fraction of its scarcer pool free;
+    #   -1.0: draining, it takes nothing new)
     slack: float
     pending: dict[int, int] = field(default_factory=dict)  # live worker index -> whole blocks its
     #   producers (requests prefilling blocks no point holds yet) have still to park
