@@ -85,8 +85,8 @@ class Placement:
         whether this worker has fewer blocks waiting to be prefilled (counting the ones it
         admitted in this decision) than the least of the other workers with room; None on a
         tie, or for a shorter prompt. Room alone would hand a burst's long first prompts to
-        whichever worker decides first, where each new prompt's chunks go before the older
-        ones' (`Worker._prefill`), while another worker has none to prefill."""
+        whichever worker decides first (rooms are equal at the start), which then prefills them
+        one after another while another worker has none to prefill."""
         blocks = self._blocks(r)
         others = [n for i, n in self.pending.items() if i != index and self.rooms.get(i, -1.0) > 0]
         if not blocks or not others:
