@@ -912,9 +912,9 @@ def test_long_prompts_with_no_match_go_where_the_fewest_blocks_wait_to_be_prefil
     """A burst of four long prompts (three whole blocks each, nothing parked) on two equally
     roomy workers: a worker takes one while it has fewer blocks still to prefill than the
     other, and on a tie goes by room: 1, 2, 1 (2:2; by room alone, worker 0, deciding first,
-    takes all four and prefills them one after another while worker 1 idles). Controls: a burst of short prompts (no
-    whole block) still goes by room, all to the worker deciding first; a worker with no room
-    is not one to leave a long prompt to."""
+    takes all four and prefills them one after another while worker 1 idles). Controls: a
+    burst of short prompts (no whole block) still goes by room, all to the worker deciding
+    first; a worker with no room, or one being drained, is not one to leave a long prompt to."""
     p = parts(ServeConfig(), [FakeWorker(0, kv=4096, slots=8), FakeWorker(1, kv=4096, slots=8)])
     index = StateCache(budget_bytes=1 << 20, min_tokens=2, block_tokens=32)
     p["cache"] = p["dispatch"].cache = PrefixCache(index, p["table"], p["counters"])

@@ -65,6 +65,8 @@ class Placement:
     pending: dict[int, int] = field(default_factory=dict)  # live worker index -> whole blocks its
     #   producers (requests prefilling blocks no point holds yet) have still to park
     block_tokens: int = 0
+    _least: dict[int, int | None] = field(default_factory=dict)  # index -> least `pending` among the
+    #   other workers with room (worked out once per decision, not once per waiting request)
 
     def admits_here(self, r: Request, index: int, room: float, best_elsewhere: float,
                     admitted: Sequence[Request] = ()) -> bool:
@@ -87,12 +89,16 @@ class Placement:
         tie, or for a shorter prompt. Room alone would hand a burst's long first prompts to
         whichever worker decides first (rooms are equal at the start), which then prefills them
         one after another while another worker has none to prefill."""
-        blocks = self._blocks(r)
-        others = [n for i, n in self.pending.items() if i != index and self.rooms.get(i, -1.0) > 0]
-        if not blocks or not others:
+        if not self._blocks(r):
+            return None
+        if index not in self._least:
+            self._least[index] = min((n for i, n in self.pending.items()
+                                      if i != index and self.rooms.get(i, -1.0) > 0), default=None)
+        least = self._least[index]
+        if least is None:
             return None
         mine = self.pending.get(index, 0) + sum(self._blocks(a) for a in admitted if a.request_id not in self.home)
-        return None if mine == min(others) else mine < min(others)
+        return None if mine == least else mine < least
 
     def _blocks(self, r: Request) -> int:
         return len(r.prompt_ids) // self.block_tokens if self.block_tokens else 0
