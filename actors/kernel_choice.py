@@ -197,7 +197,7 @@ def _runner(name: str, w: Tensor, min_rows: int) -> Callable[[Tensor], Tensor]:
     """x (M, in) -> (M, out) on candidate `name` (MKL: calls padded to `min_rows` rows)."""
     if name.startswith("rowdot "):
         lib = rowdot.library(name.split(" ", 1)[1])
-        return lambda x: rowdot.linear(x, w, None, lib)
+        return rowdot.product(w, None, lib)
     from actors.model import PACK_ROWS, _packed_call
 
     packed = torch.ops.mkl._mkl_reorder_linear_weight(w, PACK_ROWS)

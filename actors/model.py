@@ -156,18 +156,28 @@ class TiledLinear:
         #   rows all belong to one sequence's chunk, needs no invariance across row counts)
         self.phase = "decode" if max_rows is not None and max_rows <= MAX_CALL_ROWS else "prefill"
         self._packed = packs if packs is not None else {}  # id(weight) -> (weight, packed)
-        self._plans: dict[int, tuple] = {}  # id(weight) -> (weight, bias, key, run): see __call__
+        self._plans: dict[int, tuple] = {}  # id(weight) -> (weight, bias, x's dtype, run): see __call__
+        self._context = (torch.get_num_threads(), os.environ.get(kernel_choice.ENV_FORCE))  # see refresh
 
     def __call__(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         """x (M, in) -> (M, out), contiguous. The path is worked out once per weight (`_plan`)
-        and again only when what it depends on changes (x's dtype and device, torch's thread
-        count, a kernel forced in the environment, the bias): a decode step makes ~45 of these
-        calls, and working the path out each time cost more than a batch-1 product."""
-        key = (x.dtype, x.device, torch.get_num_threads(), os.environ.get(kernel_choice.ENV_FORCE))
+        and again when x's dtype or the bias changes, or after `refresh` found what every path
+        depends on changed: a decode step makes ~45 of these calls, and working the path out
+        each time cost more than a batch-1 product."""
         plan = self._plans.get(id(weight))
-        if plan is None or plan[0] is not weight or plan[1] is not bias or plan[2] != key:
-            plan = self._plans[id(weight)] = (weight, bias, key, self._plan(x, weight, bias))
+        if plan is None or plan[0] is not weight or plan[1] is not bias or plan[2] is not x.dtype:
+            plan = self._plans[id(weight)] = (weight, bias, x.dtype, self._plan(x, weight, bias))
         return plan[3](x)
+
+    def refresh(self) -> TiledLinear:
+        """Forgets every path if torch's thread count or the kernel forced in the environment
+        (`RAYSCHED_KERNEL`) changed since the paths were worked out; once per forward
+        (`HybridLM._tiled`), not once per product (reading the environment costs ~1 µs)."""
+        context = (torch.get_num_threads(), os.environ.get(kernel_choice.ENV_FORCE))
+        if context != self._context:
+            self._plans.clear()
+            self._context = context
+        return self
 
     def _plan(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Callable[[Tensor], Tensor]:
         """How products of this weight with inputs like x run: x (M, in) -> (M, out)."""
@@ -177,7 +187,7 @@ class TiledLinear:
                 build = kernel[7:]
                 _ROWDOT_SHAPES[(*weight.shape, self.phase)] = build
                 lib = rowdot.library(build)
-                return lambda x: rowdot.linear(x, weight, bias, lib)  # (M, out): row-free, any M
+                return rowdot.product(weight, bias, lib)  # (M, out): row-free, any M
         call, max_rows = self._row_free_call(x, weight, bias), self.max_rows
         if call is None:
             return lambda x: self._tiles(x, weight, bias)
@@ -604,7 +614,7 @@ class HybridLM(nn.Module):
         if lin is None:
             lin = self._linears[key] = TiledLinear(tile, pack, self._packs, max_rows, native=self.rowdot,
                                                    kernel=self.linear_kernel)
-        return lin
+        return lin.refresh()
 
     def _embed(self, input_ids: Tensor) -> Tensor:
         """(T,) -> (T, hidden), times Granite's embedding multiplier."""

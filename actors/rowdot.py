@@ -45,6 +45,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -107,16 +108,34 @@ def library(build: str):
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None, lib=None) -> Tensor:
     """x (M, in) @ weight (out, in)^T + bias (out,) -> (M, out), fp32 on the CPU (`lib`: a build
     from `load`, default this process's)."""
+    return product(weight, bias, lib)(x)
+
+
+def product(weight: Tensor, bias: Tensor | None, lib=None) -> Callable[[Tensor], Tensor]:
+    """`linear` with this weight and bias, x (M, in) -> (M, out): what depends on the weight alone
+    (its checks, its shape, the build) is worked out here, once, so that a call costs little more
+    than the C call (a decode step makes ~45 of them, at batch 1 each a few microseconds)."""
     lib = _lib(lib)
-    x, weight = x.contiguous(), weight.contiguous()
+    weight = weight.contiguous()
     bias = bias.contiguous() if bias is not None else None
-    M, K = x.shape
-    N = weight.shape[0]
-    if weight.shape[1] != K:
-        raise ValueError(f"rowdot: x has {K} columns, the weight {weight.shape[1]}")
-    y = torch.empty(M, N, dtype=torch.float32)
-    _in_parts(N, M * N * K >= SPLIT_MACS, lambda j0, j1: _call(lib, x, weight, bias, y, j0, j1), align=8)
-    return y
+    N, K = weight.shape
+    if bias is not None and bias.shape != (N,):
+        raise ValueError(f"rowdot: the bias has shape {tuple(bias.shape)}, the weight {N} rows")
+    run = lib.rowdot_linear
+
+    def call(x: Tensor) -> Tensor:  # (M, K) -> (M, N)
+        if x.dtype != torch.float32 or not x.is_cpu or x.dim() != 2 or x.shape[1] != K:
+            raise ValueError(f"rowdot: x must be (M, {K}) fp32 on the CPU, got {tuple(x.shape)} {x.dtype} "
+                             f"on {x.device}")
+        x = x.contiguous()
+        M = x.shape[0]
+        y = torch.empty(M, N, dtype=torch.float32)
+        if M * N * K >= SPLIT_MACS and torch.get_num_threads() > 1:
+            _in_parts(N, True, lambda j0, j1: _call(lib, x, weight, bias, y, j0, j1), align=8)
+        else:
+            run(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(), M, N, K, N)
+        return y
+    return call
 
 
 def ssd_update(state: Tensor, slots: Tensor, decay: Tensor, xdt: Tensor, B: Tensor, C: Tensor,

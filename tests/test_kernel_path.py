@@ -19,6 +19,7 @@ from actors import kernel_choice
 from actors.batch import ForwardBatch
 from actors.cpu_info import describe, gemm_fingerprint
 from actors.mamba import causal_conv_step, ssd_step
+from actors.presets import load_preset
 from actors.model import MAX_CALL_ROWS, PROBE_ROWS, TiledLinear, _fewest_free_rows, _packed_call, _probe_min_rows, kernel_paths
 
 OUT, IN, TILE = 96, 64, 16
@@ -152,16 +153,25 @@ def test_the_kernel_chosen_for_the_shape_and_phase_is_the_one_that_runs(tile, ma
 
 def test_a_kept_path_follows_a_kernel_forced_later_and_a_new_bias(monkeypatch):
     """`TiledLinear` works a weight's path out once and keeps it; a kernel forced in the
-    environment afterwards (`RAYSCHED_KERNEL`), or another bias, must still take effect. Each
+    environment afterwards (`RAYSCHED_KERNEL`) must take effect from the next forward (the model
+    calls `refresh` once per forward, `HybridLM._tiled`), and another bias at once. Each
     candidate's bits differ on these rows (the test above), so equality names the kernel."""
     names = kernel_choice.candidates()
     if len(names) < 2:
         pytest.skip(f"one candidate here ({names}): nothing to switch to")
     x, w, b = _inputs(5)
     linear = TiledLinear(TILE)
-    linear(x, w, b)
+    kept = linear(x, w, b)
     for name in names:
         monkeypatch.setenv(kernel_choice.ENV_FORCE, name)
-        assert torch.equal(linear(x, w, b), TiledLinear(TILE, kernel=name)(x, w, b)), name
+        assert torch.equal(linear.refresh()(x, w, b), TiledLinear(TILE, kernel=name)(x, w, b)), name
+    monkeypatch.delenv(kernel_choice.ENV_FORCE)
+    model, _ = load_preset("tiny", torch.float32, "cpu")
+    kernels = model.decode_kernels()
+    before = kernels.linear(x, w, b)
+    for name in names:
+        monkeypatch.setenv(kernel_choice.ENV_FORCE, name)
+        assert torch.equal(model.decode_kernels().linear(x, w, b), TiledLinear(TILE, kernel=name)(x, w, b)), name
+    assert torch.equal(before, kept)
     other = b + 1.0
     assert torch.equal(linear(x, w, other), TiledLinear(TILE, kernel=names[-1])(x, w, other))

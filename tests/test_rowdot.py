@@ -72,6 +72,19 @@ def test_a_call_split_among_threads_gives_the_same_bits():
         torch.set_num_threads(threads)
 
 
+def test_an_input_the_kernel_cannot_read_is_refused_before_the_c_call():
+    """The kernel reads raw pointers: an x of another width or dtype would be read out of bounds
+    or as the wrong numbers. `product` checks the weight once and each x on every call."""
+    x, w, b = _inputs(8, 16)
+    run = rowdot.product(w, b)
+    assert torch.equal(run(x), rowdot.linear(x, w, b))
+    for bad in (x[:, :12], x.to(torch.bfloat16), x[0], x.double()):
+        with pytest.raises(ValueError, match=r"rowdot: x must be \(M, 16\) fp32 on the CPU"):
+            run(bad)
+    with pytest.raises(ValueError, match=r"rowdot: the bias has shape \(7,\), the weight 8 rows"):
+        rowdot.product(w, b[:7])
+
+
 def test_negative_control_the_builds_round_differently_and_the_check_sees_it():
     if rowdot.variant() == "portable":
         pytest.skip("this CPU runs the portable build: no second build to tell apart")
