@@ -114,14 +114,14 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None, lib=None) -> Tensor:
 def product(weight: Tensor, bias: Tensor | None, lib=None) -> Callable[[Tensor], Tensor]:
     """`linear` with this weight and bias, x (M, in) -> (M, out): what depends on the weight alone
     (its checks, its shape, the build) is worked out here, once, so that a call costs little more
-    than the C call (a decode step makes ~45 of them, at batch 1 each a few microseconds)."""
+    than the C call (a decode step makes ~45 of them, at batch 1 each a few microseconds). The
+    weight is read in place on every call (a copy, kept, only where it is not contiguous)."""
     lib = _lib(lib)
     weight = weight.contiguous()
     bias = bias.contiguous() if bias is not None else None
     N, K = weight.shape
     if bias is not None and bias.shape != (N,):
         raise ValueError(f"rowdot: the bias has shape {tuple(bias.shape)}, the weight {N} rows")
-    run = lib.rowdot_linear
 
     def call(x: Tensor) -> Tensor:  # (M, K) -> (M, N)
         if x.dtype != torch.float32 or not x.is_cpu or x.dim() != 2 or x.shape[1] != K:
@@ -133,7 +133,7 @@ def product(weight: Tensor, bias: Tensor | None, lib=None) -> Callable[[Tensor],
         if M * N * K >= SPLIT_MACS and torch.get_num_threads() > 1:
             _in_parts(N, True, lambda j0, j1: _call(lib, x, weight, bias, y, j0, j1), align=8)
         else:
-            run(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(), M, N, K, N)
+            _call(lib, x, weight, bias, y, 0, N)  # one thread: no pool, no closure
         return y
     return call
 
