@@ -122,6 +122,7 @@ def product(weight: Tensor, bias: Tensor | None, lib=None) -> Callable[[Tensor],
     N, K = weight.shape
     if bias is not None and bias.shape != (N,):
         raise ValueError(f"rowdot: the bias has shape {tuple(bias.shape)}, the weight {N} rows")
+    run = lib.rowdot_linear
 
     def call(x: Tensor) -> Tensor:  # (M, K) -> (M, N)
         if x.dtype != torch.float32 or not x.is_cpu or x.dim() != 2 or x.shape[1] != K:
@@ -130,10 +131,11 @@ def product(weight: Tensor, bias: Tensor | None, lib=None) -> Callable[[Tensor],
         x = x.contiguous()
         M = x.shape[0]
         y = torch.empty(M, N, dtype=torch.float32)
+        args = (run, x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(), M, N, K)
         if M * N * K >= SPLIT_MACS and torch.get_num_threads() > 1:
-            _in_parts(N, True, lambda j0, j1: _call(lib, x, weight, bias, y, j0, j1), align=8)
+            _in_parts(N, True, lambda j0, j1: _columns(*args, j0, j1), align=8)
         else:
-            _call(lib, x, weight, bias, y, 0, N)  # one thread: no pool, no closure
+            _columns(*args, 0, N)  # one thread: no pool, no closure
         return y
     return call
 
@@ -300,13 +302,10 @@ def _check_slots(slots: Tensor, rows: int, pool: int, what: str) -> bool:
     return True
 
 
-def _call(lib, x: Tensor, w: Tensor, bias: Tensor | None, y: Tensor, j0: int, j1: int) -> None:
-    """Columns [j0, j1) of y (M, N)."""
-    M, K = x.shape
-    N = y.shape[1]
-    lib.rowdot_linear(x.data_ptr(), w.data_ptr() + j0 * K * 4,
-                      None if bias is None else bias.data_ptr() + j0 * 4,
-                      y.data_ptr() + j0 * 4, M, j1 - j0, K, N)
+def _columns(run, x: int, w: int, bias: int | None, y: int, M: int, N: int, K: int, j0: int, j1: int) -> None:
+    """Columns [j0, j1) of y (M, N) = x (M, K) @ w (N, K)^T + bias (N,), all fp32 contiguous,
+    given by their data pointers (`run`: a build's `rowdot_linear`)."""
+    run(x, w + j0 * K * 4, None if bias is None else bias + j0 * 4, y + j0 * 4, M, j1 - j0, K, N)
 
 
 @functools.cache
