@@ -157,7 +157,7 @@ class TiledLinear:
         self.phase = "decode" if max_rows is not None and max_rows <= MAX_CALL_ROWS else "prefill"
         self._packed = packs if packs is not None else {}  # id(weight) -> (weight, packed)
         self._plans: dict[int, tuple] = {}  # id(weight) -> (weight, bias, x's dtype, run): see __call__
-        self._context = (torch.get_num_threads(), os.environ.get(kernel_choice.ENV_FORCE))  # see refresh
+        self._context = _paths_context()  # see refresh
 
     def __call__(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         """x (M, in) -> (M, out), contiguous. The path is worked out once per weight (`_plan`)
@@ -173,7 +173,7 @@ class TiledLinear:
         """Forgets every path if torch's thread count or the kernel forced in the environment
         (`RAYSCHED_KERNEL`) changed since the paths were worked out; once per forward
         (`HybridLM._tiled`), not once per product (reading the environment costs ~1 µs)."""
-        context = (torch.get_num_threads(), os.environ.get(kernel_choice.ENV_FORCE))
+        context = _paths_context()
         if context != self._context:
             self._plans.clear()
             self._context = context
@@ -240,6 +240,12 @@ class TiledLinear:
         """Fewest rows of a row-free call of this weight's shape in `dtype`, on the packed path
         or the plain one; None: use tiles."""
         return probed_min_rows(weight.shape[0], weight.shape[1], self.tile, dtype, packed)
+
+
+def _paths_context() -> tuple[int, str | None]:
+    """What every kept `TiledLinear` path depends on besides its weight, bias and x's dtype:
+    torch's thread count and the kernel forced in the environment."""
+    return torch.get_num_threads(), os.environ.get(kernel_choice.ENV_FORCE)
 
 
 def probed_min_rows(out_features: int, in_features: int, tile: int, dtype: torch.dtype = torch.float32,

@@ -253,7 +253,7 @@ def _take_admissions(view: WorkerView, waiting: deque[Request], plan: Decision, 
 
 
 def _admits_here(r: Request, view: WorkerView, room: float, best_elsewhere: float,
-                 placement: Placement | None, admitted: list[Request]) -> bool:
+                 placement: Placement | None, admitted: Sequence[Request]) -> bool:
     """Does this worker take `r`, or another one: with more room, or where `r`'s state lies
     (or, for a long prompt with no match, with less prefill waiting)?"""
     if placement is None:

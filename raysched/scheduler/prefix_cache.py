@@ -62,8 +62,9 @@ class Placement:
     rooms: dict[int, float]  # live worker index -> room (fraction of its scarcer pool free;
     #   -1.0: draining, it takes nothing new)
     slack: float
-    pending: dict[int, int] = field(default_factory=dict)  # live worker index -> whole blocks its
-    #   producers (requests prefilling blocks no point holds yet) have still to park
+    pending: dict[int, int] = field(default_factory=dict)  # live worker index -> whole blocks of the
+    #   prompts its producers (requests prefilling blocks no point holds yet) are prefilling, each
+    #   producer's counted whole until its prefill ends
     block_tokens: int = 0
     _least: dict[int, int | None] = field(default_factory=dict)  # index -> least `pending` among the
     #   other workers with room (worked out once per decision, not once per waiting request)
@@ -187,7 +188,8 @@ class PrefixCache:
         return held, Placement(home, rooms, self.slack, self._pending(rooms), self.index.block_tokens)
 
     def _pending(self, rooms: dict[int, float]) -> dict[int, int]:
-        """Live worker index -> whole blocks its producers have still to park."""
+        """Live worker index -> whole blocks of the prompts its producers are prefilling (a
+        producer's blocks count until its prefill ends: the scheduler sees no progress within it)."""
         self._sweep_producers()
         pending = dict.fromkeys(rooms, 0)
         for _, worker, keys in self._producers.values():
