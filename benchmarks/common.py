@@ -291,7 +291,9 @@ def warm_up(client: Any, workers: int = 2) -> None:
 # ---------------------------------------------------------------------------- streams
 class Recorder:
     """One request streamed on its own thread: its tokens, when each arrived at the client
-    (`time.perf_counter`), when it was submitted and ended, and any error it raised."""
+    (`time.perf_counter`), when it was submitted and ended, and any error it raised. Submitted
+    as a streaming client submits (`stream=True`): each decode step's tokens come as the step
+    completes from its first call on, not the first call's all at once."""
 
     def __init__(self, client: Any, prompt: list[int], sampling: dict) -> None:
         import threading
@@ -302,7 +304,7 @@ class Recorder:
         self.submitted = time.perf_counter()
         self.ended: float | None = None
         self.record: dict = {}
-        self._handle = client.submit(prompt, sampling)
+        self._handle = client.submit(prompt, sampling, stream=True)
         self._thread = threading.Thread(target=self._read, daemon=True)
         self._thread.start()
 
@@ -319,6 +321,9 @@ class Recorder:
     @property
     def request_id(self) -> str:
         return self._handle.request_id
+
+    def abort(self) -> None:
+        self._handle.abort()
 
     def join(self, timeout: float = 900.0) -> None:
         self._thread.join(timeout)

@@ -89,12 +89,19 @@ def main(out_dir: Path = Path("bench-out"), quick: bool = False) -> dict:
     return report(out_dir, "drain", result, _print, _figure)
 
 
+WARM_BUDGET = 1500  # tokens: within every setup's pool (2,048 K/V tokens at least) with its 32-token prompt
+
+
 def warm_with_a_migration(client: Any) -> None:
-    """A short request per worker, and one live migration (its first call pays lazy set-up)."""
+    """A short request per worker, and one live migration (its first call pays lazy set-up).
+    The moved request's budget is far beyond what one worker call decodes, so it still runs when
+    the move comes (with 200, a long first call could leave it ending before the move); it is
+    aborted once moved."""
     warm_up(client)
-    rec = Recorder(client, [3] * 32, {"max_new_tokens": 200})  # still decoding when the move comes
+    rec = Recorder(client, [3] * 32, {"max_new_tokens": WARM_BUDGET})
     wait_for_tokens([rec], 4)
     client.migrate(rec.request_id)
+    rec.abort()
     rec.join()
 
 
