@@ -3,7 +3,8 @@
 Series (all prefixed ``raysched_``): per-worker pool occupancy (KV tokens used fraction, Mamba
 slots used), requests running / waiting / retracted, and cumulative counters from the scheduler
 (requests, tokens, retractions, resumes, migrations, snapshot bytes, worker failures, hand-overs and
-their bytes, prefill tokens by worker role), each worker's role and the hand-over latency p50/p99, read from
+their bytes, prefill tokens by worker role, prefix reuse: hits by kind, misses, cached tokens,
+evictions, bytes parked), each worker's role and the hand-over latency p50/p99, read from
 `Scheduler.stats()` at scrape time; plus TTFT and end-to-end latency histograms of the requests
 this server answered (the scheduler's own timings), and client disconnects: requests this server
 aborted because the HTTP client left before they ended (a part of `requests_aborted`; a client
@@ -33,7 +34,12 @@ COUNTERS = {  # scheduler stats key -> (series name, help)
     "worker_failures": ("worker_failures", "worker calls that failed"),
     "handovers": ("handovers", "prefilled requests handed from a prefill worker to a decode worker"),
     "handover_bytes": ("handover_bytes", "bytes of hand-over snapshots"),
+    "state_cache_misses": ("prefix_cache_misses", "admissions that prefilled their whole prompt (prefix reuse on)"),
+    "state_cache_tokens_reused": ("prefix_cached_tokens", "prompt tokens restored from a parked prefix, not prefilled"),
+    "state_cache_evictions": ("prefix_cache_evictions", "parked prefix points evicted"),
 }
+HIT_KINDS = ("chunk", "prompt", "finished")  # where a restored point lay: a chunk boundary of a
+#   shared prefix, a prompt's end, a finished turn (`state_cache_hits_<kind>` in the stats)
 
 
 class ServeMetrics:
@@ -88,6 +94,7 @@ class ServeMetrics:
                                   "requests aborted because the HTTP client left before they ended",
                                   value=self.disconnects)
         yield GaugeMetricFamily("raysched_workers_alive", "live worker actors", value=s.get("workers_alive", 0))
+        yield from _prefix_series(s)
         yield from _role_series(s)
 
     def _pool_gauges(self, s: dict):
@@ -102,6 +109,17 @@ class ServeMetrics:
             mamba.add_metric([str(w["worker"])], slots_total - w["free_slots"])
         yield kv
         yield mamba
+
+
+def _prefix_series(s: dict):
+    """Prefix reuse: hits by the kind of point restored, and the bytes parked now."""
+    hits = CounterMetricFamily("raysched_prefix_cache_hits", "admissions that restored a parked prefix, by kind",
+                               labels=["kind"])
+    for kind in HIT_KINDS:
+        hits.add_metric([kind], s.get(f"state_cache_hits_{kind}", 0))
+    yield hits
+    yield GaugeMetricFamily("raysched_prefix_cache_bytes", "bytes of parked prefixes (K/V blocks and states)",
+                            value=s.get("state_cache_bytes", 0))
 
 
 def _role_series(s: dict):

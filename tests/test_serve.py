@@ -243,8 +243,9 @@ def test_the_same_prompt_sent_again_reports_all_but_its_last_grid_block_cached(r
     """The same 300-token prompt twice, one after the other (nothing shares it while it runs):
     the first parks its prompt point at its last 32-token grid point (288), so the second
     restores 288 tokens and answers with the same tokens. Control: the prompt with another
-    first token shares nothing parked and reports none."""
-    api = running.openai()
+    first token shares nothing parked and reports none. `/metrics` counts what the answers
+    report: one hit, two misses, 288 cached tokens."""
+    api, before = running.openai(), _prefix_metrics(running)
     rng = random.Random(7)
     ids = [rng.randrange(1, 500) for _ in range(300)]
     ask = lambda p: api.completions.create(model="tiny", prompt=p, max_tokens=6, temperature=0,  # noqa: E731
@@ -255,6 +256,16 @@ def test_the_same_prompt_sent_again_reports_all_but_its_last_grid_block_cached(r
     assert second.choices[0].token_ids == first.choices[0].token_ids  # type: ignore[attr-defined]
     other = ask([ids[0] + 1] + ids[1:])
     assert other.usage.prompt_tokens_details.cached_tokens == 0, other.usage
+    after = _prefix_metrics(running)
+    assert {k: after[k] - before[k] for k in after} == {"hits": 1, "misses": 2, "cached_tokens": 288}, (before, after)
+
+
+def _prefix_metrics(running: Running) -> dict[str, float]:
+    """The prefix-reuse counters of `/metrics`: hits (all kinds), misses, cached tokens."""
+    lines = httpx.get(f"{running.open_url}/metrics", timeout=60).text.splitlines()
+    value = lambda prefix: sum(float(ln.split()[-1]) for ln in lines if ln.startswith(prefix))  # noqa: E731
+    return {"hits": value("raysched_prefix_cache_hits_total{"), "misses": value("raysched_prefix_cache_misses_total "),
+            "cached_tokens": value("raysched_prefix_cached_tokens_total ")}
 
 
 def test_stop_string_cuts_text_and_ends_early(running: Running) -> None:
