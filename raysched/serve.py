@@ -119,6 +119,17 @@ def _quiet_future(ref: Any) -> asyncio.Future:
     return future
 
 
+async def _await_call(ref: Any, timeout: float | None) -> Any:
+    """Await a Ray call from a handler. Ray cancels the calls of a handler whose client left
+    (Serve cancels the handler, and with it the tasks it started): such a call raises
+    TaskCancelledError, here a cancellation of the handler, as it is (a handler that ended with
+    that error would leave "Task exception was never retrieved" and a traceback in the log)."""
+    try:
+        return await asyncio.wait_for(_quiet_future(ref), timeout)
+    except ray.exceptions.TaskCancelledError:
+        raise asyncio.CancelledError() from None
+
+
 def _sse(data: dict) -> str:
     return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
 
@@ -239,7 +250,7 @@ class OpenAIServer:
         if tokens or done:
             return tokens, done
         try:
-            status = await asyncio.wait_for(_quiet_future(self.scheduler.status.remote(rid)), STATUS_WAIT_S)
+            status = await _await_call(self.scheduler.status.remote(rid), STATUS_WAIT_S)
         except asyncio.TimeoutError:
             return [], False  # busy: the workers send on regardless
         except ray.exceptions.RayActorError:
@@ -301,9 +312,7 @@ class OpenAIServer:
         """Await a scheduler call: a rejected request is a 400 (in the HTTP names of `req`'s
         fields), a dead scheduler a 503."""
         try:
-            return await asyncio.wait_for(_quiet_future(ref), timeout)
-        except ray.exceptions.TaskCancelledError:  # Serve cancelled the call: this request's client left
-            raise asyncio.CancelledError() from None  # a cancelled handler, not a failed one (no traceback)
+            return await _await_call(ref, timeout)
         except ray.exceptions.RayActorError:
             self._refresh()
             raise APIError(503, f"the raysched scheduler {self.scheduler_name!r} is gone") from None

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import contextvars
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -289,7 +290,9 @@ class AsyncSinkReader:
         if self.mirror.open(rid):
             self.sink.poke.remote()
         if self._task is None or (self._task.done() and self._error is None):  # (ended by a bug: again)
-            self._task = loop.create_task(self._run())
+            # in a context of its own: made in a handler's, its polls would be that request's
+            # calls, which Ray cancels when the request's client leaves (every stream's poll)
+            self._task = loop.create_task(self._run(), context=contextvars.Context())
         self._waiting += 1
         self._wanted.set()
         try:

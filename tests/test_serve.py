@@ -448,6 +448,35 @@ def test_client_disconnect_aborts_and_frees_slots(running: Running) -> None:
         time.sleep(0.25)
 
 
+def test_the_first_stream_of_a_replica_leaving_does_not_end_the_others(running: Running) -> None:
+    """A replica reads every stream from its sink in one poll task, started by the first stream
+    it serves. Ray cancels the calls a request made when its client leaves: made in that first
+    handler's context, the poll was such a call, and its cancellation failed every stream of the
+    replica from then on (found with a guidellm-like burst: 48 streams, their clients leaving
+    together). A fresh app (a replica whose reader is not started): its first stream is read for
+    one chunk and dropped (its request is aborted: the leave was seen), then another streams to
+    its end with the uncached in-process tokens, and the log has no 'never retrieved' report."""
+    from ray import serve
+
+    aborted, unretrieved = running.client.stats()["aborted"], _unretrieved_in_logs()
+    deploy_app(NAME, api_key=None, app_name="fresh", route_prefix="/fresh")
+    try:
+        leaving = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 4000, "ignore_eos": True, "stream": True}
+        with httpx.Client(base_url=f"{running.server.url}/fresh", timeout=120) as http:
+            with http.stream("POST", "/v1/completions", json=leaving) as r:
+                assert next(r.iter_lines()).startswith("data: ")
+        wait_until(lambda: running.client.stats()["aborted"] == aborted + 1, 60, "the dropped stream's abort")
+        api = openai.AsyncOpenAI(base_url=f"{running.server.url}/fresh/v1", api_key="x", max_retries=0, timeout=120)
+        sp = SamplingParams(max_new_tokens=24)
+        got = asyncio.run(stream_token_ids(api, "tiny", [5, 6, 7], sp))
+        assert got == reference_tokens("tiny", [[5, 6, 7]], [sp])[0]
+        time.sleep(UNRETRIEVED_WINDOW_S)  # a report reaches the log when its task is collected
+        assert _unretrieved_in_logs() == unretrieved
+    finally:
+        serve.delete("fresh")
+    _wait_idle(running.client)
+
+
 def test_abort_with_forget_leaves_no_record_behind(running: Running) -> None:
     """What the HTTP handler sends when its client goes away: the request ends and leaves the
     live tables at once, though nobody reads it; a plain abort (the control) keeps it there
