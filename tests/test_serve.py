@@ -617,6 +617,35 @@ def test_a_call_abandoned_by_a_cancelled_handler_logs_nothing(quiet: bool) -> No
     assert reported == ([] if quiet else ["Future exception was never retrieved"])
 
 
+@pytest.mark.parametrize("error", [ray.exceptions.TaskCancelledError, ray.exceptions.RayActorError])
+def test_a_handler_call_that_ray_cancelled_cancels_the_handler(error: type) -> None:
+    """Every call a handler awaits (a quiet stream's status call too) goes through `_await_call`:
+    Ray's TaskCancelledError (the handler's client left) becomes the handler's cancellation, not
+    an error that ends its task in a logged traceback. Control: a dead scheduler's RayActorError
+    stays what it is (the handler answers it with a 503)."""
+    import concurrent.futures
+
+    from raysched.serve import _await_call
+
+    class Ref:  # what _await_call uses of an ObjectRef
+        def __init__(self) -> None:
+            self.fut: concurrent.futures.Future = concurrent.futures.Future()
+            self.fut.set_exception(error())
+
+        def future(self) -> concurrent.futures.Future:
+            return self.fut
+
+    async def run() -> BaseException:
+        try:
+            await _await_call(Ref(), 5)
+        except BaseException as err:  # noqa: BLE001 - what it raised is the point
+            return err
+        raise AssertionError("no error")
+
+    raised = asyncio.run(run())
+    assert type(raised) is (asyncio.CancelledError if error is ray.exceptions.TaskCancelledError else error), raised
+
+
 def test_bench_serve_measures_both_sides_with_equal_tokens(running: Running) -> None:
     """`raysched bench serve`'s measuring functions, on this module's server (its own smoke run,
     which starts another Serve, is behind the serve_slow marker)."""
