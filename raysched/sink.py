@@ -27,10 +27,11 @@ from __future__ import annotations
 
 import asyncio
 import atexit
-import contextvars
 import threading
 from dataclasses import dataclass, field
 from typing import Any
+
+from raysched.background import detached_task
 
 FORGOTTEN_KEPT = 4096
 POLL_WAIT_S = 1.0  # a `SinkReader`'s call waits this long for news before it asks again
@@ -290,9 +291,8 @@ class AsyncSinkReader:
         if self.mirror.open(rid):
             self.sink.poke.remote()
         if self._task is None or (self._task.done() and self._error is None):  # (ended by a bug: again)
-            # in a context of its own: made in a handler's, its polls would be that request's
-            # calls, which Ray cancels when the request's client leaves (every stream's poll)
-            self._task = loop.create_task(self._run(), context=contextvars.Context())
+            self._task = detached_task(self._run())  # not the first handler's: its polls would be
+            #   that request's calls, cancelled when its client leaves (every stream's poll)
         self._waiting += 1
         self._wanted.set()
         try:

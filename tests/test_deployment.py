@@ -7,6 +7,8 @@
 - Unnamed launches still share one cluster side by side.
 - `raysched start` (a separate driver process that exits) leaves a detached scheduler that
   `raysched status` describes and `raysched stop` ends together with its workers.
+- A start whose caller cancels it (recursively, as Serve cancels the call of a handler whose
+  client left) still brings the scheduler up.
 """
 
 from __future__ import annotations
@@ -164,3 +166,34 @@ def test_cli_scale_and_drain_a_detached_scheduler(cluster: str, tmp_path) -> Non
     finally:
         run("stop")
     wait_until(lambda: _gone("t-scale"), 30, "the detached scheduler to go away")
+
+
+def test_a_start_its_caller_cancelled_still_brings_the_scheduler_up(cluster: str, reference: list[list[int]]) -> None:
+    """A restarted scheduler starts its workers on its first submit, which may be an HTTP
+    handler's call; when that handler's client leaves, Serve cancels the call recursively. The
+    start went on in a task made from that call, whose calls to the workers Ray then cancelled
+    too: the start ended with TaskCancelledError and every later submit raised it. Here the
+    creator's `start` call is cancelled once both worker actors exist (the start awaits them):
+    a second `start` returns both workers, the requests get the reference tokens and no worker
+    call failed. Control: the cancelled call itself raises TaskCancelledError (the cancel
+    landed while it ran)."""
+    from raysched.config import load_serve_config
+    from raysched.deployment import scheduler_options
+    from raysched.scheduler import Scheduler
+
+    sched = ray.remote(Scheduler).options(**scheduler_options(None, False, 0)).remote(
+        load_serve_config({**CONFIG, "workers": 2}))
+    try:
+        first = sched.start.remote()
+        wait_until(lambda: len(alive_actors("Worker")) >= 2, 60, "both worker actors to exist")
+        ray.cancel(first, recursive=True)
+        with pytest.raises(ray.exceptions.TaskCancelledError):
+            ray.get(first, timeout=60)
+        assert len(ray.get(sched.start.remote(), timeout=120)) == 2
+        rids = [ray.get(sched.submit.remote(p, sp.to_dict())) for p, sp in zip(PROMPTS, PARAMS)]
+        assert [ray.get(sched.wait.remote(r), timeout=120)["token_ids"] for r in rids] == reference
+        assert ray.get(sched.stats.remote())["worker_failures"] == 0
+    finally:
+        ray.get(sched.shutdown.remote(), timeout=60)
+        ray.kill(sched, no_restart=True)
+    wait_for_no_workers()

@@ -29,6 +29,7 @@ from typing import Any
 
 import ray
 
+from raysched.background import detached_task
 from raysched.config import AutoscaleConfig, ServeConfig
 from raysched.ray_compat import inline_return_bytes, object_store_stats, request_resources
 from raysched.request import Request, State
@@ -109,7 +110,7 @@ class Scheduler:
         if self._start_task is None:
             if ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None:
                 self.dispatch.notices = ray.get_runtime_context().current_actor  # (`call_finished`)
-            self._start_task = asyncio.get_running_loop().create_task(self._start_workers())
+            self._start_task = detached_task(self._start_workers())
         await asyncio.shield(self._start_task)
         return [w.line() for w in self.fleet.slots]
 
@@ -130,7 +131,7 @@ class Scheduler:
 
     def _in_background(self, coro: Coroutine[Any, Any, None]) -> None:
         """Run `coro` as a task this actor keeps a reference to until it ends."""
-        task = asyncio.get_running_loop().create_task(coro)
+        task = detached_task(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 

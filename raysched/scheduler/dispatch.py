@@ -27,6 +27,7 @@ import time
 from collections import deque
 from typing import Any, Callable
 
+from raysched.background import detached_task
 from raysched.config import ServeConfig
 from raysched.messages import SNAPSHOT_LOST, PrefillItem, StepPlan, StepResult
 from raysched.request import Request, State, enqueue
@@ -65,7 +66,7 @@ class Dispatcher:
 
     # ------------------------------------------------------------------ loop
     def start_loop(self, w: WorkerSlot) -> None:
-        w.task = asyncio.get_running_loop().create_task(self.run(w))
+        w.task = detached_task(self.run(w))
 
     async def run(self, w: WorkerSlot) -> None:
         """Worker `w`'s loop, until the scheduler closes or the worker is retired."""

@@ -35,6 +35,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from raysched.background import detached_task
 from raysched.config import MigrationConfig
 from raysched.request import Request, State, enqueue
 from raysched.sampling import RequestError
@@ -321,7 +322,7 @@ class Migrator:
             if move is None:
                 continue
             self.counters.rebalance_moves += 1
-            task = asyncio.get_running_loop().create_task(self._quiet_migrate(move.request.request_id, move.dst))
+            task = detached_task(self._quiet_migrate(move.request.request_id, move.dst))
             in_flight.add(task)
             task.add_done_callback(in_flight.discard)
 

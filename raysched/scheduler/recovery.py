@@ -28,6 +28,7 @@ import re
 import warnings
 from typing import Any, Callable
 
+from raysched.background import detached_task
 from raysched.config import ConfigError, ServeConfig
 from raysched.messages import WorkerInfo
 from raysched.request import State, enqueue
@@ -128,7 +129,7 @@ class Recovery:
             return
         if self.config.scheduler.replace_failed_workers and not self.closing:
             self.pending_replacements += 1
-            asyncio.get_running_loop().create_task(self.replace_worker(role=w.view.role, failures=streak))
+            detached_task(self.replace_worker(role=w.view.role, failures=streak))
         self.check_any_alive()
 
     def note_served(self, w: WorkerSlot) -> None:
