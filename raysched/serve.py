@@ -120,10 +120,10 @@ def _quiet_future(ref: Any) -> asyncio.Future:
 
 
 async def _await_call(ref: Any, timeout: float | None) -> Any:
-    """Await a Ray call from a handler. Ray cancels the calls of a handler whose client left
-    (Serve cancels the handler, and with it the tasks it started): such a call raises
-    TaskCancelledError, here a cancellation of the handler, as it is (a handler that ended with
-    that error would leave "Task exception was never retrieved" and a traceback in the log)."""
+    """Await a Ray call from a handler. When the handler's client leaves, Serve cancels the
+    handler and Ray cancels the calls it made: such a call raises TaskCancelledError, raised on
+    here as what it is, the handler's cancellation (a handler ending with that error leaves
+    "Task exception was never retrieved" and a traceback in the log)."""
     try:
         return await asyncio.wait_for(_quiet_future(ref), timeout)
     except ray.exceptions.TaskCancelledError:
