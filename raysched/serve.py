@@ -49,6 +49,10 @@ MAX_BODY_BYTES = 1 << 20  # larger request bodies get 413
 MAX_ONGOING_REQUESTS = 4096  # per replica; the scheduler's pools, not Serve, bound the work
 SINK_WAIT_S = 2.0  # a stream's read of the replica's sink waits this long before it asks the scheduler
 STATUS_WAIT_S = 2.0  # ... which it waits this long for (a busy scheduler: read on)
+RESUBMIT_WAIT_S = 120.0  # a request whose scheduler died waits this long for Ray to restart it
+RESUBMIT_RETRY_S = 0.5  # ... asking again this often
+GONE_AFTER_S = 5.0  # a scheduler that calls say died (not restarting) for this long is gone for good
+log = logging.getLogger("raysched.serve")
 API_KEY_ENV = "RAYSCHED_API_KEY"
 
 app = FastAPI(title="raysched", docs_url=None, redoc_url=None, openapi_url=None)
@@ -202,7 +206,7 @@ class OpenAIServer:
             if req.stream:
                 owned = False
                 return ClosingStreamingResponse(self._events(req, rid), media_type="text/event-stream")
-            record = await self._call(self.scheduler.wait.remote(rid))
+            record = await self._record(req, rid, [])
             owned = False
         finally:
             if owned:  # the client went away (Serve cancels the handler): free the slots
@@ -217,16 +221,18 @@ class OpenAIServer:
         and the gaps between tokens do not pass through the scheduler); the last one carries
         finish_reason, then [DONE]."""
         stream = self._text_stream(req)
-        resp_id, cursor, done, ended = new_id(req.kind), 0, False, False
+        resp_id, received, done, ended = new_id(req.kind), [], False, False
         try:
             while not done:
-                tokens, done = await self._next_tokens(rid, cursor)
+                cursor = len(received)
+                tokens, done = await self._next_tokens(req, rid, received)
                 text = "" if stream is None else stream.add(tokens) + (stream.finish() if done else "")
                 if tokens or text:
                     yield _sse(chunk(req, resp_id, self.model, text, tokens, None, cursor == 0,
                                      self._usage_so_far(req, cursor + len(tokens))))
-                cursor += len(tokens)
-            record = await self._call(self.scheduler.wait.remote(rid))
+                received += tokens
+            cursor = len(received)
+            record = await self._record(req, rid, received)
             ended = True
             self.metrics.observe(record)
             yield _sse(chunk(req, resp_id, self.model, "", [], record["finish_reason"], cursor == 0,
@@ -234,16 +240,18 @@ class OpenAIServer:
             if req.include_usage:
                 yield _sse(usage_chunk(req, resp_id, self.model, self._usage(req, record)))
             yield "data: [DONE]\n\n"
-        except APIError as err:  # the scheduler died mid-stream: say so in the stream
+        except APIError as err:  # the scheduler is gone for good mid-stream: say so in the stream
             yield _sse(err.body())
         finally:
             self.reader.forget(rid)
             if not ended:  # client disconnected (or the stream failed): free the request's slots
                 self._abort(rid)
 
-    async def _next_tokens(self, rid: str, cursor: int) -> tuple[list[int], bool]:
-        """(tokens after `cursor`, done) from the sink; when it stays quiet, the scheduler is
-        asked how the request stands (gone: a 503 in the stream; ended: the rest of its record)."""
+    async def _next_tokens(self, req: ParsedRequest, rid: str, received: list[int]) -> tuple[list[int], bool]:
+        """(tokens after those `received`, done) from the sink; when it stays quiet, the scheduler
+        is asked how the request stands (ended: the rest of its record; died, or restarted
+        without it: submitted again with the tokens received, `_resubmit`)."""
+        cursor = len(received)
         tokens, done, error = await self.reader.next(rid, cursor, SINK_WAIT_S)
         if error:
             raise APIError(503, f"the raysched scheduler failed: {error}")
@@ -254,14 +262,50 @@ class OpenAIServer:
         except asyncio.TimeoutError:
             return [], False  # busy: the workers send on regardless
         except ray.exceptions.RayActorError:
-            self._refresh()
-            raise APIError(503, f"the raysched scheduler {self.scheduler_name!r} is gone") from None
+            status = "unknown"  # it died: Ray restarts it without its requests
         if status == "unknown":
-            raise APIError(503, f"the raysched scheduler {self.scheduler_name!r} lost request {rid} (it restarted)")
-        if status == "ended":
-            record = await self._call(self.scheduler.wait.remote(rid))
+            await self._resubmit(req, rid, received)
+        elif status == "ended":
+            record = await self._record(req, rid, received)
             return record["token_ids"][cursor:], True
         return [], False
+
+    async def _record(self, req: ParsedRequest, rid: str, received: list[int]) -> dict:
+        """The request's record, once it ends. A scheduler that died meanwhile (or restarted
+        without it) gets it again with the tokens its client received (`_resubmit`)."""
+        while True:
+            try:
+                return await _await_call(self.scheduler.wait.remote(rid), None)
+            except ray.exceptions.RayActorError:
+                pass
+            except ray.exceptions.RayTaskError as err:
+                if not (isinstance(err.cause, RequestError) and "unknown request id" in str(err.cause)):
+                    raise
+            await self._resubmit(req, rid, received)
+
+    async def _resubmit(self, req: ParsedRequest, rid: str, received: list[int]) -> None:
+        """Submit `rid` to the scheduler Ray restarted, with the tokens its client has received:
+        it continues exactly where it was (`Scheduler.resubmit`: recompute, and the sampler's
+        draw number goes on), as a `Client`'s requests do. A 503 if no scheduler takes it: none
+        restarts in RESUBMIT_WAIT_S, or calls say it died (not restarting) for GONE_AFTER_S."""
+        start, sink = time.monotonic(), self.sink if req.stream else None
+        while True:
+            try:
+                await _await_call(self.scheduler.resubmit.remote(req.prompt_ids, req.sampling, rid, list(received),
+                                                                 0, sink), None)
+                log.info("request %s submitted again to the restarted scheduler (%d tokens received)", rid, len(received))
+                return
+            except ray.exceptions.RayTaskError as err:
+                if isinstance(err.cause, RequestError) and "already in use" in str(err.cause):
+                    return  # it never lost the request (a call failed in transit)
+                raise
+            except ray.exceptions.RayActorError as err:
+                waited = time.monotonic() - start
+                restarting = isinstance(err, ray.exceptions.ActorUnavailableError)
+                if waited > (RESUBMIT_WAIT_S if restarting else GONE_AFTER_S):
+                    raise APIError(503, f"the raysched scheduler {self.scheduler_name!r} is gone") from None
+            await asyncio.sleep(RESUBMIT_RETRY_S)
+            self._refresh()
 
     def _text_stream(self, req: ParsedRequest) -> Any:
         """The request's `TextStream` (stop strings, min_tokens), or None without a tokenizer."""
