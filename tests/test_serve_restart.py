@@ -24,6 +24,7 @@ from tests.conftest import reference_tokens, stream_token_ids
 
 NAME = "raysched-restart-test"
 CONFIG = {"model": "tiny", "workers": 2, "pool": {"kv_tokens": 4096, "state_slots": 16},
+          "scheduler": {"fold_calls": 2},  # short calls: worker 0 makes its 4th long before the answers end
           "faults": [{"kind": "kill_scheduler", "worker": 0, "after_steps": 4}]}
 
 
