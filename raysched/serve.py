@@ -357,6 +357,8 @@ class OpenAIServer:
         fields), a dead scheduler a 503."""
         try:
             return await _await_call(ref, timeout)
+        except ray.exceptions.ActorUnavailableError:  # Ray is restarting it: requests in flight wait
+            raise APIError(503, f"the raysched scheduler {self.scheduler_name!r} is restarting; try again") from None
         except ray.exceptions.RayActorError:
             self._refresh()
             raise APIError(503, f"the raysched scheduler {self.scheduler_name!r} is gone") from None
