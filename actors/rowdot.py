@@ -132,10 +132,10 @@ def product(weight: Tensor, bias: Tensor | None, lib=None) -> Callable[[Tensor],
         M = x.shape[0]
         y = torch.empty(M, N, dtype=torch.float32)
         args = (run, x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(), M, N, K)
-        if M * N * K >= SPLIT_MACS and torch.get_num_threads() > 1:
+        if M * N * K >= SPLIT_MACS:  # (`_in_parts` splits only with torch on more threads)
             _in_parts(N, True, lambda j0, j1: _columns(*args, j0, j1), align=8)
         else:
-            _columns(*args, 0, N)  # one thread: no pool, no closure
+            _columns(*args, 0, N)  # small: no closure
         return y
     return call
 

@@ -21,7 +21,7 @@ from raysched import interrupts
 from raysched.cluster import attach, init_ray, shutdown_ray
 from raysched.config import ServeConfig, check_model_source, load_serve_config
 from raysched.deployment import DEFAULT_MAX_RESTARTS
-from raysched.sampling import RequestError, SamplingParams
+from raysched.sampling import RequestError, RequestIdInUseError, SamplingParams, UnknownRequestError
 from raysched.tokenizer import TextTokenizer, load_tokenizer, output_text, require_tokenizer, with_eos_stop
 
 RESTART_WAIT_S = 300.0  # how long a call waits for Ray to restart a dead scheduler
@@ -415,9 +415,8 @@ class RequestHandle:
             return self.client._call("attach_sink", self.request_id, self.sink)
         except SchedulerDiedError:
             pass
-        except RequestError as err:
-            if "unknown request id" not in str(err):
-                raise
+        except UnknownRequestError:
+            pass
         self.resubmit()
         return True
 
@@ -457,9 +456,8 @@ class RequestHandle:
         try:
             self.client.resubmit(self.prompt_ids, self.sampling, self.request_id, self.received,
                                  self.priority, self.sink)
-        except RequestError as err:
-            if "already in use" not in str(err):
-                raise  # else the scheduler never died (a call failed in transit): it still has it
+        except RequestIdInUseError:
+            pass  # the scheduler never died (a call failed in transit): it still has it
 
     def abort(self) -> bool:
         return _get(self.scheduler.abort.remote(self.request_id))

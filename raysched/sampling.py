@@ -20,6 +20,14 @@ class RequestError(ValueError):
     """A request (prompt or sampling parameters) is invalid; the message names field and value."""
 
 
+class UnknownRequestError(RequestError):
+    """The scheduler does not know this request id (never did, forgot it, or restarted)."""
+
+
+class RequestIdInUseError(RequestError):
+    """The request id is taken (a resubmission to a scheduler that never lost the request)."""
+
+
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 

@@ -42,7 +42,7 @@ from raysched.deployment import DEFAULT_NAME, NAMESPACE, describe, find_schedule
 from raysched.metrics import ServeMetrics
 from raysched.openai_api import (APIError, ParsedRequest, chunk, error_body, models_list, new_id, parse_chat,
                                  parse_completion, request_error, response, usage, usage_chunk)
-from raysched.sampling import RequestError
+from raysched.sampling import RequestError, RequestIdInUseError, UnknownRequestError
 from raysched.tokenizer import load_tokenizer
 
 MAX_BODY_BYTES = 1 << 20  # larger request bodies get 413
@@ -279,7 +279,7 @@ class OpenAIServer:
             except ray.exceptions.RayActorError:
                 pass
             except ray.exceptions.RayTaskError as err:
-                if not (isinstance(err.cause, RequestError) and "unknown request id" in str(err.cause)):
+                if not isinstance(err.cause, UnknownRequestError):
                     raise
             await self._resubmit(req, rid, received)
 
@@ -296,7 +296,7 @@ class OpenAIServer:
                 log.info("request %s submitted again to the restarted scheduler (%d tokens received)", rid, len(received))
                 return
             except ray.exceptions.RayTaskError as err:
-                if isinstance(err.cause, RequestError) and "already in use" in str(err.cause):
+                if isinstance(err.cause, RequestIdInUseError):
                     return  # it never lost the request (a call failed in transit)
                 raise
             except ray.exceptions.RayActorError as err:

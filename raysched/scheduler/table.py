@@ -22,7 +22,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from raysched.request import Request, State, enqueue
-from raysched.sampling import RequestError, SamplingParams, check_priority, validate_prompt
+from raysched.sampling import (RequestError, RequestIdInUseError, SamplingParams, UnknownRequestError, check_priority,
+                               validate_prompt)
 from raysched.scheduler.heap import trim_heap
 from raysched.scheduler.planner import WorkerView
 from raysched.stats import Counters
@@ -71,7 +72,7 @@ class RequestTable:
         rid = request_id or f"{self._id_prefix}{self._next_id}"
         self._next_id += 1
         if rid in self.requests:
-            raise RequestError(f"request id {rid!r} is already in use")
+            raise RequestIdInUseError(f"request id {rid!r} is already in use")
         req = Request(rid, prompt, params, priority, shared_prefix=shared_prefix)
         self.requests[rid] = req
         self._progress[rid] = asyncio.Event()
@@ -199,7 +200,7 @@ class RequestTable:
     def get(self, request_id: str) -> Request:
         req = self.requests.get(request_id) or self._ended.get(request_id)
         if req is None:
-            raise RequestError(f"unknown request id {request_id!r}")
+            raise UnknownRequestError(f"unknown request id {request_id!r}")
         return req
 
     def forget(self, req: Request) -> None:
