@@ -136,7 +136,7 @@ def cmd_start(args: argparse.Namespace) -> int:
     owns_ray = not ray.is_initialized()
     if owns_ray:
         with interrupts.holding():
-            attach(args.address or os.environ.get("RAY_ADDRESS") or "auto")
+            attach(args.address or os.environ.get("RAY_ADDRESS") or "auto", log_to_driver=False)
     try:
         interrupts.raise_if_signalled()
         name = args.name or DEFAULT_NAME

@@ -98,7 +98,7 @@ def connect(address: str | None = None, name: str | None = None) -> "Client":
     name = name or DEFAULT_NAME
     owns_ray = False
     if not ray.is_initialized():
-        attach(address or os.environ.get("RAY_ADDRESS") or "auto")
+        attach(address or os.environ.get("RAY_ADDRESS") or "auto", log_to_driver=False)
         owns_ray = True
     handle = find_scheduler(name)
     if handle is None:

@@ -22,6 +22,12 @@ What is Ray's, and what is done about it here:
   node the dashboard agent (it exports the metrics) and the runtime-env agent, besides the GCS,
   the raylet, the autoscaler monitor and the log monitor; no `ray.init` option or environment
   variable turns those off (measured: ~0.5 GB of RSS for the Python ones).
+- What a driver prints. Ray copies onto a driver's stderr the output of its job's workers and the
+  cluster daemons' warnings (e.g. the raylet's "... is over 95% full" every few seconds while a
+  disk is nearly full). A process that only talks to a deployment started elsewhere (`connect`,
+  `raysched start / status / scale / drain / stop`) owns no worker whose output it should show,
+  and the daemons' lines would break its one-line errors: it attaches with
+  `log_to_driver=False` (the lines stay in the cluster's logs, `ray logs`).
 """
 
 from __future__ import annotations
@@ -78,16 +84,17 @@ def start_embedded(num_cpus: int, object_store_bytes: int) -> None:
         raise ClusterError(f"could not start a local Ray instance: {_first_line(err)}") from None
 
 
-def attach(address: str) -> None:
+def attach(address: str, log_to_driver: bool = True) -> None:
     """Connect to the running cluster at `address` (host:port, "auto" for the newest one on this
-    machine, or a ray:// client address). Raises ClusterError, in one line, when none answers
-    within REACH_TIMEOUT_S or it refuses this process."""
+    machine, or a ray:// client address); `log_to_driver=False` for a client of a deployment
+    started elsewhere (see above). Raises ClusterError, in one line, when none answers within
+    REACH_TIMEOUT_S or it refuses this process."""
     if not address.startswith("ray://"):
         check_reachable(_gcs_address(address), address)
     if ray_compat.AUTH_MODE_ENV not in os.environ and ray_compat.auth_token_available():
         ray_compat.set_auth_mode("token")
     try:
-        ray.init(address=address, logging_level="WARNING")
+        ray.init(address=address, logging_level="WARNING", log_to_driver=log_to_driver)
     except ray.exceptions.AuthenticationError as err:
         raise ClusterError(f"the Ray cluster at {address} refused this process: {_first_line(err)} (a cluster "
                            f"with token auth needs its token: $RAY_AUTH_TOKEN or ~/.ray/auth_token)") from None

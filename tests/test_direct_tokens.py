@@ -12,7 +12,6 @@ aborts its request in `tests/test_serve.py`; a Python reader whose sink dies, he
 from __future__ import annotations
 
 import os
-import tempfile
 import threading
 from typing import Any
 
@@ -136,7 +135,7 @@ def test_a_worker_sends_one_push_per_sink_per_step_with_positions(threaded: bool
 
 # ---------------------------------------------------------------------------- on Ray, simulated workers
 
-def test_a_stream_reaches_its_reader_while_the_scheduler_is_blocked() -> None:
+def test_a_stream_reaches_its_reader_while_the_scheduler_is_blocked(tmp_path) -> None:
     """Two streamed requests on simulated workers (20 ms steps, long calls of up to `fold_calls`
     x 16 steps: a call needs the scheduler only when it ends); once both are in their long calls the
     scheduler's event loop is blocked (`Scheduler.debug_block`). The one read through the
@@ -148,7 +147,7 @@ def test_a_stream_reaches_its_reader_while_the_scheduler_is_blocked() -> None:
     client = raysched.launch(sim_config(workers=2, scheduler={"decode_steps_per_call": 16},
                                         pool={"kv_tokens": 4096, "state_slots": 1},  # one request each,
                                         sim={**SIM, "workers_per_process": 1}))  # each in its own process
-    flag = os.path.join(tempfile.mkdtemp(), "block")
+    flag = str(tmp_path / "block")
     try:
         direct = client.submit([3, 1, 4], {"max_new_tokens": 300}, stream=True)
         client.direct_tokens = False

@@ -14,6 +14,7 @@ import json
 import re
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -103,15 +104,21 @@ def test_readme_long_lived_path_after_an_embedded_run(tmp_path: Path) -> None:
         assert "no raysched scheduler named 'raysched'" in one_line_error(gone, "status")
 
 
+NEARLY_FULL_DISK = {"RAY_local_fs_capacity_threshold": "0.01"}  # the raylet's disk warning, at 1 % used
+RAYLET_WARNS_EVERY_S = 10.0  # ... which it repeats this often (file_system_monitor)
+
+
 @pytest.fixture(scope="module")
 def one_worker_on_two_cpus(tmp_path_factory: pytest.TempPathFactory):
     """`ray start --head --num-cpus=2` and `raysched start` with one worker: the scheduler holds
-    no CPU, the worker one, so the cluster has room for exactly one more worker."""
+    no CPU, the worker one, so the cluster has room for exactly one more worker. The head's
+    raylet warns that its disk is nearly full, as it does on a machine whose disk is over 95 %
+    full (a CI run once failed on that line in `scale`'s one-line error)."""
     home = tmp_path_factory.mktemp("scale") / "home"
     config = home.parent / "serve.yaml"
     home.mkdir()
     config.write_text(CONFIG)
-    with RayHead(home, num_cpus=2) as head:
+    with RayHead(home, num_cpus=2, env=NEARLY_FULL_DISK) as head:
         started = raysched("start", "--config", config, "--address", head.address, home=home, timeout_s=240)
         assert started.returncode == 0, started.stderr[-3000:]
         yield head, home
@@ -135,6 +142,24 @@ def test_scale_without_room_is_one_line_and_with_room_scales(one_worker_on_two_c
     assert shrunk.returncode == 0, shrunk.stderr[-3000:]
     assert re.search(r"worker 1 drained and removed: moved 0 request\(s\) in [\d.]+ s \(0 live, 0 by snapshot, "
                      r"0 requeued to prefill again\); 0 ended meanwhile; 0 waiting in the queue", shrunk.stdout), shrunk.stdout
+
+
+def test_a_control_command_prints_no_cluster_daemon_line(one_worker_on_two_cpus) -> None:
+    """`scale` waiting longer than the raylet's warning period: every stderr line is its own
+    (progress, then the error), none is the raylet's disk warning. Control, side by side: a
+    driver attached with Ray's default `log_to_driver` gets that warning in the same window."""
+    head, home = one_worker_on_two_cpus
+    wait_s = RAYLET_WARNS_EVERY_S + 3
+    code = f"import ray, time\nray.init(address={head.address!r})\ntime.sleep({wait_s})\n"
+    control = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env=user_env(home), text=True,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    waited = raysched("scale", "--workers", 3, "--timeout", wait_s, "--address", head.address, home=home,
+                      timeout_s=120)
+    _, control_err = control.communicate(timeout=120)
+    assert "(raylet)" in control_err and "full" in control_err, control_err[-3000:]
+    lines = [ln for ln in waited.stderr.splitlines() if ln.strip()]
+    assert waited.returncode == 2 and all(ln.startswith("raysched scale: ") for ln in lines), waited.stderr[-3000:]
+    assert "no room for 2 more worker(s)" in lines[-1] and f"after {wait_s:g} s" in lines[-1], lines[-1]
 
 
 def _counters_named_in_the_docs(stats: dict) -> set[str]:

@@ -122,10 +122,11 @@ def end_session(sid: int, grace_s: float = 3.0) -> None:
 class RayHead:
     """`ray start --head` on a free port with its own temp dir, in a session of its own, as a
     user in `home` starts it; `address` is 127.0.0.1:<port>. Leaving the block ends exactly the
-    processes of that session (the head's daemons and every worker its raylet started)."""
+    processes of that session (the head's daemons and every worker its raylet started); `env`:
+    more variables for the head's daemons."""
 
-    def __init__(self, home: Path, num_cpus: int = 3) -> None:
-        self.home, self.num_cpus = home, num_cpus
+    def __init__(self, home: Path, num_cpus: int = 3, env: dict[str, str] | None = None) -> None:
+        self.home, self.num_cpus, self.env = home, num_cpus, env or {}
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.temp_dir = tempfile.mkdtemp(prefix="rh-", dir="/tmp")  # short: Ray's socket paths have a limit
@@ -136,7 +137,7 @@ class RayHead:
             [str(BIN / "ray"), "start", "--head", f"--port={self.port}", f"--temp-dir={self.temp_dir}",
              f"--num-cpus={self.num_cpus}", "--num-gpus=0", f"--object-store-memory={STORE_BYTES}",
              "--include-dashboard=false", "--disable-usage-stats"],
-            env=user_env(self.home), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            env=user_env(self.home, **self.env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             start_new_session=True)
         self.sid = proc.pid  # a new session's id is its leader's pid; the daemons stay in it
         out, _ = proc.communicate(timeout=180)
