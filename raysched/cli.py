@@ -483,7 +483,7 @@ def _connect(args: argparse.Namespace) -> Any:
     import raysched
 
     with interrupts.holding():
-        client = raysched.connect(args.address, args.name)
+        client = raysched.connect(args.address, args.name, log_to_driver=False)
     try:
         interrupts.raise_if_signalled()
     except interrupts.Interrupted:

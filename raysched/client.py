@@ -84,12 +84,14 @@ def launch(config: ServeConfig | str | Mapping[str, Any] | None = None, address:
     return Client(sched, cfg, workers, owns_ray, owns_scheduler=True)
 
 
-def connect(address: str | None = None, name: str | None = None) -> "Client":
+def connect(address: str | None = None, name: str | None = None, log_to_driver: bool = True) -> "Client":
     """Attach to a running named scheduler (one long-lived deployment); returns a `Client`.
 
     `address` defaults to RAY_ADDRESS, else the newest cluster on this machine ("auto"); if Ray
-    is already initialised in this process that connection is used. `shutdown()` on the client
-    only disconnects; `stop()` ends the scheduler and its workers.
+    is already initialised in this process that connection is used. `log_to_driver=False`
+    keeps the cluster daemons' lines off this process's stderr (`raysched.cluster`; the CLI's
+    commands). `shutdown()` on the client only disconnects; `stop()` ends the scheduler and its
+    workers.
 
     >>> client = raysched.connect("127.0.0.1:6379")      # the scheduler `raysched serve` started
     """
@@ -98,7 +100,7 @@ def connect(address: str | None = None, name: str | None = None) -> "Client":
     name = name or DEFAULT_NAME
     owns_ray = False
     if not ray.is_initialized():
-        attach(address or os.environ.get("RAY_ADDRESS") or "auto", log_to_driver=False)
+        attach(address or os.environ.get("RAY_ADDRESS") or "auto", log_to_driver)
         owns_ray = True
     handle = find_scheduler(name)
     if handle is None:

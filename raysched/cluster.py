@@ -24,10 +24,11 @@ What is Ray's, and what is done about it here:
   variable turns those off (measured: ~0.5 GB of RSS for the Python ones).
 - What a driver prints. Ray copies onto a driver's stderr the output of its job's workers and the
   cluster daemons' warnings (e.g. the raylet's "... is over 95% full" every few seconds while a
-  disk is nearly full). A process that only talks to a deployment started elsewhere (`connect`,
-  `raysched start / status / scale / drain / stop`) owns no worker whose output it should show,
-  and the daemons' lines would break its one-line errors: it attaches with
-  `log_to_driver=False` (the lines stay in the cluster's logs, `ray logs`).
+  disk is nearly full). `raysched start / status / scale / drain / stop` only talk to a
+  deployment started elsewhere: they own no worker whose output they should show, and the
+  daemons' lines would break their one-line errors, so they attach with `log_to_driver=False`
+  (the lines stay in the cluster's logs, `ray logs`). A driver's `connect` keeps Ray's default
+  unless asked (its own Ray tasks' output is its to see).
 """
 
 from __future__ import annotations
