@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import socket
 
 import openai
 import ray
@@ -21,17 +20,12 @@ from raysched.config import load_serve_config
 from raysched.sampling import SamplingParams
 from raysched.serve import start_server
 from tests.conftest import reference_tokens, stream_token_ids
+from tests.user_cli import free_port
 
 NAME = "raysched-restart-test"
 CONFIG = {"model": "tiny", "workers": 2, "pool": {"kv_tokens": 4096, "state_slots": 16},
           "scheduler": {"fold_calls": 2},  # short calls: worker 0 makes its 4th long before the answers end
           "faults": [{"kind": "kill_scheduler", "worker": 0, "after_steps": 4}]}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def _completion_ids(api: openai.AsyncOpenAI, prompt: list[int], sp: SamplingParams) -> list[int]:
@@ -49,7 +43,7 @@ def test_requests_in_flight_continue_exactly_across_a_scheduler_restart() -> Non
     prompts = [[rng.randrange(1, 500) for _ in range(rng.randint(8, 40))] for _ in range(12)]
     params = [SamplingParams(max_new_tokens=rng.randint(40, 60), temperature=0.8 * (i % 2), seed=i) for i in range(12)]
     expected = reference_tokens("tiny", prompts, params)
-    server = start_server(load_serve_config(CONFIG), port=_free_port(), name=NAME, num_cpus=3)
+    server = start_server(load_serve_config(CONFIG), port=free_port(), name=NAME, num_cpus=3)
     try:
         async def all_of_them() -> list[list[int]]:
             async with openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=300) as api:

@@ -24,7 +24,6 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Coroutine
 from typing import Any
 
 import ray
@@ -82,7 +81,6 @@ class Scheduler:
         self._start_task: asyncio.Task | None = None
         self._growing = 0  # autoscale grows in flight
         self._shrinking = 0  # autoscale shrinks in flight
-        self._background: set[asyncio.Task] = set()  # the loops and scaling steps started here
         if ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None:
             tune_gc()  # its own process (not a test's): its long-lived objects exist from here on
 
@@ -124,16 +122,10 @@ class Scheduler:
             self.ledger.budget_bytes = store // 2
         rb = self.config.scheduler.rebalance
         if rb.enabled:
-            self._in_background(self.migrator.rebalance_loop(rb.threshold, rb.interval_s, rb.max_moves))
+            detached_task(self.migrator.rebalance_loop(rb.threshold, rb.interval_s, rb.max_moves))
         if self.config.autoscale is not None:
-            self._in_background(self._autoscale_loop(self.config.autoscale))
-        self._in_background(self._watch_readers())
-
-    def _in_background(self, coro: Coroutine[Any, Any, None]) -> None:
-        """Run `coro` as a task this actor keeps a reference to until it ends."""
-        task = detached_task(coro)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+            detached_task(self._autoscale_loop(self.config.autoscale))
+        detached_task(self._watch_readers())
 
     def _start_loop(self, w: WorkerSlot) -> None:
         """A worker joined: its loop starts; branch points move to the grid every worker shares."""
@@ -149,7 +141,7 @@ class Scheduler:
 
     def _stopped(self) -> None:
         """Recovery stopped the scheduler (a crash loop): release what it holds, as `shutdown`."""
-        self._in_background(self.shutdown())
+        detached_task(self.shutdown())
 
     async def describe(self) -> dict:
         """The config this scheduler serves and its live workers (for `raysched.connect`)."""
@@ -352,10 +344,10 @@ class Scheduler:
             decision = policy.decide(self._load())
             if decision.grow:
                 self._growing += 1
-                self._in_background(self._grow())
+                detached_task(self._grow())
             elif decision.shrink is not None:
                 self._shrinking += 1
-                self._in_background(self._shrink(decision.shrink))
+                detached_task(self._shrink(decision.shrink))
 
     def _load(self) -> Load:
         """What the policy sees now."""
