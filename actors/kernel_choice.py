@@ -6,6 +6,10 @@ row and the weight, so any of them keeps batch invariance):
 - "rowdot <build>" for each build of `actors.rowdot` this CPU runs ("avx512f" where it has
   AVX-512F, "avx2+fma" where it has AVX2 and FMA), widest first; "rowdot portable" only where
   neither runs (the same order with one more rounding: never faster);
+- "rowdot panel" where a vector build runs: `actors.rowdot.panel_product` (the weight packed in
+  panels of columns, each output one fused multiply-add chain over k in order, no sum across
+  lanes), on the widest build; its bits are the same on every build, so machines with and
+  without AVX-512 that both take it agree;
 - "mkl packed": MKL's packed GEMM (`actors.model.TiledLinear`), for a phase only where the
   probe finds the shape row-free at that phase's tile (else it is no candidate).
 
@@ -56,6 +60,7 @@ from actors.cpu_info import cpu_fingerprint
 log = logging.getLogger(__name__)
 
 MKL = "mkl packed"
+PANEL = "rowdot panel"  # `rowdot.panel_product` on the widest build: the same bits on every build
 ENV_FORCE = "RAYSCHED_KERNEL"  # a candidate's name: every shape and phase takes it (no measuring)
 PHASES = ("decode", "prefill")
 PHASE_ROWS = {"decode": (1, 8, 32), "prefill": (256,)}  # row counts timed per phase
@@ -75,8 +80,9 @@ _MEASURE_S = [0.0]  # seconds this process spent measuring (cache misses only)
 def candidates() -> tuple[str, ...]:
     """The kernels that may be chosen on this CPU, the default first (see the module doc)."""
     builds = [b for b in rowdot.builds_here() if rowdot.library(b) is not None]
-    fast = [b for b in builds if b != "portable"] or builds
-    return tuple(f"rowdot {b}" for b in fast) + ((MKL,) if _mkl_packed_available() else ())
+    fast = [b for b in builds if b != "portable"]
+    panel = (PANEL,) if fast else ()  # (on the portable build it is correct but slow)
+    return tuple(f"rowdot {b}" for b in fast or builds) + panel + ((MKL,) if _mkl_packed_available() else ())
 
 
 def choose(shape: tuple[int, int], phase: str) -> str:
@@ -195,6 +201,8 @@ def _seconds(run: Callable[[Tensor], Tensor], x: Tensor, calls: int) -> float:
 
 def _runner(name: str, w: Tensor, min_rows: int) -> Callable[[Tensor], Tensor]:
     """x (M, in) -> (M, out) on candidate `name` (MKL: calls padded to `min_rows` rows)."""
+    if name == PANEL:
+        return rowdot.panel_product(w, None)
     if name.startswith("rowdot "):
         lib = rowdot.library(name.split(" ", 1)[1])
         return rowdot.product(w, None, lib)

@@ -155,7 +155,7 @@ class TiledLinear:
         self.max_rows = max_rows  # row-free calls are split here (None: never; prefill, whose
         #   rows all belong to one sequence's chunk, needs no invariance across row counts)
         self.phase = "decode" if max_rows is not None and max_rows <= MAX_CALL_ROWS else "prefill"
-        self._packed = packs if packs is not None else {}  # id(weight) -> (weight, packed)
+        self._packed = packs if packs is not None else {}  # id(weight) -> (weight, MKL-packed); ("panel", id(weight)) -> (weight, rowdot panels)
         self._plans: dict[int, tuple] = {}  # id(weight) -> (weight, bias, x's dtype, run): see __call__
         self._context = _paths_context()  # see refresh
 
@@ -186,8 +186,9 @@ class TiledLinear:
             if kernel.startswith("rowdot "):
                 build = kernel[7:]
                 _ROWDOT_SHAPES[(*weight.shape, self.phase)] = build
-                lib = rowdot.library(build)
-                return rowdot.product(weight, bias, lib)  # (M, out): row-free, any M
+                if kernel == kernel_choice.PANEL:  # (M, out): row-free, any M, every build's bits
+                    return rowdot.panel_product(weight, bias, packed=self._panel_weight(weight))
+                return rowdot.product(weight, bias, rowdot.library(build))  # (M, out): row-free, any M
         call, max_rows = self._row_free_call(x, weight, bias), self.max_rows
         if call is None:
             return lambda x: self._tiles(x, weight, bias)
@@ -234,6 +235,13 @@ class TiledLinear:
         if entry is None or entry[0] is not weight:
             entry = (weight, torch.ops.mkl._mkl_reorder_linear_weight(weight, PACK_ROWS))
             self._packed[id(weight)] = entry
+        return entry[1]
+
+    def _panel_weight(self, weight: Tensor) -> Tensor:
+        """The weight packed for `rowdot.panel_product`, once (shared by decode and prefill)."""
+        entry = self._packed.get(("panel", id(weight)))
+        if entry is None or entry[0] is not weight:
+            entry = self._packed[("panel", id(weight))] = (weight, rowdot.pack_panels(weight))
         return entry[1]
 
     def _min_rows(self, weight: Tensor, dtype: torch.dtype, packed: bool) -> int | None:
@@ -525,7 +533,7 @@ class HybridLM(nn.Module):
         self.linear_kernel: str | None = None  # one of `kernel_choice.candidates()` forced for every
         #   fp32 CPU product (None: the chooser's)
         self._linears: dict[tuple, TiledLinear] = {}
-        self._packs: dict[int, tuple[Tensor, Tensor]] = {}  # packed weights, shared by the kernels
+        self._packs: dict[int | tuple[str, int], tuple[Tensor, Tensor]] = {}  # packed weights, shared by the kernels
 
     @property
     def device(self) -> torch.device:

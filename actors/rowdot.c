@@ -30,6 +30,10 @@ typedef __m512 vec;
 #define VZERO() _mm512_setzero_ps()
 #define VLOAD(p) _mm512_loadu_ps(p)
 #define VFMA(a, b, acc) _mm512_fmadd_ps((a), (b), (acc))
+#define VSTORE(p, v) _mm512_storeu_ps((p), (v))
+#define VBCAST(p) _mm512_set1_ps(*(p))
+#define PFMA VFMA
+#define PANEL_ROWS 8 /* 16 accumulators of the 32 registers */
 static inline float vsum(vec v) { /* halves, then the AVX2 build's pairing of the 8 sums */
   __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v),
                            _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
@@ -46,6 +50,10 @@ typedef __m256 vec;
 #define VZERO() _mm256_setzero_ps()
 #define VLOAD(p) _mm256_loadu_ps(p)
 #define VFMA(a, b, acc) _mm256_fmadd_ps((a), (b), (acc))
+#define VSTORE(p, v) _mm256_storeu_ps((p), (v))
+#define VBCAST(p) _mm256_broadcast_ss(p)
+#define PFMA VFMA
+#define PANEL_ROWS 6 /* 12 accumulators, 2 weight vectors and a broadcast: 15 of the 16 registers */
 static inline float vsum(vec v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -59,6 +67,13 @@ typedef float vec __attribute__((vector_size(32)));
 static inline vec VZERO(void) { vec z = {0}; return z; }
 static inline vec VLOAD(const float *p) { vec v; __builtin_memcpy(&v, p, sizeof v); return v; }
 #define VFMA(a, b, acc) ((acc) + (a) * (b)) /* built with -ffp-contract=off: two roundings */
+static inline void VSTORE(float *p, vec v) { __builtin_memcpy(p, &v, sizeof v); }
+static inline vec VBCAST(const float *p) { vec v = {*p, *p, *p, *p, *p, *p, *p, *p}; return v; }
+static inline vec PFMA(vec a, vec b, vec acc) { /* one rounding a lane, as the vector builds' */
+  for (int l = 0; l < LANES; l++) acc[l] = fmaf(a[l], b[l], acc[l]);
+  return acc;
+}
+#define PANEL_ROWS 6
 static inline float vsum(vec v) { /* the same pairing as the AVX2 build's */
   float a[8];
   __builtin_memcpy(a, &v, sizeof a);
@@ -125,6 +140,74 @@ void rowdot_linear(const float *x, const float *w, const float *bias, float *y, 
   for (long i = 0; i < M; i += CHUNK_ROWS) {
     long rows = M - i < CHUNK_ROWS ? M - i : CHUNK_ROWS;
     run_rows(x + i * K, w, bias, y + i * ldy, rows, N, K, ldy);
+  }
+}
+
+/* rowdot_panel_linear: the same product with no sum across lanes. The weight comes packed in
+ * panels of PANEL_COLS columns (`actors.rowdot.pack_panels`): panel p holds columns
+ * [p * PANEL_COLS, (p + 1) * PANEL_COLS) as K rows of PANEL_COLS (k-major), the last panel
+ * zero-padded. Each output element is one lane of an accumulator that starts at 0 and takes
+ * k = 0, 1, ..., K - 1 in order, one fused multiply-add each (one rounding), then the bias.
+ * That order involves no other element, row or lane, so a row's bits depend on nothing but
+ * the row and the weight, and are the same on every build (AVX-512, AVX2 and the portable
+ * build's fmaf agree bit for bit). A block of up to PANEL_ROWS rows shares each weight load;
+ * calls go by chunks of CHUNK_ROWS rows, each streaming the weight once.
+ *
+ * Shapes: x (M, K) contiguous, wp the packed panels of columns [0, N), bias (N) or NULL, y rows
+ * ldy apart. A caller splitting columns among threads starts each range on a panel. */
+#define PANEL_VECS 2
+#define PANEL_COLS (PANEL_VECS * LANES)
+#define ACC_DECL(r) vec a##r##0 = VZERO(), a##r##1 = VZERO();
+#define ACC_STEP(r) { vec xb = VBCAST(x + r * K + k); a##r##0 = PFMA(xb, w0, a##r##0); \
+                      a##r##1 = PFMA(xb, w1, a##r##1); }
+#define ACC_STORE(r) VSTORE(out + r * PANEL_COLS, a##r##0); VSTORE(out + r * PANEL_COLS + LANES, a##r##1);
+#define ROWS1(M) M(0)
+#define ROWS2(M) ROWS1(M) M(1)
+#define ROWS3(M) ROWS2(M) M(2)
+#define ROWS4(M) ROWS3(M) M(3)
+#define ROWS5(M) ROWS4(M) M(4)
+#define ROWS6(M) ROWS5(M) M(5)
+#define ROWS7(M) ROWS6(M) M(6)
+#define ROWS8(M) ROWS7(M) M(7)
+/* R rows of x times one panel: out (R, PANEL_COLS), accumulators in named registers. */
+#define PANEL_BLOCK(R)                                                                       \
+  static void panel_##R(const float *x, long K, const float *wp, float *out) {                 \
+    ROWS##R(ACC_DECL)                                                                        \
+    for (long k = 0; k < K; k++) {                                                           \
+      vec w0 = VLOAD(wp + k * PANEL_COLS), w1 = VLOAD(wp + k * PANEL_COLS + LANES);          \
+      ROWS##R(ACC_STEP)                                                                      \
+    }                                                                                        \
+    ROWS##R(ACC_STORE)                                                                       \
+  }
+PANEL_BLOCK(1) PANEL_BLOCK(2) PANEL_BLOCK(3) PANEL_BLOCK(4) PANEL_BLOCK(5) PANEL_BLOCK(6)
+#if PANEL_ROWS == 8
+PANEL_BLOCK(7) PANEL_BLOCK(8)
+#endif
+typedef void (*panel_fn)(const float *, long, const float *, float *);
+
+long rowdot_panel_cols(void) { return PANEL_COLS; }
+
+void rowdot_panel_linear(const float *x, const float *wp, const float *bias, float *y, long M, long N,
+                         long K, long ldy) {
+#if PANEL_ROWS == 8
+  static const panel_fn blocks[8] = {panel_1, panel_2, panel_3, panel_4, panel_5, panel_6, panel_7, panel_8};
+#else
+  static const panel_fn blocks[6] = {panel_1, panel_2, panel_3, panel_4, panel_5, panel_6};
+#endif
+  float out[PANEL_ROWS * PANEL_COLS];
+  long panels = (N + PANEL_COLS - 1) / PANEL_COLS;
+  for (long i0 = 0; i0 < M; i0 += CHUNK_ROWS) {
+    long i1 = M - i0 < CHUNK_ROWS ? M : i0 + CHUNK_ROWS;
+    for (long p = 0; p < panels; p++) {
+      long c0 = p * PANEL_COLS, C = N - c0 < PANEL_COLS ? N - c0 : PANEL_COLS;
+      for (long i = i0; i < i1; i += PANEL_ROWS) {
+        long R = i1 - i < PANEL_ROWS ? i1 - i : PANEL_ROWS;
+        blocks[R - 1](x + i * K, K, wp + p * K * PANEL_COLS, out);
+        for (long r = 0; r < R; r++)
+          for (long c = 0; c < C; c++)
+            y[(i + r) * ldy + c0 + c] = bias ? out[r * PANEL_COLS + c] + bias[c0 + c] : out[r * PANEL_COLS + c];
+      }
+    }
   }
 }
 

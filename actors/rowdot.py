@@ -50,6 +50,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from actors.cpu_info import cpu_flags
@@ -136,6 +137,49 @@ def product(weight: Tensor, bias: Tensor | None, lib=None) -> Callable[[Tensor],
             _in_parts(N, True, lambda j0, j1: _columns(*args, j0, j1), align=8)
         else:
             _columns(*args, 0, N)  # small: no closure
+        return y
+    return call
+
+
+def pack_panels(weight: Tensor, lib=None) -> Tensor:
+    """weight (out, in) fp32 -> the panels `rowdot_panel_linear` reads: (ceil(out / cols), in, cols),
+    panel p holding columns [p * cols, (p + 1) * cols) k-major, the last one zero-padded; `cols`
+    is the build's `rowdot_panel_cols()` (32 on AVX-512, 16 elsewhere). A copy of the weight."""
+    cols = _lib(lib).rowdot_panel_cols()
+    N, K = weight.shape
+    padded = F.pad(weight.float(), (0, 0, 0, (-N) % cols))  # (panels * cols, in)
+    return padded.view(-1, cols, K).transpose(1, 2).contiguous()  # (panels, in, cols)
+
+
+def panel_product(weight: Tensor, bias: Tensor | None, lib=None, packed: Tensor | None = None
+                  ) -> Callable[[Tensor], Tensor]:
+    """`product` on the panel kernel (`rowdot_panel_linear`): each output one fused multiply-add
+    chain over `in` in order, so its bits are the same on every build and depend on nothing but
+    its row and the weight. `packed`: `pack_panels(weight, lib)` made already (else made here)."""
+    lib = _lib(lib)
+    N, K = weight.shape
+    packed = pack_panels(weight, lib) if packed is None else packed
+    cols = lib.rowdot_panel_cols()
+    if packed.shape != ((N + cols - 1) // cols, K, cols) or not packed.is_contiguous():
+        raise ValueError(f"rowdot: panels of shape {tuple(packed.shape)} are not {N}x{K}'s for this build")
+    bias = bias.contiguous() if bias is not None else None
+    if bias is not None and bias.shape != (N,):
+        raise ValueError(f"rowdot: the bias has shape {tuple(bias.shape)}, the weight {N} rows")
+    run, step = lib.rowdot_panel_linear, K * cols * 4  # bytes per panel
+
+    def call(x: Tensor) -> Tensor:  # (M, K) -> (M, N)
+        if x.dtype != torch.float32 or not x.is_cpu or x.dim() != 2 or x.shape[1] != K:
+            raise ValueError(f"rowdot: x must be (M, {K}) fp32 on the CPU, got {tuple(x.shape)} {x.dtype} "
+                             f"on {x.device}")
+        x = x.contiguous()
+        M = x.shape[0]
+        y = torch.empty(M, N, dtype=torch.float32)
+        xp, wp, bp, yp = x.data_ptr(), packed.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr()
+        if M * N * K < SPLIT_MACS:
+            run(xp, wp, bp, yp, M, N, K, N)  # small: no closure
+        else:  # column ranges start on a panel (`_in_parts` splits only with torch on more threads)
+            _in_parts(N, True, lambda j0, j1: run(xp, wp + j0 // cols * step, None if bp is None else bp + 4 * j0,
+                                                 yp + 4 * j0, M, j1 - j0, K, N), align=cols)
         return y
     return call
 
@@ -341,6 +385,9 @@ def load(portable: bool = False, build: str | None = None):
         return None, f"cannot load {target}: {e}"
     lib.rowdot_linear.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 4
     lib.rowdot_linear.restype = None
+    lib.rowdot_panel_linear.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 4
+    lib.rowdot_panel_linear.restype = None
+    lib.rowdot_panel_cols.restype = ctypes.c_long
     lib.rowdot_variant.restype = ctypes.c_char_p
     lib.rowdot_ssd_update.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_long] * 5 + [ctypes.c_void_p] * 5
     lib.rowdot_ssd_update.restype = None
@@ -395,7 +442,7 @@ def _build(compiler: str, flags: list[str], tmp: Path, target: Path) -> str | No
     """Compile into `tmp` (beside `target`), then rename (several processes may build at once).
     The error's last line, or None."""
     try:
-        run = subprocess.run([compiler, *flags, "-o", tmp, str(SOURCE)], capture_output=True, text=True,
+        run = subprocess.run([compiler, *flags, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True,
                              timeout=120)
         if run.returncode != 0:
             lines = (run.stderr or run.stdout).strip().splitlines()

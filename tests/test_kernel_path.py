@@ -15,6 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import actors.model as model_module
 from actors import kernel_choice
 from actors.batch import ForwardBatch
 from actors.cpu_info import describe, gemm_fingerprint
@@ -138,24 +139,34 @@ def test_describe_names_the_cpu_torch_and_mkl_path():
 
 
 @pytest.mark.parametrize("tile, max_rows, phase", [(TILE, MAX_CALL_ROWS, "decode"), (128, 2048, "prefill")])
-def test_the_kernel_chosen_for_the_shape_and_phase_is_the_one_that_runs(tile, max_rows, phase):
+def test_the_kernel_chosen_for_the_shape_and_phase_is_the_one_that_runs(tile, max_rows, phase, monkeypatch):
     """`TiledLinear` takes `kernel_choice.choose`'s pick for the weight's shape and its phase
-    (decode: calls of up to `MAX_CALL_ROWS` rows; prefill: longer). The negative control: each
-    other candidate, forced, gives other bits on the same rows, so the equality names the kernel."""
+    (decode: calls of up to `MAX_CALL_ROWS` rows; prefill: longer), and reports it
+    (`kernel_paths`: a rowdot kernel by name, MKL's path under no rowdot name). The negative
+    control: the other candidates, forced, give other bits on the same rows, except any that
+    agree bit for bit with the pick (the panel kernel and MKL's packed GEMM can: both run one
+    fused multiply-add chain per output over k in order), which the report tells apart."""
+    monkeypatch.setattr(model_module, "_ROWDOT_SHAPES", {})
     x, w, b = _inputs(40)
     chosen = kernel_choice.choose((OUT, IN), phase)
     assert chosen in kernel_choice.candidates()
     got = TiledLinear(tile, max_rows=max_rows)(x, w, b)
+    ran = kernel_paths().get(f"{OUT}x{IN} fp32 {phase}", "mkl packed")
+    assert ran.split(",")[0] == chosen, (ran, chosen)
     assert torch.equal(got, TiledLinear(tile, max_rows=max_rows, kernel=chosen)(x, w, b))
-    for other in set(kernel_choice.candidates()) - {chosen}:
-        assert not torch.equal(got, TiledLinear(tile, max_rows=max_rows, kernel=other)(x, w, b)), other
+    others = set(kernel_choice.candidates()) - {chosen}
+    differ = {o for o in others if not torch.equal(got, TiledLinear(tile, max_rows=max_rows, kernel=o)(x, w, b))}
+    assert differ or not others, f"every other candidate gives {chosen}'s bits: the bits cannot name it"
+    assert others - differ <= {kernel_choice.PANEL, kernel_choice.MKL} - {chosen}, others - differ
 
 
 def test_a_kept_path_follows_a_kernel_forced_later_and_a_new_bias(monkeypatch):
     """`TiledLinear` works a weight's path out once and keeps it; a kernel forced in the
     environment afterwards (`RAYSCHED_KERNEL`) must take effect from the next forward (the model
     calls `refresh` once per forward, `HybridLM._tiled`), and another bias at once. Each
-    candidate's bits differ on these rows (the test above), so equality names the kernel."""
+    candidate's bits differ on these rows (the test above), so equality names the kernel (except
+    between the panel kernel and MKL's packed GEMM where those agree: the switch between them
+    changes no bit)."""
     names = kernel_choice.candidates()
     if len(names) < 2:
         pytest.skip(f"one candidate here ({names}): nothing to switch to")
