@@ -21,6 +21,13 @@ workers whose products take different builds do not agree bit for bit). `compile
 without loading: the AVX-512 source is compile-checked on CPUs that cannot run it. Without a compiler, or with `RAYSCHED_ROWDOT=0`, `available()` is False and the
 products take MKL's probed path (one warning line says why).
 
+`panel_product` is the same product with no sum across lanes: the weight packed once in
+panels of columns (`pack_panels`), each output one lane of a fused multiply-add chain over k in
+order, rows sharing each weight load in blocks of up to 8. Its bits do not depend on the build
+(AVX-512, AVX2 and the portable build's `fmaf` agree), and it is the fastest candidate where
+measured (an AMD EPYC Zen 4, 1 thread: 104-110 GFLOP/s at 8 to 256 rows against 63-84 for the
+dot-product builds and 59-92 for MKL; see `benchmarks/README.md`).
+
 `ssd_update` and `conv_update` (the same library) are decode's Mamba2 state updates in one pass
 over each request's state, fused from the torch calls of `actors.mamba.ssd_step` and
 `causal_conv_step`, and `conv_prefill` and `ssd_carry` are prefill's conv (`causal_conv_prefill`)
