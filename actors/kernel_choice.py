@@ -19,12 +19,12 @@ count: a row's bits must not follow the batch.
 
 The rule (`decide`): the default is the first candidate (rowdot's widest build). Each candidate
 is timed at the phase's row counts (`PHASE_ROWS`; best of `REPEATS`, the candidates taking
-turns), and scored by the geometric mean over those counts of its time over the default's.
-Another candidate replaces the default only where its score is below 1 - `MARGIN`; the lowest
-such score wins, ties going to the earlier candidate. MKL is first timed as if row-free from
+turns), and scored by the geometric mean over those counts of its time over the default's. Walking the
+candidates in order, one replaces the pick so far only where its score is below the pick's by
+`MARGIN` (a near tie keeps the earlier candidate, whichever measured lower). MKL is first timed as if row-free from
 1 row (its fastest case); only where that would win is it probed, then timed again padded to
 its probed minimum. So the choice is a function of the CPU, the libraries and the shapes,
-except where a candidate's score lies within measurement noise of 1 - `MARGIN`.
+except where two candidates' scores lie within measurement noise of exactly `MARGIN` apart.
 
 Per machine, not per process: every choice and every probe answer is kept in one JSON file,
 `kernel-choice-<key>.json` in rowdot's cache directory (`RAYSCHED_KERNEL_CACHE`, else
@@ -139,10 +139,16 @@ def measure_seconds() -> float:
 
 
 def decide(scores: dict[str, float], names: tuple[str, ...]) -> str:
-    """The rule: `names[0]` (the default) unless another's score (its time over the default's)
-    is below 1 - MARGIN; then the lowest score, the earlier name on a tie."""
-    better = [n for n in names[1:] if n in scores and scores[n] < 1.0 - MARGIN]
-    return min(better, key=lambda n: (scores[n], names.index(n))) if better else names[0]
+    """The rule: walk the candidates in order from the default (`names[0]`); one replaces the
+    pick so far only where its score (its time over the default's) is below the pick's by the
+    margin. So timing noise under the margin cannot change the choice, between the default and
+    another or between two others: a near tie goes to the earlier candidate, whichever measured
+    lower, and the pick is at most MARGIN slower than the fastest measured."""
+    pick = names[0]
+    for n in names[1:]:
+        if n in scores and scores[n] < (1.0 - MARGIN) * scores.get(pick, 1.0):
+            pick = n
+    return pick
 
 
 def _one_thread(fn: Callable[..., dict], *args) -> dict:

@@ -59,6 +59,16 @@ def test_the_rule_keeps_the_default_unless_another_is_faster_by_the_margin():
     assert decide({"rowdot a": 1.0}, names[:1]) == "rowdot a"
 
 
+def test_a_near_tie_between_two_others_goes_to_the_earlier_whichever_measured_lower():
+    """Two candidates that both beat the default, within the margin of each other: the earlier
+    one, in either order of their timings (so identical machines agree despite noise). The
+    control: a later one faster than the earlier by more than the margin is taken."""
+    names = ("rowdot a", "rowdot panel", "mkl packed")
+    for panel, mkl in ((0.80, 0.79), (0.79, 0.80)):
+        assert decide({"rowdot a": 1.0, "rowdot panel": panel, "mkl packed": mkl}, names) == "rowdot panel"
+    assert decide({"rowdot a": 1.0, "rowdot panel": 0.80, "mkl packed": 0.77}, names) == "mkl packed"
+
+
 def test_a_choice_is_measured_once_per_machine_and_read_back(tmp_path):
     first = _answer(_choose_in_subprocess(tmp_path))
     second = _answer(_choose_in_subprocess(tmp_path))
