@@ -19,11 +19,11 @@ count: a row's bits must not follow the batch.
 
 The rule (`decide`): the default is the first candidate (rowdot's widest build). Each candidate
 is timed at the phase's row counts (`PHASE_ROWS`; best of `REPEATS`, the candidates taking
-turns), and scored by the geometric mean over those counts of its time over the default's. Walking the
-candidates in order, one replaces the pick so far only where its score is below the pick's by
-`MARGIN` (a near tie keeps the earlier candidate, whichever measured lower). MKL is first timed as if row-free from
-1 row (its fastest case); only where that would win is it probed, then timed again padded to
-its probed minimum. So the choice is a function of the CPU, the libraries and the shapes,
+turns), and scored by the geometric mean over those counts of its time over the default's.
+Walking the candidates in order, one replaces the pick so far only where its score is below the
+pick's by `MARGIN` (a near tie keeps the earlier candidate, whichever measured lower). MKL is
+first timed as if row-free from 1 row (its fastest case); only where that would win is it
+probed, then timed again padded to its probed minimum. So the choice is a function of the CPU, the libraries and the shapes,
 except where two candidates' scores lie within measurement noise of exactly `MARGIN` apart.
 
 Per machine, not per process: every choice and every probe answer is kept in one JSON file,

@@ -155,7 +155,8 @@ class TiledLinear:
         self.max_rows = max_rows  # row-free calls are split here (None: never; prefill, whose
         #   rows all belong to one sequence's chunk, needs no invariance across row counts)
         self.phase = "decode" if max_rows is not None and max_rows <= MAX_CALL_ROWS else "prefill"
-        self._packed = packs if packs is not None else {}  # id(weight) -> (weight, MKL-packed); ("panel", id(weight)) -> (weight, rowdot panels)
+        self._packed = packs if packs is not None else {}  # id(weight) -> (weight, MKL-packed),
+        #   ("panel", id(weight)) -> (weight, `rowdot.pack_panels`)
         self._plans: dict[int, tuple] = {}  # id(weight) -> (weight, bias, x's dtype, run): see __call__
         self._context = _paths_context()  # see refresh
 
@@ -533,7 +534,8 @@ class HybridLM(nn.Module):
         self.linear_kernel: str | None = None  # one of `kernel_choice.candidates()` forced for every
         #   fp32 CPU product (None: the chooser's)
         self._linears: dict[tuple, TiledLinear] = {}
-        self._packs: dict[int | tuple[str, int], tuple[Tensor, Tensor]] = {}  # packed weights, shared by the kernels
+        self._packs: dict[int | tuple[str, int], tuple[Tensor, Tensor]] = {}  # packed weights, shared by
+        #   the kernels
 
     @property
     def device(self) -> torch.device:
