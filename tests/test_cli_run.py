@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import subprocess
 import tempfile
 import time
@@ -25,12 +26,23 @@ from tests.user_cli import DEMO_YAML, SERVE_YAML, WORKLOAD_YAML
 
 TINY_VOCAB = 512
 RECORD_KEYS = {"prompt_ids", "token_ids", "workers", "retractions", "ttft_s", "latency_s"}
-HOME = Path(tempfile.mkdtemp(prefix="raysched-home-"))  # a fresh HOME for this module's commands
+_HOME: list[Path] = []  # the fresh HOME of this module's commands, made on first use
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _remove_home():
+    """The module's HOME, made at its first command, goes when its tests end (made at import, it
+    used to outlive every run in /tmp)."""
+    yield
+    while _HOME:
+        shutil.rmtree(_HOME.pop(), ignore_errors=True)
 
 
 def raysched(*args: object, timeout_s: float = 120) -> subprocess.CompletedProcess:
     """As a user in a new shell runs it (`tests.user_cli`): no RAY_* variable, a fresh HOME."""
-    return user_cli.raysched(*args, home=HOME, timeout_s=timeout_s)
+    if not _HOME:
+        _HOME.append(Path(tempfile.mkdtemp(prefix="raysched-home-")))
+    return user_cli.raysched(*args, home=_HOME[0], timeout_s=timeout_s)
 
 
 def summary_count(stdout: str, name: str) -> int:
