@@ -126,17 +126,12 @@ def product(weight: Tensor, bias: Tensor | None, lib=None) -> Callable[[Tensor],
     weight is read in place on every call (a copy, kept, only where it is not contiguous)."""
     lib = _lib(lib)
     weight = weight.contiguous()
-    bias = bias.contiguous() if bias is not None else None
     N, K = weight.shape
-    if bias is not None and bias.shape != (N,):
-        raise ValueError(f"rowdot: the bias has shape {tuple(bias.shape)}, the weight {N} rows")
+    bias = _bias(bias, N)
     run = lib.rowdot_linear
 
     def call(x: Tensor) -> Tensor:  # (M, K) -> (M, N)
-        if x.dtype != torch.float32 or not x.is_cpu or x.dim() != 2 or x.shape[1] != K:
-            raise ValueError(f"rowdot: x must be (M, {K}) fp32 on the CPU, got {tuple(x.shape)} {x.dtype} "
-                             f"on {x.device}")
-        x = x.contiguous()
+        x = _rows(x, K)
         M = x.shape[0]
         y = torch.empty(M, N, dtype=torch.float32)
         args = (run, x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(), M, N, K)
@@ -146,6 +141,22 @@ def product(weight: Tensor, bias: Tensor | None, lib=None) -> Callable[[Tensor],
             _columns(*args, 0, N)  # small: no closure
         return y
     return call
+
+
+def _bias(bias: Tensor | None, N: int) -> Tensor | None:
+    """A product's bias, contiguous, after checking it has one value per output (N,)."""
+    if bias is not None and bias.shape != (N,):
+        raise ValueError(f"rowdot: the bias has shape {tuple(bias.shape)}, the weight {N} rows")
+    return bias.contiguous() if bias is not None else None
+
+
+def _rows(x: Tensor, K: int) -> Tensor:
+    """A product's input, contiguous, after checking it is (M, K) fp32 on the CPU: the kernels
+    read raw pointers, so anything else would be read out of bounds or as the wrong numbers."""
+    if x.dtype != torch.float32 or not x.is_cpu or x.dim() != 2 or x.shape[1] != K:
+        raise ValueError(f"rowdot: x must be (M, {K}) fp32 on the CPU, got {tuple(x.shape)} {x.dtype} "
+                         f"on {x.device}")
+    return x.contiguous()
 
 
 def pack_panels(weight: Tensor, lib=None) -> Tensor:
@@ -169,16 +180,11 @@ def panel_product(weight: Tensor, bias: Tensor | None, lib=None, packed: Tensor 
     cols = lib.rowdot_panel_cols()
     if packed.shape != ((N + cols - 1) // cols, K, cols) or not packed.is_contiguous():
         raise ValueError(f"rowdot: panels of shape {tuple(packed.shape)} are not {N}x{K}'s for this build")
-    bias = bias.contiguous() if bias is not None else None
-    if bias is not None and bias.shape != (N,):
-        raise ValueError(f"rowdot: the bias has shape {tuple(bias.shape)}, the weight {N} rows")
+    bias = _bias(bias, N)
     run, step = lib.rowdot_panel_linear, K * cols * 4  # bytes per panel
 
     def call(x: Tensor) -> Tensor:  # (M, K) -> (M, N)
-        if x.dtype != torch.float32 or not x.is_cpu or x.dim() != 2 or x.shape[1] != K:
-            raise ValueError(f"rowdot: x must be (M, {K}) fp32 on the CPU, got {tuple(x.shape)} {x.dtype} "
-                             f"on {x.device}")
-        x = x.contiguous()
+        x = _rows(x, K)
         M = x.shape[0]
         y = torch.empty(M, N, dtype=torch.float32)
         xp, wp, bp, yp = x.data_ptr(), packed.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr()
