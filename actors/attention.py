@@ -13,8 +13,9 @@ Prefill projects the rows of all its sequences at once, then attends per sequenc
 causal kernel (no L x L score matrix, so 16k+ tokens fit); a chunk that continues a sequence
 attends over the cached K/V of its earlier tokens plus its own (an explicit (L, S+L) causal mask,
 S the tokens before the chunk). Decode writes the new token's K/V, then attends over every
-request's own slots in one pass (`chunked_decode_attention`, fixed-size KV chunks); a request's
-result never depends on the batch it is in.
+request's own slots in one pass (`chunked_decode_attention`, fixed-size KV chunks; in fp32 on
+the CPU where rowdot loads, `actors.rowdot.decode_attention`, which reads the pool by slot); a
+request's result never depends on the batch it is in.
 """
 
 from __future__ import annotations
@@ -202,9 +203,13 @@ class Attention(nn.Module):
         q, k, v, gate = self._qkv(h, positions, kernels)  # (R, Hq, D), (R, Hkv, D) x2, gate
         k_cache[out_slots] = k
         v_cache[out_slots] = v
-        out = chunked_decode_attention(q, k_cache, v_cache, table, self.config.attention_scale,
-                                       kernels.pointwise)  # (R, Hq*D)
-        return self._out(out, gate, kernels)  # (R, hidden)
+        fused = kernels.decode_attention
+        if fused is not None and table.flat is not None and k_cache.dtype == torch.float32:
+            out = fused(q, k_cache, v_cache, table.flat, table.starts, self.config.attention_scale)
+        else:
+            out = chunked_decode_attention(q, k_cache, v_cache, table, self.config.attention_scale,
+                                           kernels.pointwise)  # (R, Hq*D)
+        return self._out(out.to(q.dtype), gate, kernels)  # (R, hidden)
 
     def _qkv(self, h: Tensor, positions: Tensor,
              kernels: Kernels) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:

@@ -20,7 +20,7 @@ Two kinds:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Callable
 
@@ -42,12 +42,17 @@ class KVTable:
     grid (R, K) int64: row r's k-th chunk, in order (rows with fewer than K chunks point at a
     chunk with no valid key, which the combine step leaves out exactly). Only a row's own chunk
     count decides its arithmetic, so its result does not depend on the other rows or on K.
+    A compact table on the CPU also keeps every request's slots unchunked: flat (sum L_i,)
+    int64, request r's at flat[starts[r]:starts[r + 1]], starts (R + 1,) int64 (for
+    `actors.rowdot.decode_attention`, which reads the pool by slot; None otherwise).
     """
 
     slots: torch.Tensor
     valid: torch.Tensor
     owner: torch.Tensor
     grid: torch.Tensor
+    flat: torch.Tensor | None = None
+    starts: torch.Tensor | None = None
 
     @staticmethod
     def build(kv_slots: list[torch.Tensor], chunk: int = KV_CHUNK,
@@ -88,10 +93,18 @@ class KVTable:
         if shape is None:  # a request's chunks past its own count: the empty chunk
             grid = np.where(k < needed[:, None], grid[:R], int(starts[-1]))
         owner = np.minimum(row_of, max(R - 1, 0)) if shape is None else row_of
-        return KVTable(*(torch.from_numpy(np.ascontiguousarray(t, dtype=d)) for t, d in
-                         ((slots, np.int64), (valid, np.bool_), (owner, np.int64), (grid, np.int64))))
+        table = KVTable(*(torch.from_numpy(np.ascontiguousarray(t, dtype=d)) for t, d in
+                          ((slots, np.int64), (valid, np.bool_), (owner, np.int64), (grid, np.int64))))
+        if shape is not None:
+            return table
+        row_starts = np.concatenate([offsets[:R], [flat.shape[0] if R else 0]])  # (R + 1,)
+        return replace(table, flat=torch.from_numpy(flat[:row_starts[-1]].astype(np.int64)),
+                       starts=torch.from_numpy(row_starts.astype(np.int64)))
 
     def to(self, device: torch.device) -> "KVTable":
+        """The table on `device` (the unchunked slots stay only on the CPU)."""
+        if torch.device(device).type == "cpu":
+            return self
         return KVTable(*(t.to(device, non_blocking=True) for t in
                          (self.slots, self.valid, self.owner, self.grid)))
 

@@ -174,7 +174,11 @@ class FixedShapeDecode:
         ids, pos, out, state, lengths, slots = self._views(b.device_inputs, b)
         token = torch.arange(b.chunks * self.chunk, device=self.device).view(b.chunks, self.chunk)
         valid = (token[None] < lengths[:, None, None]).view(-1, self.chunk)  # (rows*chunks, C)
-        table = KVTable(slots.reshape(-1, self.chunk), valid, b.owner, b.grid)
+        flat = starts = None
+        if self.device.type == "cpu":  # each row's slots unchunked, as an eager step's table holds
+            #   them (`KVTable.flat`): a fused CPU attention reads them (nothing is captured here)
+            flat, starts = slots.reshape(-1)[valid.view(-1)], torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])
+        table = KVTable(slots.reshape(-1, self.chunk), valid, b.owner, b.grid, flat, starts)
         batch = ForwardBatch(False, ids, pos, [1] * b.rows, out, state, None, table)
         return self.model(batch, self.pool)
 

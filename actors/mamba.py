@@ -118,6 +118,8 @@ class Kernels:
     #   (`actors.rowdot.ssd_update`, CPU); None: the torch calls of `ssd_step`
     conv_update: StateUpdate | None = None  # decode's conv and its state's shift in one pass
     #   (`actors.rowdot.conv_update`, CPU, fp32: the torch path's bits); None: `causal_conv_step`'s calls
+    decode_attention: Callable[..., Tensor] | None = None  # decode attention reading the pool by slot
+    #   (`actors.rowdot.decode_attention`, CPU, fp32); None: `actors.attention.chunked_decode_attention`
     conv_prefill: ConvPrefill | None = None  # prefill's conv in one pass (`actors.rowdot.conv_prefill`,
     #   CPU, fp32: the torch path's bits); None: `causal_conv_prefill`'s calls
     ssd_carry: Callable[[Tensor, Tensor, Tensor], None] | None = None  # prefill's scan: its recurrence

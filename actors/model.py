@@ -325,8 +325,9 @@ def matrix_kernel(model: "HybridLM") -> str:
     CPU its linear layers' (fp32: the kernel chosen per shape and phase, `kernel_choice.summary`,
     measured here at the first ask on this machine; "mkl" for MKL's probed path or another dtype;
     "plain" without invariance), MKL's GEMM fingerprint (its batched products and attention) and
-    ATen's CPU capability (its elementwise kernels), and "ssd fused" where decode's SSD update
-    takes `rowdot.ssd_update`, e.g. "decode rowdot avx2+fma, prefill mkl packed; mkl
+    ATen's CPU capability (its elementwise kernels), "ssd fused" where decode's SSD update
+    takes `rowdot.ssd_update` and "attention fused" where its attention takes
+    `rowdot.decode_attention`, e.g. "decode rowdot avx2+fma, prefill mkl packed; mkl
     930887e8e594; aten AVX2; ssd fused"; elsewhere the device type ("cuda"). Two workers with
     the same answer give a moved request the same bits."""
     if model.device.type != "cpu":
@@ -341,7 +342,8 @@ def matrix_kernel(model: "HybridLM") -> str:
                   else kernel_choice.summary(shapes + [tuple(model.lm_head_weight.shape)]))
     else:
         linear = "mkl"
-    ssd = "; ssd fused" if model.fused_updates() else ""
+    fused = model.fused_updates()
+    ssd = ("; ssd fused" if fused else "") + ("; attention fused" if "decode_attention" in fused else "")
     return f"{linear}; mkl {gemm_fingerprint()}; aten {torch.backends.cpu.get_cpu_capability()}{ssd}"
 
 
@@ -593,14 +595,19 @@ class HybridLM(nn.Module):
                        **self.fused_updates())
 
     def fused_updates(self) -> dict:
-        """Decode's Mamba2 state updates in one pass over each state, as `Kernels` fields
-        (`rowdot.ssd_update`: the same bits on every build; `rowdot.conv_update`: the torch
-        path's bits) on the CPU where rowdot loads and `rowdot` is on; {} elsewhere (the torch
-        calls of `actors.mamba.ssd_step` and `causal_conv_step`)."""
+        """Decode's Mamba2 state updates in one pass over each state, and its attention read
+        from the pool by slot, as `Kernels` fields (`rowdot.ssd_update`, `rowdot.decode_attention`:
+        the same bits on every build; `rowdot.conv_update`: the torch path's bits) on the CPU
+        where rowdot loads and `rowdot` is on (the attention not on the portable build, slower
+        there than torch's); {} elsewhere (the torch calls of `actors.mamba.ssd_step`,
+        `causal_conv_step` and `actors.attention.chunked_decode_attention`)."""
         cpu = self.device.type == "cpu" and self.invariant_tile is not None
         if not (cpu and self.rowdot and rowdot.available()):
             return {}
-        return {"ssd_update": rowdot.ssd_update, "conv_update": rowdot.conv_update}
+        fused = {"ssd_update": rowdot.ssd_update, "conv_update": rowdot.conv_update}
+        if rowdot.variant() != "portable":  # (the portable build's attention is slower than torch's)
+            fused["decode_attention"] = rowdot.decode_attention
+        return fused
 
     def fused_prefill(self) -> dict:
         """Prefill's conv and its scan's recurrence over chunks in one pass each

@@ -431,3 +431,152 @@ int rowdot_rms_norm(const float *x, long R, long n, float inv_n, float eps, cons
   if (buf != stack_buf) free(buf);
   return 0;
 }
+
+/* Decode attention: one query token per request over that request's own keys, read in place
+ * from the paged pool by slot (no gather). Each request's result is computed on its own, in a
+ * fixed order, so it depends only on its query and its keys: not on the batch, nor on the
+ * build (every step is one IEEE operation, the same on AVX-512, AVX2 and portable):
+ *   - score s_c = dot(q, k_c) * scale, the dot as 16 partial sums (lane l: the products of
+ *     d = l mod 16, in order of d, one fused multiply-add each), lane l += lane l + 8, then
+ *     `pair8`;
+ *   - m = the largest score; e_c = rowdot_exp(s_c - m) (below);
+ *   - total = the e_c summed as 16 partial sums (lane l: keys c = l mod 16, in order), folded as
+ *     the scores' lanes are;
+ *   - out[d] = (sum over c in order of e_c * v_c[d], one fused multiply-add each) / total.
+ * rowdot_exp(x), x <= 0: 0 below -87; else n = nearest integer of x * log2(e) (the 1.5 * 2^23
+ * rounding trick), r = x - n ln2 (ln2 in two parts, fused), a degree-6 Taylor polynomial of
+ * e^r by Horner (fused), times 2^n. Within 2 ulp of e^x.
+ *
+ * Shapes: q (R, Hq, D), k and v (S, Hkv, D) contiguous fp32, Hq a multiple of Hkv (query head
+ * h reads kv head h / (Hq / Hkv)); request r's keys are at slots[starts[r] .. starts[r+1]);
+ * scratch holds (Hq / Hkv) * (the longest request's key count) floats; out (R, Hq, D). */
+#define DOT_LANES 16
+#define DOT_VECS (DOT_LANES / LANES)
+
+static inline float fold16(const float p[DOT_LANES]) {
+  float h[8];
+  for (int i = 0; i < 8; i++) h[i] = p[i] + p[i + 8];
+  return pair8(h);
+}
+
+static float dot16(const float *restrict a, const float *restrict b, long D) { /* any D */
+  float p[DOT_LANES] = {0};
+  for (long d = 0; d < D; d++) p[d % DOT_LANES] = fmaf(a[d], b[d], p[d % DOT_LANES]);
+  return fold16(p);
+}
+
+static inline float dot(const float *restrict a, const float *restrict b, long D) {
+  if (D % DOT_LANES) return dot16(a, b, D);
+  vec acc0 = VZERO();
+#if DOT_VECS == 2
+  vec acc1 = VZERO();
+#endif
+  for (long d = 0; d < D; d += DOT_LANES) {
+    acc0 = PFMA(VLOAD(a + d), VLOAD(b + d), acc0);
+#if DOT_VECS == 2
+    acc1 = PFMA(VLOAD(a + d + LANES), VLOAD(b + d + LANES), acc1);
+#endif
+  }
+#if DOT_VECS == 2
+  acc0 = acc0 + acc1; /* lane l + lane l + 8, as fold16 */
+#endif
+  return vsum(acc0); /* the rest of fold16's order on every build */
+}
+
+static inline float rowdot_exp(float x) {
+  const float shift = 12582912.0f; /* 1.5 * 2^23: adding and taking it away rounds to an integer */
+  float n = (x * 1.44269504088896341f + shift) - shift;
+  float r = fmaf(n, -0.693145751953125f, x);
+  r = fmaf(n, -1.42860682030941723e-6f, r);
+  float p = 1.0f / 720.0f;
+  p = fmaf(p, r, 1.0f / 120.0f);
+  p = fmaf(p, r, 1.0f / 24.0f);
+  p = fmaf(p, r, 1.0f / 6.0f);
+  p = fmaf(p, r, 0.5f);
+  p = fmaf(p, r, 1.0f);
+  p = fmaf(p, r, 1.0f);
+  int bits = ((int)n + 127) << 23;
+  float two_n;
+  __builtin_memcpy(&two_n, &bits, sizeof two_n);
+  return x > -87.0f ? p * two_n : 0.0f;
+}
+
+static void exp_shifted(float *restrict e, long n, float m) {
+  for (long c = 0; c < n; c++) e[c] = rowdot_exp(e[c] - m);
+}
+
+static float sum16(const float *restrict x, long n) {
+  float p[DOT_LANES] = {0};
+  long c = 0;
+  for (; c + DOT_LANES <= n; c += DOT_LANES)
+    for (int i = 0; i < DOT_LANES; i++) p[i] = p[i] + x[c + i];
+  for (long t = 0; c + t < n; t++) p[t] = p[t] + x[c + t];
+  return fold16(p);
+}
+
+/* o[d] = sum over c in order of e[c] * v_c[d] (one fused multiply-add a step, from 0), the
+ * accumulators of 4 vectors of d in registers while the keys stream past. */
+static void weighted_sum(const float *restrict e, const float *restrict v, const long *restrict slots,
+                         long L, long stride, long D, float *restrict o) {
+  long d0 = 0;
+  for (; d0 + 4 * LANES <= D; d0 += 4 * LANES) {
+    vec a0 = VZERO(), a1 = VZERO(), a2 = VZERO(), a3 = VZERO();
+    for (long c = 0; c < L; c++) {
+      const float *vc = v + slots[c] * stride + d0;
+      vec w = VBCAST(e + c);
+      a0 = PFMA(w, VLOAD(vc), a0);
+      a1 = PFMA(w, VLOAD(vc + LANES), a1);
+      a2 = PFMA(w, VLOAD(vc + 2 * LANES), a2);
+      a3 = PFMA(w, VLOAD(vc + 3 * LANES), a3);
+    }
+    VSTORE(o + d0, a0);
+    VSTORE(o + d0 + LANES, a1);
+    VSTORE(o + d0 + 2 * LANES, a2);
+    VSTORE(o + d0 + 3 * LANES, a3);
+  }
+  for (; d0 + LANES <= D; d0 += LANES) {
+    vec a = VZERO();
+    for (long c = 0; c < L; c++) a = PFMA(VBCAST(e + c), VLOAD(v + slots[c] * stride + d0), a);
+    VSTORE(o + d0, a);
+  }
+  for (; d0 < D; d0++) {
+    float a = 0.0f;
+    for (long c = 0; c < L; c++) a = fmaf(e[c], v[slots[c] * stride + d0], a);
+    o[d0] = a;
+  }
+}
+
+static void attend_head(const float *restrict q, const float *restrict k, const float *restrict v,
+                        const long *restrict slots, long L, long grp, long stride, long D, float scale,
+                        float *restrict e, float *restrict out) {
+  for (long c = 0; c < L; c++) { /* each key read once for the group's queries */
+    const float *kc = k + slots[c] * stride;
+    for (long g = 0; g < grp; g++) e[g * L + c] = dot(q + g * D, kc, D) * scale;
+  }
+  for (long g = 0; g < grp; g++) {
+    float *eg = e + g * L, m = eg[0], *o = out + g * D;
+    for (long c = 1; c < L; c++) m = eg[c] > m ? eg[c] : m;
+    exp_shifted(eg, L, m);
+    float total = sum16(eg, L);
+    weighted_sum(eg, v, slots, L, stride, D, o);
+    for (long d = 0; d < D; d++) o[d] = o[d] / total;
+  }
+}
+
+void rowdot_decode_attention(const float *q, const float *k, const float *v, const long *slots,
+                             const long *starts, long R, long Hq, long Hkv, long D, float scale,
+                             float *scratch, float *out) {
+  long grp = Hq / Hkv, stride = Hkv * D;
+  for (long r = 0; r < R; r++) {
+    long L = starts[r + 1] - starts[r];
+    for (long h = 0; h < Hkv; h++) {
+      float *o = out + (r * Hq + h * grp) * D;
+      if (L == 0) {
+        for (long i = 0; i < grp * D; i++) o[i] = 0.0f;
+        continue;
+      }
+      attend_head(q + (r * Hq + h * grp) * D, k + h * D, v + h * D, slots + starts[r], L, grp, stride,
+                  D, scale, scratch, o);
+    }
+  }
+}

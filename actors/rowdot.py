@@ -290,6 +290,43 @@ def ssd_carry(states: Tensor, local: Tensor, decay: Tensor, lib=None) -> None:
     lib.rowdot_ssd_carry(states.data_ptr(), local.data_ptr(), decay.data_ptr(), c, G, N, K, P)
 
 
+def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, starts: Tensor,
+                     scale: float, lib=None) -> Tensor:
+    """Decode attention of one query per request over its own keys, read in place from the pool
+    by slot (`rowdot_decode_attention`: a request's bits depend on nothing but its query and its
+    keys, the same on every build).
+
+    q (R, Hq, D), k_cache and v_cache (S, Hkv, D), fp32 contiguous on the CPU; request r's key
+    slots are slots[starts[r]:starts[r + 1]] (int64; `KVTable.flat`, `KVTable.starts`).
+    Returns (R, Hq * D) fp32."""
+    lib = _lib(lib)
+    R, Hq, D = q.shape
+    S, Hkv = k_cache.shape[0], k_cache.shape[1]
+    for name, t in (("the keys", k_cache), ("the values", v_cache)):
+        _check_state(t, "decode_attention", name)
+    if k_cache.shape != (S, Hkv, D) or v_cache.shape != k_cache.shape or Hq % Hkv or starts.shape != (R + 1,):
+        raise ValueError(f"decode_attention: shapes {tuple(q.shape)}, {tuple(k_cache.shape)}, "
+                         f"{tuple(v_cache.shape)}, starts {tuple(starts.shape)} do not agree")
+    q = q.float().contiguous()
+    slots, starts = slots.to(torch.int64).contiguous(), starts.to(torch.int64).contiguous()
+    kept(_CHECKED, "attention", slots, lambda: _check_key_slots(slots, starts, S), (S, starts.data_ptr()))
+    longest = int((starts[1:] - starts[:-1]).max()) if R else 0
+    scratch = torch.empty(max(1, Hq // Hkv * longest), dtype=torch.float32)
+    out = torch.empty(R, Hq * D, dtype=torch.float32)
+    lib.rowdot_decode_attention(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(),
+                                starts.data_ptr(), R, Hq, Hkv, D, scale, scratch.data_ptr(), out.data_ptr())
+    return out
+
+
+def _check_key_slots(slots: Tensor, starts: Tensor, pool: int) -> bool:
+    n = slots.shape[0]
+    if slots.dim() != 1 or (n and (int(slots.min()) < 0 or int(slots.max()) >= pool)) or (
+            starts.numel() and (int(starts[0]) != 0 or int(starts[-1]) != n or bool((starts[1:] < starts[:-1]).any()))):
+        raise ValueError(f"decode_attention: key slots outside the pool's {pool}, or starts that do not "
+                         f"cut the {n} slots in order")
+    return True
+
+
 def rms_norm(x: Tensor, eps: float, weight: Tensor | None = None, offset: bool = False,
              out: Tensor | None = None, lib=None) -> Tensor:
     """RMSNorm over the last dim of x (..., n), fp32 on the CPU, in one pass a row
@@ -413,6 +450,9 @@ def load(portable: bool = False, build: str | None = None):
     lib.rowdot_rms_norm.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_float,
                                     ctypes.c_float, ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_void_p]
     lib.rowdot_rms_norm.restype = ctypes.c_int
+    lib.rowdot_decode_attention.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_long] * 4 + [ctypes.c_float] \
+        + [ctypes.c_void_p] * 2
+    lib.rowdot_decode_attention.restype = None
     return lib, None
 
 

@@ -137,7 +137,7 @@ def test_the_engine_takes_them_where_rowdot_loads_says_so_and_keeps_the_torch_pa
     from actors.model import matrix_kernel
     from raysched.sampling import SamplingParams
 
-    calls = {"ssd_update": 0, "conv_update": 0, "conv_prefill": 0, "ssd_carry": 0}
+    calls = {"ssd_update": 0, "conv_update": 0, "conv_prefill": 0, "ssd_carry": 0, "decode_attention": 0}
     for name in calls:
         def counted(*args, _real=getattr(rowdot, name), _name=name, **kwargs):
             calls[_name] += 1
@@ -157,10 +157,13 @@ def test_the_engine_takes_them_where_rowdot_loads_says_so_and_keeps_the_torch_pa
     fused, kernel = tokens(True)
     assert calls["ssd_update"] > 0 and calls["conv_update"] == calls["ssd_update"]  # every Mamba layer, every step
     assert calls["conv_prefill"] > 0 and calls["ssd_carry"] > 0  # and prefill's conv and scan
+    vector = rowdot.variant() != "portable"  # decode attention: the vector builds only
+    assert (calls["decode_attention"] > 0) == vector  # every attention layer, every step
     before = dict(calls)
     plain, other = tokens(False)
     assert calls == before
-    assert kernel.endswith("; ssd fused") and not other.endswith("; ssd fused")
+    assert kernel.endswith("; ssd fused; attention fused" if vector else "; ssd fused")
+    assert "fused" not in other
     assert fused == plain
 
 
