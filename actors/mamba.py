@@ -118,6 +118,8 @@ class Kernels:
     #   (`actors.rowdot.ssd_update`, CPU); None: the torch calls of `ssd_step`
     conv_update: StateUpdate | None = None  # decode's conv and its state's shift in one pass
     #   (`actors.rowdot.conv_update`, CPU, fp32: the torch path's bits); None: `causal_conv_step`'s calls
+    ssd_scan: Callable[..., tuple[Tensor, Tensor, Tensor | None]] | None = None  # prefill's SSD scan
+    #   in one pass per head (`actors.rowdot.ssd_scan`, CPU, fp32); None: `ssd_chunked`'s torch calls
     decode_attention: Callable[..., Tensor] | None = None  # decode attention reading the pool by slot
     #   (`actors.rowdot.decode_attention`, CPU, fp32); None: `actors.attention.chunked_decode_attention`
     conv_prefill: ConvPrefill | None = None  # prefill's conv in one pass (`actors.rowdot.conv_prefill`,
@@ -252,6 +254,18 @@ def ssd_chunked(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, chunk_si
     y_off.mul_(decay_exp_(a_cum.clone()).permute(0, 2, 1).reshape(c, l, G, H // G, 1))  # decayed from the chunk start
     y = torch.add(y_diag, y_off, out=xg.new_empty(c, l, G, H // G, P))  # (c, l, G, K, P), one pass
     return y.view(-1, H, P)[:L], final  # (L, H, P)
+
+
+def ssd_fused(scan: Callable[..., tuple[Tensor, Tensor, Tensor | None]], x: Tensor, dt: Tensor, A: Tensor,
+              B: Tensor, C: Tensor, chunk_size: int, initial_state: Tensor | None = None,
+              marks: list | None = None) -> tuple[Tensor, Tensor]:
+    """`ssd_chunked` through a fused scan (`Kernels.ssd_scan`: `actors.rowdot.ssd_scan`, the same
+    algorithm, chunk by chunk from the state entering each): y (L, H, P) and the final state
+    (H, P, N), fp32; with `marks`, appends the states entering each chunk as `ssd_chunked` does."""
+    y, final, starts = scan(x, dt, A, B, C, chunk_size, initial_state, marks is not None)
+    if marks is not None and starts is not None:  # (chunks, H, N, P) -> the pool's (H, P, N)
+        marks.append(Marks(chunk_size, x.shape[0], lambda r: starts[r // chunk_size].transpose(1, 2).contiguous()))
+    return y, final
 
 
 def _into_chunks(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,
@@ -556,8 +570,10 @@ class MambaMixer(nn.Module):
         dt = discretize_dt(dt, self.dt_bias, c.time_step_limit, kernels.pointwise)  # (T, H) fp32
         A = self._A()
         chunk = scan_chunk(c.mamba_chunk_size, h.device)
+        fused = kernels.ssd_scan if x.dtype == torch.float32 and chunk <= 64 else None
         y = scan_segments(segments, ssm_state, lambda rows, s0, marks: ssd_chunked(
-            x[rows], dt[rows], A, B[rows], C[rows], chunk, s0, marks, kernels.ssd_carry))  # (T, H, P)
+            x[rows], dt[rows], A, B[rows], C[rows], chunk, s0, marks, kernels.ssd_carry) if fused is None
+            else ssd_fused(fused, x[rows], dt[rows], A, B[rows], C[rows], chunk, s0, marks))  # (T, H, P)
         return self._output(y, x, z, kernels)
 
     def decode(self, h: Tensor, conv_state: Tensor, ssm_state: Tensor, slots: Tensor,

@@ -580,3 +580,179 @@ void rowdot_decode_attention(const float *q, const float *k, const float *v, con
     }
   }
 }
+
+/* The chunked SSD scan of a prefill (`actors.mamba.ssd_chunked`'s algorithm) for one sequence,
+ * head by head, chunk by chunk, with the head's state kept in cache between chunks. Per head h
+ * and chunk (steps t0 .. t0 + n - 1, n <= l; E(u) = rowdot_exp(u), or 0 below -60), all fp32:
+ *   a_i = dt_i * A;  s_i = s_{i-1} + a_i (s_0 = a_0);  u_j[p] = x_j[p] * dt_j;
+ *   CB_ij = the `dot` of C_i and B_j (its group's; j <= i);
+ *   y_i[p] = fma(off, E(s_i), diag), where off = the sum over nn in order of C_i[nn] * S[nn][p]
+ *     and diag = the sum over j = 0 .. i in order of (CB_ij * E(s_i - s_j)) * u_j[p] (each sum
+ *     a chain of fused multiply-adds from 0);
+ *   then S[nn][p] = fma(S[nn][p], E(s_{n-1}), the sum over j in order of B_j[nn] * w_j[p]),
+ *     w_j[p] = u_j[p] * E(s_{n-1} - s_j).
+ * So a chunk's results depend only on its own inputs and the state entering it: a prefill cut
+ * at a multiple of l continues to the bits of an uncached one, and every build gives the same
+ * bits (lane-wise fused multiply-adds, the exp and `dot` as above).
+ *
+ * Shapes: x rows ldx apart, each (H, P); B and C rows ldbc apart, each (G, N); dt (L, H) and A
+ * (H) contiguous; state (H, P, N) or NULL (zeros); final (H, P, N); starts (chunks, H, N, P) or
+ * NULL: the state entering each chunk; y (L, H, P). Heads [h0, h1) (threads take head ranges).
+ * cb (chunks, G, l, l): every chunk's CB, made by a call with `make_cb` 1 and read by calls
+ * with 0; work ((h1 - h0) * N * P + l * (2 * P + 3) + 4 * P floats) is a call's own. */
+#define SSD_FLOOR -60.0f
+static inline float decay_e(float u) { return u > SSD_FLOOR ? rowdot_exp(u) : 0.0f; }
+
+/* acc[p] = sum over k in order of coef[k * cstride] * rows[k][p] (fused, from 0), rows ld apart. */
+static void chain_rows(const float *restrict coef, long cstride, const float *restrict rows, long ld,
+                       long K, long P, float *restrict acc) {
+  long p0 = 0;
+  for (; p0 + 4 * LANES <= P; p0 += 4 * LANES) {
+    vec a0 = VZERO(), a1 = VZERO(), a2 = VZERO(), a3 = VZERO();
+    for (long k = 0; k < K; k++) {
+      const float *r = rows + k * ld + p0;
+      vec w = VBCAST(coef + k * cstride);
+      a0 = PFMA(w, VLOAD(r), a0);
+      a1 = PFMA(w, VLOAD(r + LANES), a1);
+      a2 = PFMA(w, VLOAD(r + 2 * LANES), a2);
+      a3 = PFMA(w, VLOAD(r + 3 * LANES), a3);
+    }
+    VSTORE(acc + p0, a0);
+    VSTORE(acc + p0 + LANES, a1);
+    VSTORE(acc + p0 + 2 * LANES, a2);
+    VSTORE(acc + p0 + 3 * LANES, a3);
+  }
+  for (; p0 + LANES <= P; p0 += LANES) {
+    vec a = VZERO();
+    for (long k = 0; k < K; k++) a = PFMA(VBCAST(coef + k * cstride), VLOAD(rows + k * ld + p0), a);
+    VSTORE(acc + p0, a);
+  }
+  for (; p0 < P; p0++) {
+    float a = 0.0f;
+    for (long k = 0; k < K; k++) a = fmaf(coef[k * cstride], rows[k * ld + p0], a);
+    acc[p0] = a;
+  }
+}
+
+/* chain_rows for two coefficient sets at once (outputs acc and acc2), sharing each row's loads:
+ * the same chains, so the same bits. */
+static void chain_rows2(const float *restrict coef, const float *restrict coef2, long cstride,
+                        const float *restrict rows, long ld, long K, long P, float *restrict acc,
+                        float *restrict acc2) {
+  long p0 = 0;
+  for (; p0 + 4 * LANES <= P; p0 += 4 * LANES) {
+    vec a0 = VZERO(), a1 = VZERO(), a2 = VZERO(), a3 = VZERO();
+    vec b0 = VZERO(), b1 = VZERO(), b2 = VZERO(), b3 = VZERO();
+    for (long k = 0; k < K; k++) {
+      const float *r = rows + k * ld + p0;
+      vec w = VBCAST(coef + k * cstride), w2 = VBCAST(coef2 + k * cstride);
+      vec r0 = VLOAD(r), r1 = VLOAD(r + LANES), r2 = VLOAD(r + 2 * LANES), r3 = VLOAD(r + 3 * LANES);
+      a0 = PFMA(w, r0, a0);
+      a1 = PFMA(w, r1, a1);
+      a2 = PFMA(w, r2, a2);
+      a3 = PFMA(w, r3, a3);
+      b0 = PFMA(w2, r0, b0);
+      b1 = PFMA(w2, r1, b1);
+      b2 = PFMA(w2, r2, b2);
+      b3 = PFMA(w2, r3, b3);
+    }
+    VSTORE(acc + p0, a0);
+    VSTORE(acc + p0 + LANES, a1);
+    VSTORE(acc + p0 + 2 * LANES, a2);
+    VSTORE(acc + p0 + 3 * LANES, a3);
+    VSTORE(acc2 + p0, b0);
+    VSTORE(acc2 + p0 + LANES, b1);
+    VSTORE(acc2 + p0 + 2 * LANES, b2);
+    VSTORE(acc2 + p0 + 3 * LANES, b3);
+  }
+  if (p0 < P) {
+    chain_rows(coef, cstride, rows + p0, ld, K, P - p0, acc + p0);
+    chain_rows(coef2, cstride, rows + p0, ld, K, P - p0, acc2 + p0);
+  }
+}
+
+static void ssd_chunk(const float *restrict x, long ldx, const float *restrict dt, long H, float A,
+                      const float *restrict B, const float *restrict C, long ldbc, const float *restrict cb,
+                      long n, long l, long P, long N, float *restrict S, float *restrict y,
+                      float *restrict work) {
+  float *s = work, *u = s + l, *w = u + l * P, *coef = w + l * P, *off = coef + 2 * l, *diag = off + 2 * P;
+  for (long i = 0; i < n; i++) {
+    float a = dt[i * H] * A;
+    s[i] = i ? s[i - 1] + a : a;
+    for (long p = 0; p < P; p++) u[i * P + p] = x[i * ldx + p] * dt[i * H];
+  }
+  for (long i = 0; i < n; i += 2) {
+    int two = i + 1 < n;
+    float *c1 = coef + l;
+    if (two)
+      chain_rows2(C + i * ldbc, C + (i + 1) * ldbc, 1, S, P, N, P, off, off + P);
+    else
+      chain_rows(C + i * ldbc, 1, S, P, N, P, off);
+    for (long j = 0; j <= i; j++) coef[j] = cb[i * l + j] * decay_e(s[i] - s[j]);
+    if (two) {
+      for (long j = 0; j <= i + 1; j++) c1[j] = cb[(i + 1) * l + j] * decay_e(s[i + 1] - s[j]);
+      chain_rows2(coef, c1, 1, u, P, i + 1, P, diag, diag + P);
+      for (long p = 0; p < P; p++) diag[P + p] = fmaf(c1[i + 1], u[(i + 1) * P + p], diag[P + p]);
+    } else {
+      chain_rows(coef, 1, u, P, i + 1, P, diag);
+    }
+    for (long r = 0; r <= two; r++) {
+      float e = decay_e(s[i + r]);
+      for (long p = 0; p < P; p++) y[(i + r) * H * P + p] = fmaf(off[r * P + p], e, diag[r * P + p]);
+    }
+  }
+  float end = decay_e(s[n - 1]);
+  for (long j = 0; j < n; j++) {
+    float d = decay_e(s[n - 1] - s[j]);
+    for (long p = 0; p < P; p++) w[j * P + p] = u[j * P + p] * d;
+  }
+  long nn = 0;
+  for (; nn + 1 < N; nn += 2) {
+    chain_rows2(B + nn, B + nn + 1, ldbc, w, P, n, P, off, off + P);
+    for (long p = 0; p < 2 * P; p++) S[nn * P + p] = fmaf(S[nn * P + p], end, off[p]);
+  }
+  for (; nn < N; nn++) {
+    chain_rows(B + nn, ldbc, w, P, n, P, off);
+    for (long p = 0; p < P; p++) S[nn * P + p] = fmaf(S[nn * P + p], end, off[p]);
+  }
+}
+
+void rowdot_ssd_scan(const float *x, long ldx, const float *dt, const float *A, const float *B,
+                     const float *C, long ldbc, long L, long H, long P, long G, long N, long l,
+                     const float *state, float *final, float *starts, float *y, long h0, long h1,
+                     float *cb, int make_cb, float *work) {
+  long chunks = (L + l - 1) / l, K = H / G;
+  if (make_cb)
+    for (long c = 0; c < chunks; c++)
+      for (long g = 0; g < G; g++) {
+        long t0 = c * l, n = L - t0 < l ? L - t0 : l;
+        float *m = cb + (c * G + g) * l * l;
+        for (long i = 0; i < n; i++)
+          for (long j = 0; j <= i; j++) m[i * l + j] = dot(C + (t0 + i) * ldbc + g * N, B + (t0 + j) * ldbc + g * N, N);
+      }
+  /* chunk by chunk, every head of the range in turn: a chunk's rows of x, B, C and y stay in
+   * cache across its heads, and the heads' states (work) in L2 across chunks */
+  long nh = h1 - h0;
+  float *states = work, *scratch = work + nh * N * P;
+  for (long h = h0; h < h1; h++) {
+    float *S = states + (h - h0) * N * P;
+    for (long p = 0; p < P; p++)
+      for (long nn = 0; nn < N; nn++) S[nn * P + p] = state ? state[(h * P + p) * N + nn] : 0.0f;
+  }
+  for (long c = 0; c < chunks; c++) {
+    long t0 = c * l, n = L - t0 < l ? L - t0 : l;
+    for (long h = h0; h < h1; h++) {
+      long g = h / K;
+      float *S = states + (h - h0) * N * P;
+      if (starts) __builtin_memcpy(starts + (c * H + h) * N * P, S, sizeof(float) * N * P);
+      ssd_chunk(x + t0 * ldx + h * P, ldx, dt + t0 * H + h, H, A[h], B + t0 * ldbc + g * N,
+                C + t0 * ldbc + g * N, ldbc, cb + (c * G + g) * l * l, n, l, P, N, S,
+                y + (t0 * H + h) * P, scratch);
+    }
+  }
+  for (long h = h0; h < h1; h++) {
+    const float *S = states + (h - h0) * N * P;
+    for (long p = 0; p < P; p++)
+      for (long nn = 0; nn < N; nn++) final[(h * P + p) * N + nn] = S[nn * P + p];
+  }
+}

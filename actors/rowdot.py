@@ -318,6 +318,62 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor,
     return out
 
 
+def ssd_scan(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, chunk: int,
+             initial_state: Tensor | None = None, keep_starts: bool = False,
+             lib=None) -> tuple[Tensor, Tensor, Tensor | None]:
+    """The chunked SSD scan of one sequence's prefill in one pass per head (`rowdot_ssd_scan`:
+    `actors.mamba.ssd_chunked`'s algorithm, each chunk's results a function of its inputs and
+    the state entering it alone, the same bits on every build).
+
+    x (L, H, P), dt (L, H) (discretised), A (H,), B and C (L, G, N), fp32 on the CPU (x, B and C
+    may be row slices of one projection: rows any distance apart, each row contiguous);
+    `initial_state` (H, P, N) or None (zeros); `chunk` <= 64. Returns y (L, H, P), the final
+    state (H, P, N) and, with `keep_starts`, the state entering each chunk (chunks, H, N, P)."""
+    lib = _lib(lib)
+    L, H, P = x.shape
+    G, N = B.shape[-2], B.shape[-1]
+    if dt.shape != (L, H) or A.shape != (H,) or B.shape != (L, G, N) or C.shape != (L, G, N) or H % G \
+            or not 0 < chunk <= 64 or (initial_state is not None and initial_state.shape != (H, P, N)):
+        raise ValueError(f"ssd_scan: shapes {tuple(x.shape)}, {tuple(dt.shape)}, {tuple(A.shape)}, "
+                         f"{tuple(B.shape)}, {tuple(C.shape)}, chunk {chunk} do not agree")
+    x, B, C = (_row_slices(t) for t in (x, B, C))
+    if B.stride(0) != C.stride(0):
+        B, C = B.contiguous(), C.contiguous()
+    dt, A = dt.float().contiguous(), A.float().contiguous()
+    state = None if initial_state is None else initial_state.float().contiguous()
+    chunks = (L + chunk - 1) // chunk
+    y, final = torch.empty(L, H, P, dtype=torch.float32), torch.empty(H, P, N, dtype=torch.float32)
+    starts = torch.empty(chunks, H, N, P, dtype=torch.float32) if keep_starts and L else None
+    if not L:
+        return y, state.clone() if state is not None else final.zero_(), starts
+    cb = torch.empty(chunks * G * chunk * chunk, dtype=torch.float32)
+    per_head, rest = N * P, chunk * (2 * P + 3) + 4 * P
+    args = (x.data_ptr(), x.stride(0), dt.data_ptr(), A.data_ptr(), B.data_ptr(), C.data_ptr(), B.stride(0),
+            L, H, P, G, N, chunk, None if state is None else state.data_ptr(), final.data_ptr(),
+            None if starts is None else starts.data_ptr(), y.data_ptr())
+
+    def heads(h0: int, h1: int, make_cb: int = 0) -> None:  # each head's scan is its own
+        work = torch.empty((h1 - h0) * per_head + rest, dtype=torch.float32)
+        lib.rowdot_ssd_scan(*args, h0, h1, cb.data_ptr(), make_cb, work.data_ptr())
+
+    split = L * H * P * N >= SPLIT_MACS and torch.get_num_threads() > 1
+    heads(0, 0 if split else H, make_cb=1)
+    if split:
+        _in_parts(H, True, heads)
+    return y, final, starts
+
+
+def _row_slices(t: Tensor) -> Tensor:
+    """t (L, a, b) fp32 on the CPU whose rows are each contiguous (any distance apart), else a
+    contiguous copy."""
+    if t.dtype != torch.float32 or not t.is_cpu:
+        raise ValueError(f"ssd_scan: inputs must be fp32 on the CPU, got {t.dtype} on {t.device}")
+    a, b = t.shape[1], t.shape[2]
+    if t.stride(2) == 1 and t.stride(1) == b and t.stride(0) >= a * b:
+        return t
+    return t.contiguous()
+
+
 def _check_key_slots(slots: Tensor, starts: Tensor, pool: int) -> bool:
     n = slots.shape[0]
     if slots.dim() != 1 or (n and (int(slots.min()) < 0 or int(slots.max()) >= pool)) or (
@@ -453,6 +509,9 @@ def load(portable: bool = False, build: str | None = None):
     lib.rowdot_decode_attention.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_long] * 4 + [ctypes.c_float] \
         + [ctypes.c_void_p] * 2
     lib.rowdot_decode_attention.restype = None
+    lib.rowdot_ssd_scan.argtypes = [ctypes.c_void_p, ctypes.c_long] + [ctypes.c_void_p] * 4 + [ctypes.c_long] * 7 \
+        + [ctypes.c_void_p] * 4 + [ctypes.c_long] * 2 + [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
+    lib.rowdot_ssd_scan.restype = None
     return lib, None
 
 

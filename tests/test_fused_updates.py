@@ -137,7 +137,8 @@ def test_the_engine_takes_them_where_rowdot_loads_says_so_and_keeps_the_torch_pa
     from actors.model import matrix_kernel
     from raysched.sampling import SamplingParams
 
-    calls = {"ssd_update": 0, "conv_update": 0, "conv_prefill": 0, "ssd_carry": 0, "decode_attention": 0}
+    calls = {"ssd_update": 0, "conv_update": 0, "conv_prefill": 0, "ssd_carry": 0, "decode_attention": 0,
+             "ssd_scan": 0}
     for name in calls:
         def counted(*args, _real=getattr(rowdot, name), _name=name, **kwargs):
             calls[_name] += 1
@@ -156,13 +157,14 @@ def test_the_engine_takes_them_where_rowdot_loads_says_so_and_keeps_the_torch_pa
 
     fused, kernel = tokens(True)
     assert calls["ssd_update"] > 0 and calls["conv_update"] == calls["ssd_update"]  # every Mamba layer, every step
-    assert calls["conv_prefill"] > 0 and calls["ssd_carry"] > 0  # and prefill's conv and scan
-    vector = rowdot.variant() != "portable"  # decode attention: the vector builds only
-    assert (calls["decode_attention"] > 0) == vector  # every attention layer, every step
+    vector = rowdot.variant() != "portable"  # decode attention and the whole scan: the vector builds only
+    assert calls["conv_prefill"] > 0 and (calls["ssd_carry"] > 0) != vector  # prefill's conv, its scan's
+    assert (calls["ssd_scan"] > 0) == vector  # recurrence or the whole scan,
+    assert (calls["decode_attention"] > 0) == vector  # and every attention layer's decode, every step
     before = dict(calls)
     plain, other = tokens(False)
     assert calls == before
-    assert kernel.endswith("; ssd fused; attention fused" if vector else "; ssd fused")
+    assert kernel.endswith("; ssd fused; attention and scan fused" if vector else "; ssd fused")
     assert "fused" not in other
     assert fused == plain
 
