@@ -19,7 +19,8 @@ projections and elementwise stages run over all rows, the conv and the scan per 
 `conv_segments` / `scan_segments`), each from zero state (a fresh sequence) or from the
 conv/SSM state its earlier tokens left in the pool (chunked prefill, a restored prefix):
 `causal_conv_prefill` takes the previous K-1 conv inputs as left context and `ssd_chunked`
-(with `ssd_sequential_ref` as its reference twin) an initial SSM state; decode handles one token per request and updates the pool's conv/SSM state at
+(with `ssd_sequential_ref` as its reference twin; `ssd_fused` runs the same algorithm through
+`actors.rowdot.ssd_scan` on the CPU) an initial SSM state; decode handles one token per request and updates the pool's conv/SSM state at
 the request's slot (`causal_conv_step`, `ssd_step`). The decode functions use only elementwise
 products, reductions over the last dim and batched products of one fixed shape per request and
 head, and apply their nonlinear functions through `Kernels.pointwise`, so a request's result
