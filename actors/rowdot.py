@@ -37,6 +37,15 @@ convs' are the fp32 torch path's: the same products and adds, in its order). `rm
 RMSNorm in one pass a row, its mean square summed in the fixed tree order that
 `actors.norms.tree_inv_rms` writes out in torch ops (the same bits, every build).
 
+`decode_attention` (decode's attention, each request's keys read from the pool by slot: no
+gather) and `ssd_scan` (prefill's whole chunked SSD scan, chunk by chunk with every head's state
+kept in cache) have orders of their own, not torch's: lane-wise fused multiply-add chains, sums
+folded in one fixed tree, and an exp of their own (`rowdot_exp`), so their bits are the same on
+every build. Measured on an AMD EPYC Zen 4 (1 thread): attention at batch 8 over 1,700-token
+contexts 1.5 ms a layer against the torch path's 5-6; the scan of a 2,048-token `small` layer
+11 ms against 22-26. The model takes them on the vector builds only (the portable build's
+per-lane `fmaf` is slower than torch).
+
 Threads: a call is one thread; with torch set to more than one thread, a large call's columns
 (an SSD update's requests) are split among a pool (ctypes releases the GIL), which changes no bit.
 """
@@ -332,10 +341,7 @@ def ssd_scan(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, chunk: int,
     lib = _lib(lib)
     L, H, P = x.shape
     G, N = B.shape[-2], B.shape[-1]
-    if dt.shape != (L, H) or A.shape != (H,) or B.shape != (L, G, N) or C.shape != (L, G, N) or H % G \
-            or not 0 < chunk <= 64 or (initial_state is not None and initial_state.shape != (H, P, N)):
-        raise ValueError(f"ssd_scan: shapes {tuple(x.shape)}, {tuple(dt.shape)}, {tuple(A.shape)}, "
-                         f"{tuple(B.shape)}, {tuple(C.shape)}, chunk {chunk} do not agree")
+    _check_scan(x, dt, A, B, C, chunk, initial_state)
     x, B, C = (_row_slices(t) for t in (x, B, C))
     if B.stride(0) != C.stride(0):
         B, C = B.contiguous(), C.contiguous()
@@ -361,6 +367,15 @@ def ssd_scan(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, chunk: int,
     if split:
         _in_parts(H, True, heads)
     return y, final, starts
+
+
+def _check_scan(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, chunk: int,
+                initial_state: Tensor | None) -> None:
+    (L, H, P), (G, N) = x.shape, B.shape[-2:]
+    if dt.shape != (L, H) or A.shape != (H,) or B.shape != (L, G, N) or C.shape != (L, G, N) or H % G \
+            or not 0 < chunk <= 64 or (initial_state is not None and initial_state.shape != (H, P, N)):
+        raise ValueError(f"ssd_scan: shapes {tuple(x.shape)}, {tuple(dt.shape)}, {tuple(A.shape)}, "
+                         f"{tuple(B.shape)}, {tuple(C.shape)}, chunk {chunk} do not agree")
 
 
 def _row_slices(t: Tensor) -> Tensor:
