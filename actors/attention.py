@@ -10,7 +10,8 @@ with channel i + rotary_dim/2), with inv_freq = 1 / theta^(2j / rotary_dim); the
 channels pass through. K is stored in the pool after RoPE, so decode never re-rotates history.
 
 Prefill projects the rows of all its sequences at once, then attends per sequence with a fused
-causal kernel (no L x L score matrix, so 16k+ tokens fit); a chunk that continues a sequence
+causal kernel (no L x L score matrix, so 16k+ tokens fit; in fp32 on the CPU where rowdot
+loads, `actors.rowdot.prefill_attention`, row by row); a chunk that continues a sequence
 attends over the cached K/V of its earlier tokens plus its own (an explicit (L, S+L) causal mask,
 S the tokens before the chunk). Decode writes the new token's K/V, then attends over every
 request's own slots in one pass (`chunked_decode_attention`, fixed-size KV chunks; in fp32 on
@@ -19,6 +20,8 @@ request's result never depends on the batch it is in.
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -167,12 +170,13 @@ class Attention(nn.Module):
         q, k, v, gate = self._qkv(h, positions, kernels)  # (T, Hq, D), (T, Hkv, D) x2, gate
         k_cache[out_slots] = k
         v_cache[out_slots] = v
-        outs = [self._prefill_one(q[s.rows], k[s.rows], v[s.rows], s, k_cache, v_cache)
+        fused = kernels.prefill_attention if q.dtype == torch.float32 else None
+        outs = [self._prefill_one(q[s.rows], k[s.rows], v[s.rows], s, k_cache, v_cache, fused)
                 for s in segments]  # (L_i, Hq*D) each
         return self._out(cat_rows(outs), gate, kernels)
 
     def _prefill_one(self, q: Tensor, k: Tensor, v: Tensor, seg: Segment, k_cache: Tensor,
-                     v_cache: Tensor) -> Tensor:
+                     v_cache: Tensor, fused: Callable[..., Tensor] | None = None) -> Tensor:
         """One sequence's L queries (L, Hq, D) over its keys -> (L, Hq*D), in tiles of
         PREFILL_TILE query rows at absolute positions (the last one padded), each tile over the
         keys up to its end, masked causally. A row's kernel call then has the same shape and
@@ -182,6 +186,8 @@ class Attention(nn.Module):
         L, T = q.shape[0], PREFILL_TILE
         end_all = seg.start + L
         keys, values = (k, v) if not seg.start else (k_cache[seg.context_slots], v_cache[seg.context_slots])
+        if fused is not None:  # each row on its own (`actors.rowdot.prefill_attention`): no tiles needed
+            return fused(q, keys, values, seg.start, self.config.attention_scale)  # (L, Hq*D)
         outs = []
         for a in range(seg.start // T * T, end_all, T):
             lo, hi, end = max(a, seg.start), min(a + T, end_all), a + T  # rows here; keys [0, end)

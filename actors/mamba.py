@@ -121,6 +121,8 @@ class Kernels:
     #   (`actors.rowdot.conv_update`, CPU, fp32: the torch path's bits); None: `causal_conv_step`'s calls
     ssd_scan: Callable[..., tuple[Tensor, Tensor, Tensor | None]] | None = None  # prefill's SSD scan
     #   in one pass per head (`actors.rowdot.ssd_scan`, CPU, fp32); None: `ssd_chunked`'s torch calls
+    prefill_attention: Callable[..., Tensor] | None = None  # prefill's causal attention, row by row
+    #   (`actors.rowdot.prefill_attention`, CPU, fp32); None: tiles of `PREFILL_TILE` through SDPA
     decode_attention: Callable[..., Tensor] | None = None  # decode attention reading the pool by slot
     #   (`actors.rowdot.decode_attention`, CPU, fp32); None: `actors.attention.chunked_decode_attention`
     conv_prefill: ConvPrefill | None = None  # prefill's conv in one pass (`actors.rowdot.conv_prefill`,

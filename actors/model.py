@@ -326,8 +326,9 @@ def matrix_kernel(model: "HybridLM") -> str:
     measured here at the first ask on this machine; "mkl" for MKL's probed path or another dtype;
     "plain" without invariance), MKL's GEMM fingerprint (its batched products and attention) and
     ATen's CPU capability (its elementwise kernels), "ssd fused" where decode's SSD update
-    takes `rowdot.ssd_update` and "attention and scan fused" where decode's attention and
-    prefill's SSD scan take `rowdot.decode_attention` and `rowdot.ssd_scan`, e.g. "decode rowdot avx2+fma, prefill mkl packed; mkl
+    takes `rowdot.ssd_update` and "attention and scan fused" where attention (decode and
+    prefill) and prefill's SSD scan take `rowdot.decode_attention`, `rowdot.prefill_attention`
+    and `rowdot.ssd_scan`, e.g. "decode rowdot avx2+fma, prefill mkl packed; mkl
     930887e8e594; aten AVX2; ssd fused"; elsewhere the device type ("cuda"). Two workers with
     the same answer give a moved request the same bits."""
     if model.device.type != "cpu":
@@ -613,13 +614,14 @@ class HybridLM(nn.Module):
         """Prefill's conv and its scan's recurrence over chunks in one pass each
         (`rowdot.conv_prefill`, `rowdot.ssd_carry`: the fp32 torch path's bits) as `Kernels`
         fields, where `fused_updates` gives decode's, and on a vector build the whole SSD scan
-        in one pass per head (`rowdot.ssd_scan`: the same bits on every build); {} elsewhere."""
+        in one pass per head and the causal attention row by row (`rowdot.ssd_scan`,
+        `rowdot.prefill_attention`: the same bits on every build); {} elsewhere."""
         fused = self.fused_updates()
         if not fused:
             return {}
         out = {"conv_prefill": rowdot.conv_prefill, "ssd_carry": rowdot.ssd_carry}
         if "decode_attention" in fused:  # a vector build (the portable one is slower than torch's)
-            out["ssd_scan"] = rowdot.ssd_scan
+            out.update(ssd_scan=rowdot.ssd_scan, prefill_attention=rowdot.prefill_attention)
         return out
 
     def prefill_kernels(self) -> Kernels:

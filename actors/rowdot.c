@@ -514,6 +514,19 @@ static float sum16(const float *restrict x, long n) {
   return fold16(p);
 }
 
+/* The largest of x[0 .. n), n >= 1 (exact in any order: in 16 lanes, so it vectorizes). */
+static float max16(const float *restrict x, long n) {
+  float p[DOT_LANES];
+  for (int i = 0; i < DOT_LANES; i++) p[i] = x[0];
+  long c = 0;
+  for (; c + DOT_LANES <= n; c += DOT_LANES)
+    for (int i = 0; i < DOT_LANES; i++) p[i] = x[c + i] > p[i] ? x[c + i] : p[i];
+  for (long t = 0; c + t < n; t++) p[t] = x[c + t] > p[t] ? x[c + t] : p[t];
+  float m = p[0];
+  for (int i = 1; i < DOT_LANES; i++) m = p[i] > m ? p[i] : m;
+  return m;
+}
+
 /* o[d] = sum over c in order of e[c] * v_c[d] (one fused multiply-add a step, from 0), the
  * accumulators of 4 vectors of d in registers while the keys stream past. */
 static void weighted_sum(const float *restrict e, const float *restrict v, const long *restrict slots,
@@ -554,9 +567,8 @@ static void attend_head(const float *restrict q, const float *restrict k, const 
     for (long g = 0; g < grp; g++) e[g * L + c] = dot(q + g * D, kc, D) * scale;
   }
   for (long g = 0; g < grp; g++) {
-    float *eg = e + g * L, m = eg[0], *o = out + g * D;
-    for (long c = 1; c < L; c++) m = eg[c] > m ? eg[c] : m;
-    exp_shifted(eg, L, m);
+    float *eg = e + g * L, *o = out + g * D;
+    exp_shifted(eg, L, max16(eg, L));
     float total = sum16(eg, L);
     weighted_sum(eg, v, slots, L, stride, D, o);
     for (long d = 0; d < D; d++) o[d] = o[d] / total;
@@ -671,6 +683,35 @@ static void chain_rows2(const float *restrict coef, const float *restrict coef2,
   }
 }
 
+#if LANES == 16
+/* chain_rows for four coefficient sets at once (c[0..3] -> o[0..3]), sharing each row's loads
+ * (the 16 accumulators fit AVX-512's registers): the same chains, so the same bits. */
+static void chain_rows4(const float *const c[4], long cstride, const float *restrict rows, long ld, long K,
+                        long P, float *const o[4]) {
+  long p0 = 0;
+  for (; p0 + 4 * LANES <= P; p0 += 4 * LANES) {
+    vec a[4][4];
+    for (int q = 0; q < 4; q++)
+      for (int i = 0; i < 4; i++) a[q][i] = VZERO();
+    for (long k = 0; k < K; k++) {
+      const float *r = rows + k * ld + p0;
+      vec r0 = VLOAD(r), r1 = VLOAD(r + LANES), r2 = VLOAD(r + 2 * LANES), r3 = VLOAD(r + 3 * LANES);
+      for (int q = 0; q < 4; q++) {
+        vec w = VBCAST(c[q] + k * cstride);
+        a[q][0] = PFMA(w, r0, a[q][0]);
+        a[q][1] = PFMA(w, r1, a[q][1]);
+        a[q][2] = PFMA(w, r2, a[q][2]);
+        a[q][3] = PFMA(w, r3, a[q][3]);
+      }
+    }
+    for (int q = 0; q < 4; q++)
+      for (int i = 0; i < 4; i++) VSTORE(o[q] + p0 + i * LANES, a[q][i]);
+  }
+  if (p0 < P)
+    for (int q = 0; q < 4; q++) chain_rows(c[q], cstride, rows + p0, ld, K, P - p0, o[q] + p0);
+}
+#endif
+
 static void ssd_chunk(const float *restrict x, long ldx, const float *restrict dt, long H, float A,
                       const float *restrict B, const float *restrict C, long ldbc, const float *restrict cb,
                       long n, long l, long P, long N, float *restrict S, float *restrict y,
@@ -754,5 +795,70 @@ void rowdot_ssd_scan(const float *x, long ldx, const float *dt, const float *A, 
     const float *S = states + (h - h0) * N * P;
     for (long p = 0; p < P; p++)
       for (long nn = 0; nn < N; nn++) final[(h * P + p) * N + nn] = S[nn * P + p];
+  }
+}
+
+/* Prefill attention, causal, for the new rows of one sequence: query row t (at position
+ * first + t) attends over keys 0 .. first + t. Each row is computed on its own, so its bits
+ * depend only on its query and its keys: not on where the call starts or ends (a prefill resumed
+ * at any point gives an uncached run's bits), nor on the build. Per row and query head, fp32:
+ *   s_j = (the sum over d in order of q[d] * k_j[d], a fused multiply-add chain from 0) * scale;
+ *   m = the largest s_j; e_j = rowdot_exp(s_j - m); total = sum16(e);
+ *   out[p] = (the sum over j in order of e_j * v_j[p], fused, from 0) / total.
+ * (The scores' chains run over d with the keys in lanes: the keys are transposed once per kv
+ * head into work.) Shapes: q (L, Hq, D), k and v (first + L, Hkv, D) contiguous fp32; out
+ * (L, Hq, D); work holds (D + 4) * W floats, W = first + L rounded up to a multiple of 64.
+ * Query rows [t0, t1). */
+/* Scores, softmax and output of `nq` (1, 2 or 4) query heads of one row sharing their keys. */
+static void attend_queries(const float *q, long nq, const float *kt, long W, long n, long D, float scale,
+                           const float *v, long ld, float *e, float *o) {
+  long nw = (n + 4 * DOT_LANES - 1) / (4 * DOT_LANES) * (4 * DOT_LANES); /* whole blocks of keys */
+  const float *c[4] = {q, q + D, q + 2 * D, q + 3 * D};
+  float *es[4] = {e, e + W, e + 2 * W, e + 3 * W}, *os[4] = {o, o + D, o + 2 * D, o + 3 * D};
+#if LANES == 16
+  if (nq == 4) chain_rows4(c, 1, kt, W, D, nw, es); else
+#endif
+  if (nq >= 2) {
+    chain_rows2(c[0], c[1], 1, kt, W, D, nw, es[0], es[1]);
+    if (nq == 4) chain_rows2(c[2], c[3], 1, kt, W, D, nw, es[2], es[3]);
+  } else {
+    chain_rows(c[0], 1, kt, W, D, nw, es[0]);
+  }
+  float total[4];
+  for (long r = 0; r < nq; r++) {
+    for (long j = 0; j < n; j++) es[r][j] = es[r][j] * scale;
+    exp_shifted(es[r], n, max16(es[r], n));
+    total[r] = sum16(es[r], n);
+  }
+#if LANES == 16
+  if (nq == 4) chain_rows4((const float *const *)es, 1, v, ld, n, D, os); else
+#endif
+  if (nq >= 2) {
+    chain_rows2(es[0], es[1], 1, v, ld, n, D, os[0], os[1]);
+    if (nq == 4) chain_rows2(es[2], es[3], 1, v, ld, n, D, os[2], os[3]);
+  } else {
+    chain_rows(es[0], 1, v, ld, n, D, os[0]);
+  }
+  for (long r = 0; r < nq; r++)
+    for (long p = 0; p < D; p++) os[r][p] = os[r][p] / total[r];
+}
+
+void rowdot_prefill_attention(const float *q, const float *k, const float *v, long L, long first, long Hq,
+                              long Hkv, long D, float scale, float *out, long t0, long t1, float *work) {
+  long S = first + L, grp = Hq / Hkv, ld = Hkv * D;
+  long W = (S + 4 * DOT_LANES - 1) / (4 * DOT_LANES) * (4 * DOT_LANES); /* keys padded to whole blocks */
+  float *kt = work, *e = work + D * W;
+  for (long h = 0; h < Hkv; h++) {
+    for (long d = 0; d < D; d++) {
+      for (long j = 0; j < S; j++) kt[d * W + j] = k[j * ld + h * D + d];
+      for (long j = S; j < W; j++) kt[d * W + j] = 0.0f;
+    }
+    for (long t = t0; t < t1; t++)
+      for (long g = 0; g < grp;) {
+        long nq = grp - g >= 4 ? 4 : grp - g >= 2 ? 2 : 1;
+        long at = (t * Hq + h * grp + g) * D;
+        attend_queries(q + at, nq, kt, W, first + t + 1, D, scale, v + h * D, ld, e, out + at);
+        g += nq;
+      }
   }
 }

@@ -327,6 +327,34 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor,
     return out
 
 
+def prefill_attention(q: Tensor, k: Tensor, v: Tensor, first: int, scale: float, lib=None) -> Tensor:
+    """Causal attention of a prefill's new rows of one sequence (`rowdot_prefill_attention`):
+    query row t, at position first + t, over keys 0 .. first + t. Each row on its own, so its
+    bits depend on nothing but its query and its keys (not on where the call starts or ends),
+    the same on every build.
+
+    q (L, Hq, D); k and v (first + L, Hkv, D): the sequence's keys and values so far, the new
+    rows' last; fp32 on the CPU. Returns (L, Hq * D) fp32."""
+    lib = _lib(lib)
+    L, Hq, D = q.shape
+    S, Hkv = k.shape[0], k.shape[1]
+    if k.shape != (first + L, Hkv, D) or v.shape != k.shape or Hq % Hkv or first < 0:
+        raise ValueError(f"prefill_attention: shapes {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)} "
+                         f"after {first} tokens do not agree")
+    if any(t.dtype != torch.float32 or not t.is_cpu for t in (q, k, v)):
+        raise ValueError("prefill_attention: q, k and v must be fp32 on the CPU")
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    out = torch.empty(L, Hq * D, dtype=torch.float32)
+
+    def rows(t0: int, t1: int) -> None:  # query rows [t0, t1): each row's bits are its own
+        work = torch.empty((D + 4) * (-(-S // 64) * 64), dtype=torch.float32)
+        lib.rowdot_prefill_attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), L, first, Hq, Hkv, D, scale,
+                                     out.data_ptr(), t0, t1, work.data_ptr())
+
+    _in_parts(L, L * S * Hq * D >= SPLIT_MACS, rows)
+    return out
+
+
 def ssd_scan(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, chunk: int,
              initial_state: Tensor | None = None, keep_starts: bool = False,
              lib=None) -> tuple[Tensor, Tensor, Tensor | None]:
@@ -527,6 +555,9 @@ def load(portable: bool = False, build: str | None = None):
     lib.rowdot_ssd_scan.argtypes = [ctypes.c_void_p, ctypes.c_long] + [ctypes.c_void_p] * 4 + [ctypes.c_long] * 7 \
         + [ctypes.c_void_p] * 4 + [ctypes.c_long] * 2 + [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
     lib.rowdot_ssd_scan.restype = None
+    lib.rowdot_prefill_attention.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 5 + [ctypes.c_float] \
+        + [ctypes.c_void_p] + [ctypes.c_long] * 2 + [ctypes.c_void_p]
+    lib.rowdot_prefill_attention.restype = None
     return lib, None
 
 

@@ -46,7 +46,7 @@ def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
     return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
 
 
-def one_call_attention(self, q, k, v, seg, k_cache, v_cache):
+def one_call_attention(self, q, k, v, seg, k_cache, v_cache, fused=None):
     """The prefill attention before the tiles: one causal call over the chunk's queries."""
     if not seg.start:
         return self._sdpa(q, k, v, causal=True)
@@ -105,11 +105,25 @@ def test_negative_control_one_attention_call_per_chunk_is_not_exact_at_every_gri
     assert bad
 
 
-def test_reuse_at_every_grid_point_is_bit_identical_with_grid_tiled_attention(tiled) -> None:
+def test_reuse_at_every_grid_point_is_bit_identical_with_the_default_kernels(tiled) -> None:
+    """The engine's own prefill attention: rowdot's row-by-row kernel where it loads on a
+    vector build, else the grid's tiles through SDPA (the next test runs the tiles here too)."""
     runs, _ = tiled
     bad = [name for name, (got, want, _, _) in runs["runs"].items() if not same(got, want)]
     assert not bad, f"logits differ from the uncached run at {bad}"
     assert runs["runs"]["repeated"][2] == 448  # all but the last (partial) block restored
+
+
+def test_reuse_at_every_grid_point_is_bit_identical_with_grid_tiled_attention() -> None:
+    from actors.model import HybridLM
+
+    fused = HybridLM.fused_prefill
+    with pytest.MonkeyPatch.context() as mp:  # SDPA in tiles, as without rowdot's prefill attention
+        mp.setattr(HybridLM, "fused_prefill",
+                   lambda self: {k: f for k, f in fused(self).items() if k != "prefill_attention"})
+        runs = reuse_runs(make_worker())
+    bad = [name for name, (got, want, _, _) in runs["runs"].items() if not same(got, want)]
+    assert not bad, f"logits differ from the uncached run at {bad}"
 
 
 def test_negative_control_a_point_off_the_scan_grid_restores_to_other_logits(tiled) -> None:
