@@ -34,8 +34,9 @@ from actors.kept import kept
 from actors.mamba import Kernels, Pointwise, whole
 from actors.norms import ARCH_NORM_STYLE, RMSNorm
 
-PREFILL_TILE = 32  # query rows per prefill attention call, at absolute positions: a factor of the
-#   grid of exact prefix points (`actors.engine.prefix_grid`, with `actors.mamba.SCAN_BLOCK`)
+PREFILL_TILE = 32  # query rows per prefill attention call through SDPA, at absolute positions: a
+#   factor of the grid of exact prefix points (`actors.engine.prefix_grid`, with
+#   `actors.mamba.SCAN_BLOCK`); rowdot's row-by-row kernel needs no tiles
 
 
 def _padded(t: Tensor, rows: int) -> Tensor:

@@ -38,12 +38,13 @@ RMSNorm in one pass a row, its mean square summed in the fixed tree order that
 `actors.norms.tree_inv_rms` writes out in torch ops (the same bits, every build).
 
 `decode_attention` (decode's attention, each request's keys read from the pool by slot: no
-gather) and `ssd_scan` (prefill's whole chunked SSD scan, chunk by chunk with every head's state
-kept in cache) have orders of their own, not torch's: lane-wise fused multiply-add chains, sums
-folded in one fixed tree, and an exp of their own (`rowdot_exp`), so their bits are the same on
-every build. Measured on an AMD EPYC Zen 4 (1 thread): attention at batch 8 over 1,700-token
-contexts 1.5 ms a layer against the torch path's 5-6; the scan of a 2,048-token `small` layer
-11 ms against 22-26. The model takes them on the vector builds only (the portable build's
+gather), `prefill_attention` (prefill's causal attention, each query row on its own: no tiles)
+and `ssd_scan` (prefill's whole chunked SSD scan, chunk by chunk with every head's state kept in
+cache) have orders of their own, not torch's: lane-wise fused multiply-add chains, sums folded
+in one fixed tree, and an exp of their own (`rowdot_exp`), so their bits are the same on every
+build. Measured on an AMD EPYC Zen 4 (1 thread): decode attention at batch 8 over 1,700-token
+contexts 1.0 ms a layer against the torch path's 4.5-6; a 2,048-token `small` layer's prefill
+attention 50 ms against one causal SDPA call's 65-68, and its scan 11 ms against 22-26. The model takes them on the vector builds only (the portable build's
 per-lane `fmaf` is slower than torch).
 
 Threads: a call is one thread; with torch set to more than one thread, a large call's columns
