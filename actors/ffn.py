@@ -29,7 +29,7 @@ from torch import Tensor, nn
 from actors import triton_route
 from actors.batch import by_row_blocks
 from actors.config import ModelConfig
-from actors.mamba import Kernels, Pointwise
+from actors.mamba import Kernels, Pointwise, silu_
 
 
 def _relu2(x: Tensor) -> Tensor:
@@ -69,8 +69,8 @@ class SwiGLU(nn.Module):
         linear = kernels.linear
         gate = linear(x, self.gate_proj.weight, self.gate_proj.bias)  # (T, I)
         up = linear(x, self.up_proj.weight, self.up_proj.bias)  # (T, I)
-        act = by_row_blocks(lambda rows: torch.mul(kernels.pointwise(F.silu, gate[rows]), up[rows], out=gate[rows]),
-                            gate, out=gate)  # (T, I), written over gate block by block
+        act = by_row_blocks(lambda rows: torch.mul(kernels.pointwise(silu_, gate[rows]), up[rows], out=gate[rows]),
+                            gate, out=gate)  # (T, I), written over gate block by block (SiLU in place)
         return linear(act, self.down_proj.weight, self.down_proj.bias)  # (T, hidden)
 
 

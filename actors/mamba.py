@@ -52,6 +52,11 @@ ConvPrefill = Callable[[Tensor, Tensor, "Tensor | None"], Tensor]  # (window, ta
 #   `actors.rowdot.conv_prefill`
 
 
+def silu_(x: Tensor) -> Tensor:
+    """SiLU in place (the bits of `F.silu`): a long prefill's activations need no second buffer."""
+    return F.silu(x, inplace=True)
+
+
 def whole(fn: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
     """Apply an elementwise fn to the whole tensor at once."""
     return fn(x)
@@ -441,7 +446,7 @@ def causal_conv_prefill(xBC: Tensor, weight: Tensor, bias: Tensor | None,
             out += bias
     if marks is not None:
         marks.append(Marks(1, L, lambda r: window[r:r + K - 1].t()))  # (D, K-1)
-    return pointwise(F.silu, out), window[L:].t().contiguous()  # (L, D), (D, K-1)
+    return pointwise(silu_, out), window[L:].t().contiguous()  # (L, D) (out itself, activated), (D, K-1)
 
 
 def causal_conv_step(conv_state: Tensor, slots: Tensor, xBC: Tensor, weight: Tensor,

@@ -321,7 +321,7 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor,
     slots, starts = slots.to(torch.int64).contiguous(), starts.to(torch.int64).contiguous()
     kept(_CHECKED, "attention", slots, lambda: _check_key_slots(slots, starts, S), (S, starts.data_ptr()))
     longest = int((starts[1:] - starts[:-1]).max()) if R else 0
-    scratch = torch.empty(max(1, Hq // Hkv * longest), dtype=torch.float32)
+    scratch = _work("decode attention", max(1, Hq // Hkv * longest))
     out = torch.empty(R, Hq * D, dtype=torch.float32)
     lib.rowdot_decode_attention(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(),
                                 starts.data_ptr(), R, Hq, Hkv, D, scale, scratch.data_ptr(), out.data_ptr())
@@ -348,7 +348,7 @@ def prefill_attention(q: Tensor, k: Tensor, v: Tensor, first: int, scale: float,
     out = torch.empty(L, Hq * D, dtype=torch.float32)
 
     def rows(t0: int, t1: int) -> None:  # query rows [t0, t1): each row's bits are its own
-        work = torch.empty((D + 4) * (-(-S // 64) * 64), dtype=torch.float32)
+        work = _work("prefill attention", (D + 4) * (-(-S // 64) * 64))
         lib.rowdot_prefill_attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), L, first, Hq, Hkv, D, scale,
                                      out.data_ptr(), t0, t1, work.data_ptr())
 
@@ -381,14 +381,14 @@ def ssd_scan(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, chunk: int,
     starts = torch.empty(chunks, H, N, P, dtype=torch.float32) if keep_starts and L else None
     if not L:
         return y, state.clone() if state is not None else final.zero_(), starts
-    cb = torch.empty(chunks * G * chunk * chunk, dtype=torch.float32)
+    cb = _work("scan products", chunks * G * chunk * chunk)  # (this thread's: the parts only read it)
     per_head, rest = N * P, chunk * (2 * P + 3) + 4 * P
     args = (x.data_ptr(), x.stride(0), dt.data_ptr(), A.data_ptr(), B.data_ptr(), C.data_ptr(), B.stride(0),
             L, H, P, G, N, chunk, None if state is None else state.data_ptr(), final.data_ptr(),
             None if starts is None else starts.data_ptr(), y.data_ptr())
 
     def heads(h0: int, h1: int, make_cb: int = 0) -> None:  # each head's scan is its own
-        work = torch.empty((h1 - h0) * per_head + rest, dtype=torch.float32)
+        work = _work("scan", (h1 - h0) * per_head + rest)
         lib.rowdot_ssd_scan(*args, h0, h1, cb.data_ptr(), make_cb, work.data_ptr())
 
     split = L * H * P * N >= SPLIT_MACS and torch.get_num_threads() > 1
@@ -405,6 +405,20 @@ def _check_scan(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, chunk: i
             or not 0 < chunk <= 64 or (initial_state is not None and initial_state.shape != (H, P, N)):
         raise ValueError(f"ssd_scan: shapes {tuple(x.shape)}, {tuple(dt.shape)}, {tuple(A.shape)}, "
                          f"{tuple(B.shape)}, {tuple(C.shape)}, chunk {chunk} do not agree")
+
+
+_WORK = threading.local()
+
+
+def _work(name: str, n: int) -> Tensor:
+    """n fp32 of this thread's buffer `name`, grown as needed and kept: a kernel's scratch, valid
+    until the thread's next call for that name (fresh memory each call would cost page faults
+    that the arithmetic of a long prefill's attention or scan does not hide)."""
+    buffers = _WORK.__dict__.setdefault("buffers", {})
+    buf = buffers.get(name)
+    if buf is None or buf.numel() < n:
+        buf = buffers[name] = torch.empty(max(n, 1), dtype=torch.float32)
+    return buf[:n]
 
 
 def _row_slices(t: Tensor) -> Tensor:
