@@ -48,7 +48,7 @@ SlotRun = "tuple[int, int] | None"  # slots as one ascending run (start, count) 
 LinearFn = Callable[[Tensor, Tensor, "Tensor | None"], Tensor]
 Pointwise = Callable[[Callable[[Tensor], Tensor], Tensor], Tensor]
 StateUpdate = Callable[..., Tensor]  # a fused decode update of a pool state: `actors.rowdot.ssd_update`, `conv_update`
-ConvPrefill = Callable[[Tensor, Tensor, "Tensor | None"], Tensor]  # (window, taps, bias) -> pre-activation:
+ConvPrefill = Callable[..., Tensor]  # (window, taps, bias, out=None) -> pre-activation:
 #   `actors.rowdot.conv_prefill`
 
 
@@ -430,12 +430,12 @@ def causal_conv_prefill(xBC: Tensor, weight: Tensor, bias: Tensor | None,
     """
     L, D, K = xBC.shape[0], xBC.shape[1], weight.shape[-1]
     left = initial.t().to(xBC.dtype) if initial is not None else xBC.new_zeros(K - 1, D)  # (K-1, D)
-    window = torch.cat([left, xBC])  # (K-1+L, D): time-major, no transposes of the long side
     taps = conv_taps(weight)  # (K, D)
-    fp32_cpu = window.dtype == torch.float32 and window.device.type == "cpu"
+    fp32_cpu = xBC.dtype == torch.float32 and xBC.device.type == "cpu"
     if fused is not None and fp32_cpu:
-        out = fused(window, taps, bias)  # (L, D)
+        out = _fused_conv(fused, left, xBC, taps, bias)  # (L, D): [left | xBC] never built whole
     else:
+        window = torch.cat([left, xBC])  # (K-1+L, D): time-major, no transposes of the long side
         out = window[:L] * taps[0]  # (L, D): tap k meets input t + k of the window
         for k in range(1, K):
             if fp32_cpu:
@@ -445,8 +445,32 @@ def causal_conv_prefill(xBC: Tensor, weight: Tensor, bias: Tensor | None,
         if bias is not None:
             out += bias
     if marks is not None:
-        marks.append(Marks(1, L, lambda r: window[r:r + K - 1].t()))  # (D, K-1)
-    return pointwise(silu_, out), window[L:].t().contiguous()  # (L, D) (out itself, activated), (D, K-1)
+        marks.append(Marks(1, L, lambda r: _window_rows(left, xBC, r, r + K - 1).t()))  # (D, K-1)
+    state = _window_rows(left, xBC, L, L + K - 1).t().contiguous()  # (D, K-1)
+    return pointwise(silu_, out), state  # (L, D) (out itself, activated)
+
+
+def _window_rows(left: Tensor, x: Tensor, a: int, b: int) -> Tensor:
+    """Rows [a, b) of the conv window [left | x] (time-major), without building it whole."""
+    k1 = left.shape[0]
+    if a >= k1:
+        return x[a - k1:b - k1]
+    if b <= k1:
+        return left[a:b]
+    return torch.cat([left[a:], x[:b - k1]])
+
+
+def _fused_conv(fused: ConvPrefill, left: Tensor, x: Tensor, taps: Tensor, bias: Tensor | None) -> Tensor:
+    """`fused` (`Kernels.conv_prefill`) over [left | x]: the first K-1 rows from a small window
+    of their own, the rest with x itself as the window (its rows read in place). -> (L, D)."""
+    L, D, k1 = x.shape[0], x.shape[1], left.shape[0]
+    out = torch.empty(L, D, dtype=x.dtype)
+    head = min(L, k1)  # rows whose window reaches into `left`
+    if head:
+        fused(_window_rows(left, x, 0, head + k1).contiguous(), taps, bias, out=out[:head])
+    if L > k1:
+        fused(x, taps, bias, out=out[k1:])
+    return out
 
 
 def causal_conv_step(conv_state: Tensor, slots: Tensor, xBC: Tensor, weight: Tensor,

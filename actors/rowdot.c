@@ -312,14 +312,14 @@ void rowdot_conv_update(float *state, const long *slots, long R, long D, long K,
  * torch path (`actors.mamba.causal_conv_prefill`), so its bits, on every build (no fused
  * multiply-adds here). A row's result depends on its own window rows only.
  *
- * Shapes: window (K-1+L, D), taps (K, D) (the weight transposed), bias (D) or NULL, out (L, D);
- * all fp32, contiguous. */
+ * Shapes: window (K-1+L, D) with rows ld apart (ld >= D: rows of a wider projection), taps (K, D)
+ * (the weight transposed), bias (D) or NULL, out (L, D); all fp32, each row contiguous. */
 /* The usual d_conv = 4, written out so that the compiler vectorizes across channels. */
-static void conv_prefill_k4(const float *restrict w, long L, long D, const float *restrict taps,
+static void conv_prefill_k4(const float *restrict w, long ld, long L, long D, const float *restrict taps,
                             const float *restrict bias, float *restrict out) {
   const float *t0 = taps, *t1 = taps + D, *t2 = taps + 2 * D, *t3 = taps + 3 * D;
   for (long t = 0; t < L; t++) {
-    const float *w0 = w + t * D, *w1 = w0 + D, *w2 = w1 + D, *w3 = w2 + D;
+    const float *w0 = w + t * ld, *w1 = w0 + ld, *w2 = w1 + ld, *w3 = w2 + ld;
     float *o = out + t * D;
     if (bias)
       for (long d = 0; d < D; d++)
@@ -330,16 +330,16 @@ static void conv_prefill_k4(const float *restrict w, long L, long D, const float
   }
 }
 
-void rowdot_conv_prefill(const float *window, long L, long D, long K, const float *taps,
+void rowdot_conv_prefill(const float *window, long ld, long L, long D, long K, const float *taps,
                          const float *bias, float *out) {
   if (K == 4) {
-    conv_prefill_k4(window, L, D, taps, bias, out);
+    conv_prefill_k4(window, ld, L, D, taps, bias, out);
     return;
   }
   for (long t = 0; t < L; t++)
     for (long d = 0; d < D; d++) {
-      float o = window[t * D + d] * taps[d];
-      for (long k = 1; k < K; k++) o = o + window[(t + k) * D + d] * taps[k * D + d];
+      float o = window[t * ld + d] * taps[d];
+      for (long k = 1; k < K; k++) o = o + window[(t + k) * ld + d] * taps[k * D + d];
       if (bias) o = o + bias[d];
       out[t * D + d] = o;
     }

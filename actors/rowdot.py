@@ -258,25 +258,33 @@ def conv_update(state: Tensor, slots: Tensor, x: Tensor, taps: Tensor, bias: Ten
     return out
 
 
-def conv_prefill(window: Tensor, taps: Tensor, bias: Tensor | None, lib=None) -> Tensor:
+def conv_prefill(window: Tensor, taps: Tensor, bias: Tensor | None, lib=None, out: Tensor | None = None) -> Tensor:
     """The causal depthwise conv over a prefill's rows in one pass (`rowdot_conv_prefill`: the
     fp32 CPU torch path's products and adds, in its order, so its bits on every build).
 
-    window (K-1+L, D) fp32 on the CPU (the K-1 inputs before the first row, then the rows),
-    taps (K, D) (the weight transposed), bias (D,) or None. Returns the pre-activation (L, D)."""
+    window (K-1+L, D) fp32 on the CPU (the K-1 inputs before the first row, then the rows; each
+    row contiguous, rows any distance apart: a slice of a wider projection is read in place),
+    taps (K, D) (the weight transposed), bias (D,) or None. Returns the pre-activation (L, D),
+    written into `out` (L, D) contiguous when given."""
     lib = _lib(lib)
     K, D = taps.shape
     L = window.shape[0] - (K - 1)
-    _check_state(window, "conv_prefill", "the window")
-    if window.dim() != 2 or window.shape[1] != D or L < 0 or (bias is not None and bias.shape != (D,)):
+    if window.dtype != torch.float32 or not window.is_cpu or window.dim() != 2 or window.stride(1) != 1 \
+            or window.stride(0) < D:
+        raise ValueError("conv_prefill: the window must be fp32 rows on the CPU, each contiguous")
+    if window.shape[1] != D or L < 0 or (bias is not None and bias.shape != (D,)):
         raise ValueError(f"conv_prefill: a window (K-1+L, D) and taps (K, D), got {tuple(window.shape)} "
                          f"and {tuple(taps.shape)}")
     taps = taps.float().contiguous()
     bias = None if bias is None else bias.float().contiguous()
-    out = torch.empty(L, D, dtype=torch.float32)
+    if out is None:
+        out = torch.empty(L, D, dtype=torch.float32)
+    elif out.shape != (L, D) or not out.is_contiguous() or out.dtype != torch.float32:
+        raise ValueError(f"conv_prefill: out must be ({L}, {D}) fp32 contiguous")
+    ld = window.stride(0)
 
     def rows(t0: int, t1: int) -> None:  # rows [t0, t1): each row's bits are its own
-        lib.rowdot_conv_prefill(window.data_ptr() + 4 * t0 * D, t1 - t0, D, K, taps.data_ptr(),
+        lib.rowdot_conv_prefill(window.data_ptr() + 4 * t0 * ld, ld, t1 - t0, D, K, taps.data_ptr(),
                                 None if bias is None else bias.data_ptr(), out.data_ptr() + 4 * t0 * D)
 
     _in_parts(L, L * D * K >= SPLIT_MACS, rows)
@@ -557,7 +565,7 @@ def load(portable: bool = False, build: str | None = None):
     lib.rowdot_ssd_update.restype = None
     lib.rowdot_conv_update.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_long] * 3 + [ctypes.c_void_p] * 4
     lib.rowdot_conv_update.restype = None
-    lib.rowdot_conv_prefill.argtypes = [ctypes.c_void_p] + [ctypes.c_long] * 3 + [ctypes.c_void_p] * 3
+    lib.rowdot_conv_prefill.argtypes = [ctypes.c_void_p] + [ctypes.c_long] * 4 + [ctypes.c_void_p] * 3
     lib.rowdot_conv_prefill.restype = None
     lib.rowdot_ssd_carry.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 5
     lib.rowdot_ssd_carry.restype = None

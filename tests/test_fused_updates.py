@@ -213,14 +213,16 @@ def test_the_prefill_conv_gives_the_torch_paths_bits(K, bias, D, start, build):
     """`rowdot.conv_prefill` (`Kernels.conv_prefill`) against `causal_conv_prefill`'s torch
     calls on every build: outputs and the state it leaves, from a conv state or from zeros; and
     each row's bits are its own (the first rows alone give the same; the SiLU after it runs
-    `rowwise`, as in the model)."""
+    `rowwise`, as in the model), from rows of a wider projection read in place (the kernel
+    takes the first K-1 rows from a small window of their own, the rest from the rows)."""
     g = torch.Generator().manual_seed(K + D)
     L = 70
-    xBC, weight = torch.randn(L, D, generator=g), torch.randn(D, 1, K, generator=g)
+    wide, weight = torch.randn(L, D + 5, generator=g), torch.randn(D, 1, K, generator=g)
+    xBC = wide[:, 2:2 + D]  # a column slice of a wider projection, as the mixer's: read in place
     b = torch.randn(D, generator=g) if bias else None
     initial = None if start else torch.randn(D, K - 1, generator=g)
     lib = rowdot.library(build)
-    fused = lambda *a: rowdot.conv_prefill(*a, lib=lib)  # noqa: E731
+    fused = lambda *a, **k: rowdot.conv_prefill(*a, lib=lib, **k)  # noqa: E731
     expected, state = causal_conv_prefill(xBC, weight, b, initial, rowwise)
     got, got_state = causal_conv_prefill(xBC, weight, b, initial, rowwise, fused=fused)
     assert torch.equal(got, expected) and torch.equal(got_state, state)
