@@ -251,6 +251,12 @@ class TiledLinear:
         return probed_min_rows(weight.shape[0], weight.shape[1], self.tile, dtype, packed)
 
 
+def _vector_rowdot() -> bool:
+    """rowdot loads a vector build here (AVX-512 or AVX2): its attention and scan kernels run
+    only there (the portable build's per-lane `fmaf` is slower than torch's calls)."""
+    return rowdot.variant() not in (None, "portable")
+
+
 def _paths_context() -> tuple[int, str | None]:
     """What every kept `TiledLinear` path depends on besides its weight, bias and x's dtype:
     torch's thread count and the kernel forced in the environment."""
@@ -344,7 +350,7 @@ def matrix_kernel(model: "HybridLM") -> str:
     else:
         linear = "mkl"
     fused = model.fused_updates()
-    ssd = ("; ssd fused" if fused else "") + ("; attention and scan fused" if "decode_attention" in fused else "")
+    ssd = ("; ssd fused" if fused else "") + ("; attention and scan fused" if fused and _vector_rowdot() else "")
     return f"{linear}; mkl {gemm_fingerprint()}; aten {torch.backends.cpu.get_cpu_capability()}{ssd}"
 
 
@@ -606,7 +612,7 @@ class HybridLM(nn.Module):
         if not (cpu and self.rowdot and rowdot.available()):
             return {}
         fused = {"ssd_update": rowdot.ssd_update, "conv_update": rowdot.conv_update}
-        if rowdot.variant() != "portable":  # (the portable build's attention is slower than torch's)
+        if _vector_rowdot():
             fused["decode_attention"] = rowdot.decode_attention
         return fused
 
@@ -620,7 +626,7 @@ class HybridLM(nn.Module):
         if not fused:
             return {}
         out = {"conv_prefill": rowdot.conv_prefill, "ssd_carry": rowdot.ssd_carry}
-        if "decode_attention" in fused:  # a vector build (the portable one is slower than torch's)
+        if _vector_rowdot():
             out.update(ssd_scan=rowdot.ssd_scan, prefill_attention=rowdot.prefill_attention)
         return out
 

@@ -528,36 +528,44 @@ static float max16(const float *restrict x, long n) {
   return m;
 }
 
-/* o[d] = sum over c in order of e[c] * v_c[d] (one fused multiply-add a step, from 0), the
- * accumulators of 4 vectors of d in registers while the keys stream past. */
-static void weighted_sum(const float *restrict e, const float *restrict v, const long *restrict slots,
-                         long L, long stride, long D, float *restrict o) {
-  long d0 = 0;
-  for (; d0 + 4 * LANES <= D; d0 += 4 * LANES) {
+/* acc[p] = sum over k in order of coef[k * cstride] * row_k[p] (fused, from 0), the accumulators
+ * of 4 vectors of p in registers while the rows stream past; row k is rows + idx[k] * ld (idx: a
+ * request's key slots in the pool), or rows + k * ld without idx. */
+static void chain_rows_at(const float *restrict coef, long cstride, const float *restrict rows,
+                          const long *restrict idx, long ld, long K, long P, float *restrict acc) {
+#define ROW(k) (rows + (idx ? idx[k] : (k)) * ld)
+  long p0 = 0;
+  for (; p0 + 4 * LANES <= P; p0 += 4 * LANES) {
     vec a0 = VZERO(), a1 = VZERO(), a2 = VZERO(), a3 = VZERO();
-    for (long c = 0; c < L; c++) {
-      const float *vc = v + slots[c] * stride + d0;
-      vec w = VBCAST(e + c);
-      a0 = PFMA(w, VLOAD(vc), a0);
-      a1 = PFMA(w, VLOAD(vc + LANES), a1);
-      a2 = PFMA(w, VLOAD(vc + 2 * LANES), a2);
-      a3 = PFMA(w, VLOAD(vc + 3 * LANES), a3);
+    for (long k = 0; k < K; k++) {
+      const float *r = ROW(k) + p0;
+      vec w = VBCAST(coef + k * cstride);
+      a0 = PFMA(w, VLOAD(r), a0);
+      a1 = PFMA(w, VLOAD(r + LANES), a1);
+      a2 = PFMA(w, VLOAD(r + 2 * LANES), a2);
+      a3 = PFMA(w, VLOAD(r + 3 * LANES), a3);
     }
-    VSTORE(o + d0, a0);
-    VSTORE(o + d0 + LANES, a1);
-    VSTORE(o + d0 + 2 * LANES, a2);
-    VSTORE(o + d0 + 3 * LANES, a3);
+    VSTORE(acc + p0, a0);
+    VSTORE(acc + p0 + LANES, a1);
+    VSTORE(acc + p0 + 2 * LANES, a2);
+    VSTORE(acc + p0 + 3 * LANES, a3);
   }
-  for (; d0 + LANES <= D; d0 += LANES) {
+  for (; p0 + LANES <= P; p0 += LANES) {
     vec a = VZERO();
-    for (long c = 0; c < L; c++) a = PFMA(VBCAST(e + c), VLOAD(v + slots[c] * stride + d0), a);
-    VSTORE(o + d0, a);
+    for (long k = 0; k < K; k++) a = PFMA(VBCAST(coef + k * cstride), VLOAD(ROW(k) + p0), a);
+    VSTORE(acc + p0, a);
   }
-  for (; d0 < D; d0++) {
+  for (; p0 < P; p0++) {
     float a = 0.0f;
-    for (long c = 0; c < L; c++) a = fmaf(e[c], v[slots[c] * stride + d0], a);
-    o[d0] = a;
+    for (long k = 0; k < K; k++) a = fmaf(coef[k * cstride], ROW(k)[p0], a);
+    acc[p0] = a;
   }
+#undef ROW
+}
+
+static void chain_rows(const float *restrict coef, long cstride, const float *restrict rows, long ld,
+                       long K, long P, float *restrict acc) {
+  chain_rows_at(coef, cstride, rows, NULL, ld, K, P, acc);
 }
 
 static void attend_head(const float *restrict q, const float *restrict k, const float *restrict v,
@@ -571,7 +579,7 @@ static void attend_head(const float *restrict q, const float *restrict k, const 
     float *eg = e + g * L, *o = out + g * D;
     exp_shifted(eg, L, max16(eg, L));
     float total = sum16(eg, L);
-    weighted_sum(eg, v, slots, L, stride, D, o);
+    chain_rows_at(eg, 1, v, slots, stride, L, D, o); /* out[d]: e_c * v_c[d], c in order */
     for (long d = 0; d < D; d++) o[d] = o[d] / total;
   }
 }
@@ -615,37 +623,6 @@ void rowdot_decode_attention(const float *q, const float *k, const float *v, con
  * with 0; work ((h1 - h0) * N * P + l * (2 * P + 3) + 4 * P floats) is a call's own. */
 #define SSD_FLOOR -60.0f
 static inline float decay_e(float u) { return u > SSD_FLOOR ? rowdot_exp(u) : 0.0f; }
-
-/* acc[p] = sum over k in order of coef[k * cstride] * rows[k][p] (fused, from 0), rows ld apart. */
-static void chain_rows(const float *restrict coef, long cstride, const float *restrict rows, long ld,
-                       long K, long P, float *restrict acc) {
-  long p0 = 0;
-  for (; p0 + 4 * LANES <= P; p0 += 4 * LANES) {
-    vec a0 = VZERO(), a1 = VZERO(), a2 = VZERO(), a3 = VZERO();
-    for (long k = 0; k < K; k++) {
-      const float *r = rows + k * ld + p0;
-      vec w = VBCAST(coef + k * cstride);
-      a0 = PFMA(w, VLOAD(r), a0);
-      a1 = PFMA(w, VLOAD(r + LANES), a1);
-      a2 = PFMA(w, VLOAD(r + 2 * LANES), a2);
-      a3 = PFMA(w, VLOAD(r + 3 * LANES), a3);
-    }
-    VSTORE(acc + p0, a0);
-    VSTORE(acc + p0 + LANES, a1);
-    VSTORE(acc + p0 + 2 * LANES, a2);
-    VSTORE(acc + p0 + 3 * LANES, a3);
-  }
-  for (; p0 + LANES <= P; p0 += LANES) {
-    vec a = VZERO();
-    for (long k = 0; k < K; k++) a = PFMA(VBCAST(coef + k * cstride), VLOAD(rows + k * ld + p0), a);
-    VSTORE(acc + p0, a);
-  }
-  for (; p0 < P; p0++) {
-    float a = 0.0f;
-    for (long k = 0; k < K; k++) a = fmaf(coef[k * cstride], rows[k * ld + p0], a);
-    acc[p0] = a;
-  }
-}
 
 /* chain_rows for two coefficient sets at once (outputs acc and acc2), sharing each row's loads:
  * the same chains, so the same bits. */

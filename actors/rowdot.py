@@ -327,8 +327,8 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor,
                          f"{tuple(v_cache.shape)}, starts {tuple(starts.shape)} do not agree")
     q = q.float().contiguous()
     slots, starts = slots.to(torch.int64).contiguous(), starts.to(torch.int64).contiguous()
-    kept(_CHECKED, "attention", slots, lambda: _check_key_slots(slots, starts, S), (S, starts.data_ptr()))
-    longest = int((starts[1:] - starts[:-1]).max()) if R else 0
+    longest = kept(_CHECKED, "attention", slots, lambda: _longest_request(slots, starts, S),
+                   (S, starts.data_ptr()))  # once per batch's table, not once per layer
     scratch = _work("decode attention", max(1, Hq // Hkv * longest))
     out = torch.empty(R, Hq * D, dtype=torch.float32)
     lib.rowdot_decode_attention(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(),
@@ -440,13 +440,15 @@ def _row_slices(t: Tensor) -> Tensor:
     return t.contiguous()
 
 
-def _check_key_slots(slots: Tensor, starts: Tensor, pool: int) -> bool:
+def _longest_request(slots: Tensor, starts: Tensor, pool: int) -> int:
+    """The most keys any request has, after checking the slots name the pool's and `starts` cuts
+    them in order."""
     n = slots.shape[0]
     if slots.dim() != 1 or (n and (int(slots.min()) < 0 or int(slots.max()) >= pool)) or (
             starts.numel() and (int(starts[0]) != 0 or int(starts[-1]) != n or bool((starts[1:] < starts[:-1]).any()))):
         raise ValueError(f"decode_attention: key slots outside the pool's {pool}, or starts that do not "
                          f"cut the {n} slots in order")
-    return True
+    return int((starts[1:] - starts[:-1]).max()) if starts.numel() > 1 else 0
 
 
 def rms_norm(x: Tensor, eps: float, weight: Tensor | None = None, offset: bool = False,
