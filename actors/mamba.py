@@ -542,14 +542,17 @@ def discretize_dt(dt: Tensor, dt_bias: Tensor, limit: tuple[float, float],
 
 
 def gated_rms_norm(y: Tensor, z: Tensor, weight: Tensor, group_size: int, eps: float,
-                   pointwise: Pointwise = whole, out: Tensor | None = None) -> Tensor:
+                   pointwise: Pointwise = whole, out: Tensor | None = None,
+                   gate_in_place: bool = False) -> Tensor:
     """RMSNorm of y * silu(z) over groups of `group_size` channels, computed in fp32.
 
     y, z (T, I), weight (I,). Returns (T, I) in the weight's dtype, written into `out` (T, I)
-    when given (an fp32 `out` holds the fp32 work as it goes: nothing is copied).
+    when given (an fp32 `out` holds the fp32 work as it goes: nothing is copied). With
+    `gate_in_place` an fp32 z is scratch: its SiLU (and, without an fp32 `out`, the rest of the
+    work) may be computed in it, with the same bits and no second buffer.
     """
     T = y.shape[0]
-    gate = pointwise(F.silu, z.float())  # (T, I), a fresh tensor
+    gate = pointwise(silu_ if gate_in_place else F.silu, z.float())  # (T, I): z itself or a fresh tensor
     h = torch.mul(gate, y.float(), out=out) if out is not None and out.dtype == torch.float32 else gate.mul_(y.float())
     g = h.view(T, -1, group_size)  # (T, G, I/G): in place from here
     if in_one_pass(g, weight):  # fp32 on the CPU: the two steps below in one call
@@ -653,7 +656,7 @@ class MambaMixer(nn.Module):
         def block(rows: slice) -> Tensor:  # (n, I), written into out's rows
             skip = y[rows] + D * x[rows].float()  # (n, H, P)
             return gated_rms_norm(skip.view(skip.shape[0], -1), z[rows], self.norm.weight, group,
-                                  c.rms_norm_eps, kernels.pointwise, out=out[rows])
+                                  c.rms_norm_eps, kernels.pointwise, out=out[rows], gate_in_place=True)
 
         out = by_row_blocks(block, y, out=out)  # (T, I)
         return kernels.linear(out, self.out_proj.weight, self.out_proj.bias)  # (T, hidden)

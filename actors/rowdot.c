@@ -160,7 +160,7 @@ void rowdot_linear(const float *x, const float *w, const float *bias, float *y, 
 #define ACC_DECL(r) vec a##r##0 = VZERO(), a##r##1 = VZERO();
 #define ACC_STEP(r) { vec xb = VBCAST(x + r * K + k); a##r##0 = PFMA(xb, w0, a##r##0); \
                       a##r##1 = PFMA(xb, w1, a##r##1); }
-#define ACC_STORE(r) VSTORE(out + r * PANEL_COLS, a##r##0); VSTORE(out + r * PANEL_COLS + LANES, a##r##1);
+#define ACC_STORE(r) VSTORE(out + r * ldo, a##r##0); VSTORE(out + r * ldo + LANES, a##r##1);
 #define ROWS1(M) M(0)
 #define ROWS2(M) ROWS1(M) M(1)
 #define ROWS3(M) ROWS2(M) M(2)
@@ -169,9 +169,10 @@ void rowdot_linear(const float *x, const float *w, const float *bias, float *y, 
 #define ROWS6(M) ROWS5(M) M(5)
 #define ROWS7(M) ROWS6(M) M(6)
 #define ROWS8(M) ROWS7(M) M(7)
-/* R rows of x times one panel: out (R, PANEL_COLS), accumulators in named registers. */
+/* R rows of x times one panel: out (R, PANEL_COLS) rows ldo apart, accumulators in named
+ * registers. */
 #define PANEL_BLOCK(R)                                                                       \
-  static void panel_##R(const float *x, long K, const float *wp, float *out) {                 \
+  static void panel_##R(const float *x, long K, const float *wp, float *out, long ldo) {       \
     ROWS##R(ACC_DECL)                                                                        \
     for (long k = 0; k < K; k++) {                                                           \
       vec w0 = VLOAD(wp + k * PANEL_COLS), w1 = VLOAD(wp + k * PANEL_COLS + LANES);          \
@@ -183,7 +184,7 @@ PANEL_BLOCK(1) PANEL_BLOCK(2) PANEL_BLOCK(3) PANEL_BLOCK(4) PANEL_BLOCK(5) PANEL
 #if PANEL_ROWS == 8
 PANEL_BLOCK(7) PANEL_BLOCK(8)
 #endif
-typedef void (*panel_fn)(const float *, long, const float *, float *);
+typedef void (*panel_fn)(const float *, long, const float *, float *, long);
 
 long rowdot_panel_cols(void) { return PANEL_COLS; }
 
@@ -202,7 +203,11 @@ void rowdot_panel_linear(const float *x, const float *wp, const float *bias, flo
       long c0 = p * PANEL_COLS, C = N - c0 < PANEL_COLS ? N - c0 : PANEL_COLS;
       for (long i = i0; i < i1; i += PANEL_ROWS) {
         long R = i1 - i < PANEL_ROWS ? i1 - i : PANEL_ROWS;
-        blocks[R - 1](x + i * K, K, wp + p * K * PANEL_COLS, out);
+        if (C == PANEL_COLS && !bias) { /* a whole panel: stored in place */
+          blocks[R - 1](x + i * K, K, wp + p * K * PANEL_COLS, y + i * ldy + c0, ldy);
+          continue;
+        }
+        blocks[R - 1](x + i * K, K, wp + p * K * PANEL_COLS, out, PANEL_COLS);
         for (long r = 0; r < R; r++)
           for (long c = 0; c < C; c++)
             y[(i + r) * ldy + c0 + c] = bias ? out[r * PANEL_COLS + c] + bias[c0 + c] : out[r * PANEL_COLS + c];

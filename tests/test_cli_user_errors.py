@@ -196,6 +196,7 @@ def test_a_signal_while_ray_starts_is_one_line(tmp_path: Path, command: str, sig
         assert "summary" in spawned.out and "24 requests did not finish" in spawned.out, spawned.out[-2000:]
 
 
+@pytest.mark.slow  # two embedded clusters, ~11 s: under `slow` to keep the default suite near 15 min
 def test_ray_shutdown_leaves_our_sigterm_handler_in_place(tmp_path: Path) -> None:
     """`ray.shutdown` sets SIGTERM to its default action at the C level (Python's `getsignal`
     does not show it): a SIGTERM then ends the process with no clean-up. `shutdown_ray` puts

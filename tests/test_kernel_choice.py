@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
 import pytest
 import torch
 
-from actors import kernel_choice
+from actors import kernel_choice, rowdot
 from actors.engine import Sequence
 from actors.kernel_choice import ENV_FORCE, MARGIN, candidates, decide
 from tests.test_snapshot_resume import GREEDY, engine, run_to_end, sequences, uninterrupted
@@ -34,9 +35,20 @@ CHOOSE = ("import json, torch; torch.set_num_threads(1); from actors import kern
 
 
 def _choose_in_subprocess(cache, extra_env: dict | None = None) -> subprocess.Popen:
+    _with_builds(cache)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY", "CC"))}
     return subprocess.Popen([sys.executable, "-c", CHOOSE], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env={**env, "RAYSCHED_KERNEL_CACHE": str(cache), **(extra_env or {})})
+
+
+def _with_builds(cache) -> None:
+    """Copy this machine's compiled rowdot builds into the fresh cache: these tests are about
+    the choice file, and compiling every build again took ~6 s of each (tests/test_rowdot.py
+    covers the compile into an empty cache)."""
+    for build in rowdot.builds_here():
+        built, _ = rowdot.compile_only(build)
+        if built is not None and not (cache / built.name).exists():
+            shutil.copy(built, cache / built.name)
 
 
 def _answer(proc: subprocess.Popen) -> dict:

@@ -144,6 +144,7 @@ def test_scale_without_room_is_one_line_and_with_room_scales(one_worker_on_two_c
                      r"0 requeued to prefill again\); 0 ended meanwhile; 0 waiting in the queue", shrunk.stdout), shrunk.stdout
 
 
+@pytest.mark.slow  # ~15 s of waiting: under `slow` to keep the default suite near 15 min
 def test_a_control_command_prints_no_cluster_daemon_line(one_worker_on_two_cpus) -> None:
     """`scale` waiting longer than the raylet's warning period: every stderr line is its own
     (progress, then the error), none is the raylet's disk warning. Control, side by side: a

@@ -67,6 +67,31 @@ def test_a_gated_norms_groups_take_their_part_of_the_weight(groups, size):
     assert torch.equal(got, h * w)
 
 
+@pytest.mark.parametrize("rows", [1, 7, 256])
+def test_a_gate_taken_in_place_gives_the_same_bits_and_overwrites_only_when_asked(rows):
+    """`gate_in_place` (the mixer's prefill and decode: z, a column slice of the projection, is
+    not read again) computes SiLU into z itself: the norm's bits equal the fresh-gate call's
+    (its reference: the torch steps above), on rows spaced apart as the projection's are, with
+    an fp32 `out` as the mixer passes and without, and on rows `rowwise` pads. Negative
+    control: without it z is left as it was; with it and an `out`, z holds SiLU(z)."""
+    from actors.mamba import rowwise
+
+    n = 1024
+    y, w = _x(rows, n, 5), _x(1, n, 6)[0]
+    for width, with_out in ((n, True), (n, False), (1000, True)):
+        z = _x(rows, 3 * n, 4)[:, n:n + width]  # the middle third of a projection: rows 3n apart
+        args = (y[:, :width], z, w[:width], width // 2, EPS, rowwise)
+        want = gated_rms_norm(*args, out=torch.empty(rows, width) if with_out else None)
+        kept = z.clone()
+        assert torch.equal(z, kept)  # negative control: the fresh-gate call left z alone
+        got = gated_rms_norm(*args, out=torch.empty(rows, width) if with_out else None, gate_in_place=True)
+        assert torch.equal(got, want)
+        if width == n and with_out:  # whole vector blocks: SiLU ran in z itself, and only SiLU
+            assert torch.equal(z, torch.nn.functional.silu(kept)) and not torch.equal(z, kept)
+        elif width != n:  # padded (`rowwise`): the SiLU went into the padded copy
+            assert torch.equal(z, kept)
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 def test_a_rows_bits_do_not_depend_on_the_other_rows_or_a_split_among_threads(threads):
     before = torch.get_num_threads()
