@@ -141,7 +141,8 @@ def build_report(records: list[dict], stats: dict, duration_s: float, idle: dict
         "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
     }
     for key in ("retractions", "retractions_snapshot", "retractions_recompute", "resumes", "migrations",
-                "cross_node_migrations", "live_migrations", "snapshot_migrations", "rebalance_moves", "snapshot_bytes", "snapshot_bytes_held_peak", "store_pressure_fallbacks",
+                "cross_node_migrations", "live_migrations", "snapshot_migrations", "rebalance_moves",
+                "snapshot_bytes", "snapshot_bytes_held_peak", "store_pressure_fallbacks",
                 "snapshots_refused", "worker_failures", "workers_replaced", "recovered", "calls",
                 "scheduler_restarted", "resubmitted", "resubmitted_tokens", "snapshots_lost", "preemptions",
                 "state_cache_hits", "state_cache_tokens_reused", "resume_bytes_moved"):
@@ -163,8 +164,8 @@ def format_summary(summary: dict, echo: Callable[[str], None] = print) -> None:
             ("retractions", f"{summary['retractions']} (snapshot {summary['retractions_snapshot']}, "
                             f"recompute {summary['retractions_recompute']})"),
             ("migrations", f"{summary['migrations']} ({summary['cross_node_migrations']} across nodes)"),
-            ("running moved", f"{summary.get('live_migrations', '-')} live, {summary.get('snapshot_migrations', '-')} "
-                              f"by snapshot ({summary.get('rebalance_moves', '-')} by the rebalancer)"),
+            ("running moved", f"{summary['live_migrations']} live, {summary['snapshot_migrations']} by snapshot "
+                              f"({summary['rebalance_moves']} by the rebalancer)"),
             ("resumed elsewhere", ", ".join(summary.get("moved_examples") or ()) or "-"),
             ("snapshot bytes", summary["snapshot_bytes"]),
             ("store fallbacks", summary["store_pressure_fallbacks"]),
