@@ -67,11 +67,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from actors.cpu_info import cpu_flags
 from actors.kept import kept
+from actors.pages import huge_page_empty
 
 log = logging.getLogger(__name__)
 
@@ -172,11 +172,18 @@ def _rows(x: Tensor, K: int) -> Tensor:
 def pack_panels(weight: Tensor, lib=None) -> Tensor:
     """weight (out, in) fp32 -> the panels `rowdot_panel_linear` reads: (ceil(out / cols), in, cols),
     panel p holding columns [p * cols, (p + 1) * cols) k-major, the last one zero-padded; `cols`
-    is the build's `rowdot_panel_cols()` (32 on AVX-512, 16 elsewhere). A copy of the weight."""
+    is the build's `rowdot_panel_cols()` (32 on AVX-512, 16 elsewhere). A copy of the weight, on
+    huge pages where the system gives them (`actors.pages`)."""
     cols = _lib(lib).rowdot_panel_cols()
-    N, K = weight.shape
-    padded = F.pad(weight.float(), (0, 0, 0, (-N) % cols))  # (panels * cols, in)
-    return padded.view(-1, cols, K).transpose(1, 2).contiguous()  # (panels, in, cols)
+    w = weight.float()
+    N, K = w.shape
+    whole, rest = divmod(N, cols)
+    packed = huge_page_empty((whole + (rest > 0), K, cols))  # streamed by every call
+    packed[:whole].copy_(w[:whole * cols].view(whole, cols, K).transpose(1, 2))
+    if rest:  # the last panel: its columns, then zeros
+        packed[whole, :, rest:].zero_()
+        packed[whole, :, :rest].copy_(w[whole * cols:].t())
+    return packed
 
 
 def panel_product(weight: Tensor, bias: Tensor | None, lib=None, packed: Tensor | None = None

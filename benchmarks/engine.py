@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import cProfile
 import importlib.util
+import os
 import pstats
 import tempfile
 import time
@@ -103,8 +104,8 @@ def save_preset_checkpoint(model: str, root: Path) -> Path:
 def run(setup: Setup, ckpt: Path, quick: bool) -> dict:
     rows, prefill, varlen = [], [], []
     for dtype in setup.dtypes:
-        ours, hf, plain, probed = _load(setup, ckpt, dtype)
-        rows += [decode_row(setup, ours, hf, plain if b == TARGET_BATCH else None, b, dtype, probed)
+        ours, hf, plain, probed, small_pages = _load(setup, ckpt, dtype)
+        rows += [decode_row(setup, ours, hf, plain if b == TARGET_BATCH else None, b, dtype, probed, small_pages)
                  for b in setup.batches]
         prefill.append(prefill_row(setup, ours, hf, dtype, probed))
         varlen.append(varlen_row(setup, ours, dtype))
@@ -130,7 +131,8 @@ def run(setup: Setup, ckpt: Path, quick: bool) -> dict:
 
 
 def _load(setup: Setup, ckpt: Path, dtype: str):
-    """(ours, transformers, ours plain, ours on MKL's probed path or None)."""
+    """(ours, transformers, ours plain, ours on MKL's probed path or None, ours with its packed
+    weights on 4 KiB pages or None)."""
     from actors import rowdot
     from actors.engine import build_engine
     from transformers import BambaForCausalLM
@@ -141,16 +143,17 @@ def _load(setup: Setup, ckpt: Path, dtype: str):
     plain = build_engine(str(ckpt), dtype, device="cpu", kv_tokens=kv, state_slots=size,
                          invariant_tile=None)
     hf = BambaForCausalLM.from_pretrained(ckpt, dtype=DTYPES[dtype]).eval()
-    probed = None
+    probed = small_pages = None
     if dtype == "float32" and rowdot.available():
         probed = build_engine(str(ckpt), dtype, device="cpu", kv_tokens=kv, state_slots=size)
         probed.model.rowdot = False
-    return ours, hf, plain, probed
+        small_pages = build_engine(str(ckpt), dtype, device="cpu", kv_tokens=kv, state_slots=size)
+    return ours, hf, plain, probed, small_pages
 
 
-def decode_row(setup: Setup, ours, hf, plain, batch: int, dtype: str, probed=None) -> dict:
-    """One batch size: ms per decode step of both sides (and of the optional plain and
-    MKL-path engines), tokens compared, the matmul floor."""
+def decode_row(setup: Setup, ours, hf, plain, batch: int, dtype: str, probed=None, small_pages=None) -> dict:
+    """One batch size: ms per decode step of both sides (and of the optional plain, MKL-path
+    and 4 KiB-page engines), tokens compared, the matmul floor."""
     vocab, n = ours.config.vocab_size, setup.max_new_tokens
     prompts = [random_prompt(setup.prompt_len, vocab, seed=1000 * batch + i) for i in range(batch)]
     sides = {"ours": lambda: ours_decode(ours, prompts, n), "hf": lambda: hf_decode(hf, prompts, n)}
@@ -158,6 +161,8 @@ def decode_row(setup: Setup, ours, hf, plain, batch: int, dtype: str, probed=Non
         sides["plain"] = lambda: ours_decode(plain, prompts, n)
     if probed is not None:
         sides["probed"] = lambda: ours_decode(probed, prompts, n)
+    if small_pages is not None:  # packed on its first call (the warm-up), in plain memory
+        sides["small_pages"] = lambda: _on_small_pages(lambda: ours_decode(small_pages, prompts, n))
     best, tokens = _interleaved_best(sides, setup.repeats)
     match = sum(a == b for a, b in zip(tokens["ours"], tokens["hf"]))
     if dtype == "float32":
@@ -178,7 +183,27 @@ def decode_row(setup: Setup, ours, hf, plain, batch: int, dtype: str, probed=Non
         row["probed_ms_per_step"] = best["probed"] / steps * 1e3
         row["ratio_probed"] = best["hf"] / best["probed"]
         row["tokens_match_probed"] = sum(a == b for a, b in zip(tokens["ours"], tokens["probed"]))
+    if "small_pages" in best:
+        row["small_pages_ms_per_step"] = best["small_pages"] / steps * 1e3
+        row["huge_over_small_pages"] = best["small_pages"] / best["ours"]
+        row["tokens_match_small_pages"] = sum(a == b for a, b in zip(tokens["ours"], tokens["small_pages"]))
+        assert row["tokens_match_small_pages"] == batch, f"batch {batch}: pages changed the tokens"
     return row
+
+
+def _on_small_pages(fn):
+    """`fn()` with the packed weights it makes in plain memory (`actors.pages.ENV_SWITCH`)."""
+    from actors.pages import ENV_SWITCH
+
+    before = os.environ.get(ENV_SWITCH)
+    os.environ[ENV_SWITCH] = "0"
+    try:
+        return fn()
+    finally:
+        if before is None:
+            del os.environ[ENV_SWITCH]
+        else:
+            os.environ[ENV_SWITCH] = before
 
 
 def prefill_row(setup: Setup, ours, hf, dtype: str, probed=None) -> dict:
@@ -407,6 +432,11 @@ def _print(result: dict) -> None:
              Column("speed-up", "ratio", ".2f"), Column("same tokens", "same_tokens")]
     print_table("varlen prefill (ours): one ragged forward vs one forward per prompt", vcols,
                 result["varlen_prefill"])
+    for r in result["rows"]:
+        if "huge_over_small_pages" in r:
+            print(f"{r['dtype']} batch {r['batch']}: packed weights on huge pages vs 4 KiB pages "
+                  f"{r['small_pages_ms_per_step']:.1f} -> {r['ours_ms_per_step']:.1f} ms/step, "
+                  f"{r['huge_over_small_pages']:.2f}x ({r['tokens_match_small_pages']}/{r['batch']} same tokens)")
     for r in result["rows"]:
         if "ratio_plain" in r:
             print(f"{r['dtype']} batch {r['batch']}: plain (not batch-invariant) kernels "

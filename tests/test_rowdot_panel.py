@@ -12,12 +12,16 @@ the rounding of every step.
 
 from __future__ import annotations
 
+import mmap
 from fractions import Fraction
+from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from actors import rowdot
+from actors.pages import HUGE_PAGE, advised_for_huge_pages, huge_page_empty
 
 pytestmark = pytest.mark.skipif(not rowdot.available(), reason=f"rowdot: {rowdot.unavailable_reason()}")
 
@@ -116,3 +120,37 @@ def test_panels_of_another_shape_or_an_input_it_cannot_read_are_refused():
             run(bad)
     with pytest.raises(ValueError, match=r"rowdot: panels of shape .* are not 40x16's for this build"):
         rowdot.panel_product(w, b, packed=rowdot.pack_panels(w[:8]))
+
+
+HUGE_ADVICE = hasattr(mmap, "MADV_HUGEPAGE") and Path("/proc/self/smaps").is_file()
+
+
+def test_a_large_weight_packs_to_the_same_panels_on_huge_pages_and_gives_the_same_bits():
+    """A weight of several MiB (the `small` preset's are 2-10 MiB) is packed into memory advised
+    for huge pages (`actors.pages`): only where it lies differs. The panels hold exactly the
+    layout `pack_panels` defines (built here by padding and transposing in torch), and products
+    on them give the bits of the same panels copied into plain memory at every row count."""
+    out_f, in_f = 1000, 1100  # 4.4 MB; 1000 columns leave a ragged last panel on every build
+    x, w, _ = _inputs(out_f, in_f, rows=37)
+    lib, why = rowdot.load()
+    assert lib is not None, why
+    cols = lib.rowdot_panel_cols()  # 32 on AVX-512, 16 elsewhere
+    packed = rowdot.pack_panels(w, lib)
+    layout = F.pad(w, (0, 0, 0, (-out_f) % cols)).view(-1, cols, in_f).transpose(1, 2)
+    assert torch.equal(packed, layout)
+    plain = packed.clone()  # the same panels in torch.empty's memory
+    on_huge, on_plain = rowdot.panel_product(w, None, lib, packed), rowdot.panel_product(w, None, lib, plain)
+    for rows in (1, 8, 37):
+        assert torch.equal(on_huge(x[:rows]), on_plain(x[:rows])), rows
+    if HUGE_ADVICE:
+        assert advised_for_huge_pages(packed)
+        assert not advised_for_huge_pages(plain)  # negative control: torch's own memory is not
+
+
+def test_huge_page_memory_only_for_tensors_that_span_a_huge_page():
+    small, large = huge_page_empty((HUGE_PAGE // 4 - 1,)), huge_page_empty((HUGE_PAGE // 4 + 7,))
+    assert small.is_contiguous() and large.is_contiguous() and large.data_ptr() % HUGE_PAGE == 0
+    assert large.fill_(1.5).sum().item() == 1.5 * large.numel()  # every byte is writable memory
+    assert not advised_for_huge_pages(small)  # under 2 MiB: plain torch.empty
+    if HUGE_ADVICE:
+        assert advised_for_huge_pages(large)
