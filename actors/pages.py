@@ -8,9 +8,9 @@ pages). Only the placement differs: the values and every product's bits are the 
 
 Where the advice cannot be given (not Linux, a Python without `MADV_HUGEPAGE`, the kernel
 refuses it), or with `RAYSCHED_HUGE_PAGES=0` in the environment when it is made, the tensor is
-plain `torch.empty` memory. With THP set to `never` the advice is
-accepted and ignored. The stretch past the last whole 2 MiB keeps 4 KiB pages, so no tensor
-takes more resident memory than its bytes round up to 4 KiB.
+plain `torch.empty` memory. With THP set to `never` the advice is accepted and ignored. The
+stretch past the last whole 2 MiB keeps 4 KiB pages, so no tensor takes more resident memory
+than its bytes round up to 4 KiB.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def huge_page_empty(shape: tuple[int, ...], dtype: torch.dtype = torch.float32) 
     """An uninitialised contiguous tensor of `shape`, its whole 2 MiB stretches advised for
     huge pages when it spans at least one (see the module's docstring). It keeps its mapping
     alive, and the mapping goes when the last view of it does."""
-    nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     advice = getattr(mmap, "MADV_HUGEPAGE", None)
     if nbytes < HUGE_PAGE or advice is None or os.environ.get(ENV_SWITCH) == "0":
         return torch.empty(shape, dtype=dtype)

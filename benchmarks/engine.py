@@ -37,6 +37,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -195,15 +196,8 @@ def _on_small_pages(fn):
     """`fn()` with the packed weights it makes in plain memory (`actors.pages.ENV_SWITCH`)."""
     from actors.pages import ENV_SWITCH
 
-    before = os.environ.get(ENV_SWITCH)
-    os.environ[ENV_SWITCH] = "0"
-    try:
+    with mock.patch.dict(os.environ, {ENV_SWITCH: "0"}):
         return fn()
-    finally:
-        if before is None:
-            del os.environ[ENV_SWITCH]
-        else:
-            os.environ[ENV_SWITCH] = before
 
 
 def prefill_row(setup: Setup, ours, hf, dtype: str, probed=None) -> dict:
