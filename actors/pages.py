@@ -5,6 +5,7 @@ TLB miss each, and the hardware prefetchers stop at each boundary. `huge_page_em
 tensor's whole 2 MiB stretches in an anonymous mapping advised for transparent huge pages
 (`madvise(MADV_HUGEPAGE)`, before any page is touched, so the first writes fault in 2 MiB
 pages). Only the placement differs: the values and every product's bits are the same.
+`bench engine` times decode on both; it has not measured a gain yet (benchmarks/README.md).
 
 Where the advice cannot be given (not Linux, a Python without `MADV_HUGEPAGE`, the kernel
 refuses it), or with `RAYSCHED_HUGE_PAGES=0` in the environment when it is made, the tensor is

@@ -33,6 +33,7 @@ import cProfile
 import importlib.util
 import os
 import pstats
+import statistics
 import tempfile
 import time
 from dataclasses import dataclass
@@ -103,13 +104,15 @@ def save_preset_checkpoint(model: str, root: Path) -> Path:
 
 
 def run(setup: Setup, ckpt: Path, quick: bool) -> dict:
-    rows, prefill, varlen = [], [], []
+    rows, prefill, varlen, pages = [], [], [], []
     for dtype in setup.dtypes:
         ours, hf, plain, probed, small_pages = _load(setup, ckpt, dtype)
         rows += [decode_row(setup, ours, hf, plain if b == TARGET_BATCH else None, b, dtype, probed, small_pages)
                  for b in setup.batches]
         prefill.append(prefill_row(setup, ours, hf, dtype, probed))
         varlen.append(varlen_row(setup, ours, dtype))
+        if small_pages is not None:
+            pages += [pages_row(setup, ours, small_pages, b) for b in setup.batches]
     from actors import kernel_choice, rowdot
     from actors.cpu_info import describe
     from actors.model import kernel_paths, probe_seconds
@@ -121,6 +124,7 @@ def run(setup: Setup, ckpt: Path, quick: bool) -> dict:
               "kernel_choice": kernel_choice.choices(), "choice_measure_s": kernel_choice.measure_seconds(),
               "kernel_choice_file": str(kernel_choice.cache_file()),
               "kernels_present": [], "rows": rows, "prefill": prefill, "varlen_prefill": varlen,
+              "pages_taking_turns": pages,
               "targets": targets(rows, prefill)}
     missed = [t for t in result["targets"] if not t["met"] and t["what"].startswith("decode")]
     if missed and not quick:
@@ -198,6 +202,32 @@ def _on_small_pages(fn):
 
     with mock.patch.dict(os.environ, {ENV_SWITCH: "0"}):
         return fn()
+
+
+def pages_row(setup: Setup, ours, small_pages, batch: int) -> dict:
+    """Decode with the packed weights on huge pages (`ours`) and on 4 KiB pages, the two engines
+    taking turns a step, so each step starts after another stream has evicted the page tables
+    (as a worker's steps follow its other work): median ms a step of each, tokens compared."""
+    from actors.engine import Sequence
+    from raysched.sampling import SamplingParams
+
+    prompts = [random_prompt(setup.prompt_len, ours.config.vocab_size, seed=2000 * batch + i) for i in range(batch)]
+    params, steps = SamplingParams(max_new_tokens=setup.max_new_tokens), setup.max_new_tokens - 1
+    engines = {"huge": ours, "small": small_pages}
+    for engine in engines.values():
+        engine.prefill([Sequence(f"p{i}", list(p), len(p), params) for i, p in enumerate(prompts)])
+    times, tokens = {k: [] for k in engines}, {k: [] for k in engines}
+    for _ in range(steps):
+        for name, engine in engines.items():
+            seconds, out = timed(lambda: engine.decode(1))
+            times[name].append(seconds)
+            tokens[name].append(out.new_tokens)
+    assert not ours.running and not small_pages.running, "every request should have finished"
+    same = tokens["huge"] == tokens["small"]
+    assert same, f"batch {batch}: pages changed the tokens"
+    huge_ms, small_ms = (statistics.median(times[k]) * 1e3 for k in ("huge", "small"))
+    return {"batch": batch, "steps": steps, "huge_ms_per_step": huge_ms, "small_ms_per_step": small_ms,
+            "ratio": small_ms / huge_ms, "same_tokens": same}
 
 
 def prefill_row(setup: Setup, ours, hf, dtype: str, probed=None) -> dict:
@@ -426,6 +456,10 @@ def _print(result: dict) -> None:
              Column("speed-up", "ratio", ".2f"), Column("same tokens", "same_tokens")]
     print_table("varlen prefill (ours): one ragged forward vs one forward per prompt", vcols,
                 result["varlen_prefill"])
+    for r in result["pages_taking_turns"]:
+        print(f"float32 batch {r['batch']}, huge and 4 KiB pages taking turns a step ({r['steps']} each): "
+              f"{r['small_ms_per_step']:.2f} -> {r['huge_ms_per_step']:.2f} ms/step (median), {r['ratio']:.2f}x "
+              f"(same tokens: {r['same_tokens']})")
     for r in result["rows"]:
         if "huge_over_small_pages" in r:
             print(f"{r['dtype']} batch {r['batch']}: packed weights on huge pages vs 4 KiB pages "
