@@ -653,3 +653,18 @@ def test_plans_park_turn_points_again_once_a_repeat_is_seen_waiting(repeat: bool
     p["table"].submit(first if repeat else [t % 50 + 3 for t in range(100)], {"max_new_tokens": 2}, LIMITS)
     glue.survey(p["table"].waiting, {0: 1.0})
     assert glue.park_turns() == repeat
+
+
+@pytest.mark.parametrize("on", [True, False], ids=["empty-cache-reports-its-budget", "control-off-reports-0"])
+def test_stats_report_the_budget_of_an_empty_cache(on: bool) -> None:
+    """`raysched status` on a fresh server: prefix reuse on, nothing parked yet. The stats name the
+    cache's budget (an empty `StateCache` has length 0, and once read as "off"). Control: with the
+    cache off, the budget is 0."""
+    from raysched.config import ServeConfig
+    from raysched.scheduler.prefix_cache import PrefixCache
+    from tests.test_scheduler_parts import FakeWorker, parts
+
+    p = parts(ServeConfig(), [FakeWorker(0, kv=1024)])
+    index = StateCache(budget_bytes=3 << 20, min_tokens=16, block_tokens=512) if on else None
+    stats = PrefixCache(index, p["table"], p["counters"]).stats()
+    assert (stats["state_cache_budget_bytes"], stats["state_cache_points"]) == ((3 << 20) if on else 0, 0)

@@ -461,7 +461,8 @@ class PrefixCache:
 
     # ------------------------------------------------------------------ stats
     def stats(self) -> dict:
-        i = self.index or StateCache(0, 1)  # off: every count 0
+        i = self.index if self.index is not None else StateCache(0, 1)  # off: every count 0 (an empty
+        #   index is falsy, `StateCache.__len__`: it still reports its budget)
         by_kind = {f"state_cache_bytes_{kind}": n for kind, n in i.kind_bytes.items()}
         return {"state_cache_bytes": i.bytes, **by_kind,
                 "state_cache_bytes_blocks": i.bytes - sum(i.kind_bytes.values()), "state_cache_entries": i.num_points,
