@@ -191,15 +191,17 @@ class TestOnCluster:
 
     @pytest.mark.parametrize("notices", [True, False], ids=["notices", "control-calls-end-at-a-finish"])
     def test_a_worker_killed_in_a_long_call_with_finish_notices_loses_no_token(self, notices):
-        """One worker runs two long and two short requests; its long call (8 x 4 steps, joins on:
-        prefix reuse off) goes on past the short ones' finish, sending finish notices, and dies
-        after 24 decode steps. Every request ends once with the reference's tokens, whether a
-        notice reached the scheduler before the death (the request ended there) or not (it is
-        recovered with the others and ends on the replacement, by a notice too). Control:
-        without notices the call ends at the first finish, none are sent, the same tokens."""
+        """One worker runs two long and two shorter requests; its long call (8 x 4 steps, joins
+        on: prefix reuse off) dies after 24 decode steps, whose tokens never leave it (the fault
+        runs them). Every request is recovered and ends once with the reference's tokens. The
+        shorter ones need more tokens than the replacement's first call (their recompute) gives,
+        so they finish inside its next call, a long one, which goes on past their finish and
+        sends finish notices. Control: without notices no long call goes on past a finish, none
+        are sent, the same tokens. (Shorter requests that could finish in the replacement's first
+        call, 8 and 10 tokens, made the notices depend on timing.)"""
         specs = [RequestSpec(f"r{i}", tuple(range(3 + i, 11 + i)),
                              SamplingParams(max_new_tokens=n, temperature=0.8 if i % 2 else 0.0, seed=5))
-                 for i, n in enumerate((60, 64, 8, 10))]
+                 for i, n in enumerate((60, 64, 24, 28))]
         faults = [kill(0, 2, "kill_in_step", after_decode_steps=24, folded=True)]
         scheduler = {"fold_calls": 8, "finish_notices": notices, "rebalance": {"enabled": False}}
         stats = one_worker_killed_in_a_long_call(specs, scheduler, faults)
