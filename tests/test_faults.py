@@ -193,12 +193,13 @@ class TestOnCluster:
     def test_a_worker_killed_in_a_long_call_with_finish_notices_loses_no_token(self, notices):
         """One worker runs two long and two shorter requests; its long call (8 x 4 steps, joins
         on: prefix reuse off) dies after 24 decode steps, whose tokens never leave it (the fault
-        runs them). Every request is recovered and ends once with the reference's tokens. The
-        shorter ones need more tokens than the replacement's first call (their recompute) gives,
-        so they finish inside its next call, a long one, which goes on past their finish and
-        sends finish notices. Control: without notices no long call goes on past a finish, none
-        are sent, the same tokens. (Shorter requests that could finish in the replacement's first
-        call, 8 and 10 tokens, made the notices depend on timing.)"""
+        runs them). Its requests are recovered (any sent to join it and not taken are queued
+        again), and every request ends once with the reference's tokens. The shorter ones need
+        more tokens than their first call on the replacement (a recompute or a first prefill)
+        gives, so they finish inside a later call, a long one, which goes on past their finish
+        and sends finish notices. Control: without notices no long call goes on past a finish,
+        none are sent, the same tokens. (Shorter requests that could finish in that first call,
+        8 and 10 tokens, made the notices depend on timing.)"""
         specs = [RequestSpec(f"r{i}", tuple(range(3 + i, 11 + i)),
                              SamplingParams(max_new_tokens=n, temperature=0.8 if i % 2 else 0.0, seed=5))
                  for i, n in enumerate((60, 64, 24, 28))]
